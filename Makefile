@@ -1,0 +1,84 @@
+# dsbatch build. `make` builds build/dsbatch with the CPU backend, plus the CUDA backend when nvcc
+# is found (SM=80 by default). `make help` lists the targets.
+#
+# Host code is C11 built with mpicc; CUDA files are kernel-only (no mpi.h) and built with nvcc.
+# The CPU reference backend is compiled without -ffast-math and with -ffp-contract=off: it is the
+# oracle for every GPU kernel and must reproduce the reference's fp32 roundings (no FMA fusion).
+
+BUILD_DIR ?= build
+GOLDEN    ?= ../shared/golden
+SM        ?= 80
+MPICC     ?= mpicc
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(shell command -v nvcc 2>/dev/null || ( [ -x $(CUDA_HOME)/bin/nvcc ] && echo $(CUDA_HOME)/bin/nvcc ))
+HDF5_PC   ?= hdf5-openmpi
+
+CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g -Wall -Wextra -Wno-unused-parameter -ffp-contract=off -fno-fast-math -fopenmp
+OPT         ?= -O2
+CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null)
+LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp
+
+HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)
+HOST_OBJ  := $(patsubst %.c,$(BUILD_DIR)/obj/%.o,$(HOST_SRC))
+CU_SRC    := $(wildcard kernels/cuda/*.cu)
+TEST_SRC  := $(wildcard tests/unit/test_*.c)
+TEST_BIN  := $(patsubst tests/unit/%.c,$(BUILD_DIR)/tests/%,$(TEST_SRC))
+
+ifneq ($(strip $(NVCC)),)
+ifneq ($(strip $(CU_SRC)),)
+WITH_CUDA := 1
+endif
+endif
+
+ifeq ($(WITH_CUDA),1)
+GENCODE   := -gencode arch=compute_$(SM),code=[sm_$(SM),compute_$(SM)]
+NVFLAGS   := -O3 -std=c++17 $(GENCODE) -Ikernels -Isrc -Xptxas -v -lineinfo
+CU_OBJ    := $(patsubst %.cu,$(BUILD_DIR)/obj/%.o,$(CU_SRC))
+CFLAGS    += -DDS_HAVE_CUDA -I$(CUDA_HOME)/include
+LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart_static -lnccl -ldl -lrt -lstdc++
+endif
+
+.PHONY: all cpu test test-cuda demo bench clean help
+all: $(BUILD_DIR)/dsbatch $(TEST_BIN)
+
+cpu:
+	$(MAKE) WITH_CUDA=0 NVCC= all
+
+$(BUILD_DIR)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD_DIR)/obj/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@ 2> $(BUILD_DIR)/obj/$*.ptxas.log || (cat $(BUILD_DIR)/obj/$*.ptxas.log; exit 1)
+
+$(BUILD_DIR)/libdsbatch.a: $(HOST_OBJ) $(CU_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD_DIR)/dsbatch: $(BUILD_DIR)/obj/src/main.o $(BUILD_DIR)/libdsbatch.a
+	$(MPICC) -o $@ $^ $(LDLIBS)
+
+$(BUILD_DIR)/tests/%: tests/unit/%.c $(BUILD_DIR)/libdsbatch.a
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS) -lcmocka
+
+test: all
+	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh
+
+demo: all
+	bash tests/demo.sh
+
+clean:
+	rm -rf $(BUILD_DIR)
+
+help:
+	@echo "make            build $(BUILD_DIR)/dsbatch (CPU backend; + CUDA backend when nvcc is found, SM=$(SM))"
+	@echo "make cpu        build without CUDA"
+	@echo "make test       build and run every test (unit, golden, CLI); ends with 'N passed, N failed'"
+	@echo "make demo       make the tiny model and run a generation on it"
+	@echo "make bench      run the benchmarks (GPU machine) and write results/"
+	@echo "make clean      remove $(BUILD_DIR)"
+	@echo "variables: SM=80|86  GOLDEN=$(GOLDEN)  BUILD_DIR=$(BUILD_DIR)  MPICC=$(MPICC)  CUDA_HOME=$(CUDA_HOME)"
+
+-include $(HOST_OBJ:.o=.d) $(BUILD_DIR)/obj/src/main.d

@@ -1,0 +1,182 @@
+/* The op table: everything the model computes goes through these entry points, so a backend
+ * (the CPU reference in kernels/cpu, the SM80 suite in kernels/cuda) is one table, and an A/B
+ * variant of a kernel is another table entry, never an #ifdef in model code.
+ *
+ * Conventions for every op:
+ *  - Pointers are backend ("device") pointers from be->alloc, or weights prepared by
+ *    be->weight_prepare. On the CPU backend they are plain host pointers.
+ *  - bf16 values are uint16_t bit patterns; "bf16(x)" below means round-to-nearest-even.
+ *  - Shapes are row-major; T = rows (tokens) of the call. Extents are int64_t.
+ *  - Numerics are those of the official reference (MODEL.md §3); each op's comment says where the
+ *    reference rounds and in what precision it accumulates. The CPU backend sums in the order
+ *    stated (fixed, independent of thread count); GPU backends may reorder within an fp32 sum and
+ *    are held to the tolerance table in tests/tolerances.h.
+ * Ops are asynchronous on a GPU backend; be->sync waits. The CPU backend runs them inline. */
+#ifndef DS_BACKEND_H
+#define DS_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+/* Storage format of a weight matrix W [n, k] (logical; y = x · Wᵀ). */
+enum wfmt {
+    WF_BF16 = 0, /* bf16 [n, k]                                                     */
+    WF_F32,      /* fp32 [n, k]                                                     */
+    WF_FP8,      /* e4m3 [n, k] + e8m0 scales [ceil(n/32), ceil(k/32)], 32x32 tiles  */
+    WF_FP4,      /* e2m1 packed [n, k/2] (low nibble = even k) + e8m0 [n, k/32]      */
+};
+
+/* A weight as the backend holds it. `ld`/`s_ld` are row strides (elements / scale bytes) so a
+ * TP slice of the K dimension (row-parallel) can point into the full matrix without copying.
+ * For WF_FP4, ld is in bytes of the packed row (k/2 for a whole row). */
+struct qweight {
+    enum wfmt fmt;
+    int64_t n, k;
+    int64_t ld, s_ld;
+    const void *w;    /* data */
+    const uint8_t *s; /* e8m0 scales (FP8, FP4), else NULL */
+    void *be_priv;    /* backend-private (e.g. device copy), owned by the backend */
+};
+
+struct backend;
+
+struct backend_ops {
+    const char *name;
+
+    /* ---- memory ---- */
+    void *(*alloc)(struct backend *be, size_t bytes); /* zero-filled */
+    void (*free)(struct backend *be, void *p);
+    void (*upload)(struct backend *be, void *dst, const void *src_host, size_t bytes);
+    void (*download)(struct backend *be, void *dst_host, const void *src, size_t bytes);
+    void (*copy)(struct backend *be, void *dst, const void *src, size_t bytes);
+    void (*sync)(struct backend *be);
+    /* Make a host weight (pointing into the checkpoint mmap) usable by the backend; the CPU
+     * backend keeps the host pointers. `dequant_bf16` asks for a bf16 copy of an FP8 weight
+     * (wo_a: the reference dequantizes it to bf16 at load). */
+    int (*weight_prepare)(struct backend *be, struct qweight *w, bool dequant_bf16);
+    void (*weight_release)(struct backend *be, struct qweight *w);
+
+    /* ---- dense ---- */
+    /* y[T,n] bf16 = x[T,k] bf16 · Wᵀ.
+     * FP8/FP4 W: x is act_quant'ed per 32 along k (e4m3 + pow2 scale, MODEL.md §3.0); for each
+     * 32-wide k block b the partial Σ q_x·q_w is accumulated in fp32 (over the 32 in k order), then
+     * acc += (partial · s_x[b]) · s_w[b] in k-block order; y = bf16(acc).
+     * BF16 W: y = bf16(Σ_k x·w) accumulated in fp32 in k order, no activation quantization.
+     * F32 W: not allowed here (use linear_f32). */
+    void (*linear)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
+    /* y[T,n] fp32 = x[T,k] · Wᵀ in fp32 (x given as bf16 and widened exactly, W BF16 widened or F32):
+     * the gate (router) and the ratio-2 compressor, which the reference runs in fp32. k order. */
+    void (*linear_f32)(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
+    /* Grouped bf16 projection (wo_a): x [T, G, kg] bf16, W [G*r, kg] (dequantized, no act quant),
+     * y [T, G, r] bf16 with y[t,g,:] = bf16(x[t,g,:] · W[g*r:(g+1)*r, :]ᵀ), fp32 accumulation. */
+    void (*grouped_linear)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
+                           const struct qweight *W);
+    /* logits[T,n] fp32 = x[T,k] bf16 widened · W (BF16 widened to fp32)ᵀ, fp32, k order. */
+    void (*head)(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+
+    /* ---- elementwise / norms ---- */
+    /* y[T,n] = bf16( w_f32 · (x_f32 · 1/sqrtf(mean(x_f32²) + eps)) ); mean = (Σ x² in order)/n.
+     * y may alias x. */
+    void (*rmsnorm)(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
+                    float eps);
+    /* In-place interleaved RoPE on x[t, h, off : off+rd] for t < T, h < nh (row stride ld_row,
+     * head stride ld_head, elements). Angle = (float)pos[t] · freqs[i] (fp32), c = cosf, s = sinf;
+     * (a, b) -> (bf16(a·c − b·s), bf16(a·s + b·c)) computed in fp32 with separate roundings;
+     * inverse uses s -> −s. freqs: fp32 [rd/2] backend pointer. */
+    void (*rope)(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
+                 int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse);
+    /* In-place quantize-dequantize of n values (n a multiple of the block), MODEL.md §3.0. */
+    void (*qdq_fp8_32)(struct backend *be, bf16_t *x, int64_t n);
+    void (*qdq_fp4_32)(struct backend *be, bf16_t *x, int64_t n);
+    void (*qdq_fp4_16)(struct backend *be, bf16_t *x, int64_t n);
+
+    /* ---- mHC (MODEL.md §3.2) ---- */
+    /* For each row: x = X[t] as fp32 over hc*D; r = 1/sqrtf(Σx²/(hc·D) + eps);
+     * m[j] = (Σ_i x_i · fn[j,i]) · r, j < (2+hc)·hc; then split_sinkhorn with scale[3], base[..]:
+     * pre[hc], post[hc], comb[hc,hc] (row j, column k), all fp32, exactly as §3.2. */
+    void (*hc_mixes)(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
+                     int64_t hc, int64_t D, const float *fn, const float *scale, const float *base,
+                     int iters, float norm_eps, float hc_eps);
+    /* y[t,:] = bf16( ((p0·X0 + p1·X1) + p2·X2) + ... ) in fp32, X [T, hc, D], p [T, hc]. */
+    void (*hc_collapse)(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
+                        int64_t D);
+    /* Xo[t,k,:] = bf16( post[t,k]·y[t,:] + (((c[0][k]·X0 + c[1][k]·X1) + c[2][k]·X2) + ...) ), fp32.
+     * Xo must not alias X. */
+    void (*hc_expand)(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
+                      const float *comb, int64_t T, int64_t hc, int64_t D);
+    /* X[t,c,:] = e[t,:] for c < hc; pre[t] = one-hot(0). */
+    void (*hc_init)(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
+                    int64_t D);
+
+    /* ---- embedding / engram ---- */
+    /* e[t,:] = table[ids[t] - row0] if row0 <= ids[t] < row0 + nrows, else zeros. */
+    void (*embed)(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
+                  int64_t row0, int64_t nrows, int64_t D);
+    /* rows[t,c,:] = bf16(e4m3(table[id]) · e8m0(scale[id][j/32])) for ids[t,c] inside
+     * [row0, row0+nrows) (id - row0 local), zeros otherwise. ids int64 [T, C]; table [nrows, hd]. */
+    void (*engram_gather)(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
+                          const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
+    /* Gate and inject (MODEL.md §3.3), in place on X [T, hc, D]:
+     * kv [T, (hc+1)·D] bf16 (hc keys then the value); w = q_weight·k_weight fp32 [hc, D] (backend ptr).
+     * rstd = 1/sqrtf(mean(h²)+eps) · 1/sqrtf(mean(key²)+eps); dot = (Σ_d (h·w)·key) · rstd · D^-0.5;
+     * g = sigmoid(copysign(sqrtf(max(|dot|, 1e-6)), dot)); X = bf16(h + g·value). */
+    void (*engram_gate)(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
+                        int64_t hc, int64_t D, float eps);
+
+    /* ---- attention ---- */
+    /* Sparse attention with sink (MODEL.md §3.9) for T query rows:
+     * q [T, H, hd] bf16; kv rows addressed by idx [T, n_idx] int32 into kv [*, hd] bf16 (−1 = unused,
+     * still occupying its slot); online softmax over blocks of 64 idx entries in order, running max
+     * from −1e30, P = expf(s − m) with s = (q·k)·scale in fp32, denominator in fp32, P rounded to bf16
+     * before P·V, rescale on max change; after all blocks denominator += expf(sink[h] − m) (sink not
+     * scaled); o = bf16(acc / denominator); a row with no valid index gives zeros. */
+    void (*sparse_attn)(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                        int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+    /* Ratio-2 compressor pooling in fp32: kv, score [T/2... groups] given as fp32 [G, r, n];
+     * lat[g,:] = bf16( Σ_j kv[g,j,:] · softmax_j(score[g,:,:]) ) with softmax over the r tokens per
+     * channel: e = expf(s − max), e / Σe; products summed in j order. */
+    void (*compress_pool)(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G,
+                          int64_t r, int64_t n);
+    /* Index scores for T query rows against keys K [nk, d] bf16:
+     * d_h = bf16(Σ_d q[t,h,d]·K[j,d]) (fp32 accumulation), p_h = bf16(relu(d_h) · w[t,h]) (fp32 product),
+     * S[t,j] = bf16(Σ_h p_h) (fp32 accumulation in h order), stored as fp32 in S [T, nk] (row stride
+     * ld_s). Positions j >= visible[t] are set to −inf. */
+    void (*index_scores)(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, const bf16_t *K,
+                         const bf16_t *w, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk);
+
+    /* ---- MoE (MODEL.md §3.10) ---- */
+    /* Router: z = x_f32 · gate_f32ᵀ / temp; s = sqrtf(softplus(z)) (z > 20 → z); selection =
+     * top-k of s + bias (ties: lower expert id first), weights = s[sel] in top-k order,
+     * w /= (Σw + 1e-20) when norm and k > 1, w *= route_scale. idx [T, k] int32, wts [T, k] fp32.
+     * bias fp32 [E] backend pointer. */
+    void (*router)(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
+                   const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
+                   float route_scale);
+    /* Routed experts e in [e0, e0+n_local) in ascending id order: for every (t, slot) with
+     * idx[t,slot] == e: g = bf16(x·w1ᵀ) → fp32, u = bf16(x·w3ᵀ) → fp32 (FP4 linears with act quant);
+     * u = clamp(u, −limit, limit), g = min(g, limit) (limit > 0); h = silu(g)·u (fp32, silu(g) =
+     * g / (1 + expf(−g))); h = wts[t,slot]·h; y_e = bf16(bf16(h)·w2ᵀ); acc[t,:] += y_e (fp32).
+     * acc [T, D] fp32 is accumulated into (caller zeroes it). w1/w3/w2: arrays indexed e − e0. */
+    void (*moe_experts)(struct backend *be, float *acc, const bf16_t *x, const int32_t *idx, const float *wts,
+                        int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                        const struct qweight *w3, const struct qweight *w2, float limit);
+    /* Shared expert, same SwiGLU without routing weight: y[T,D] bf16 = bf16(bf16(h)·w2ᵀ) (FP8). */
+    void (*shared_expert)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                          const struct qweight *w3, const struct qweight *w2, float limit);
+    /* out[t,:] = bf16(acc[t,:] + y[t,:]) (acc fp32, y bf16 widened); y may be NULL (out = bf16(acc)). */
+    void (*add_f32_bf16)(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
+};
+
+struct backend {
+    const struct backend_ops *ops;
+    void *priv;
+};
+
+/* The CPU reference backend (always built). */
+int backend_cpu_init(struct backend *be);
+void backend_cpu_free(struct backend *be);
+
+#endif /* DS_BACKEND_H */

@@ -1,0 +1,122 @@
+/* Logging and fatal-error paths shared by every module (see log.h for the two failure kinds).
+ * MPI is only touched through weak hooks so the CPU tools that never start MPI still link. */
+#include "log.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <mpi.h>
+
+static int g_rank = -1, g_stage = -1, g_tp = -1, g_quiet;
+static char g_err[1024];
+
+void log_set_identity(int world_rank, int pp_stage, int tp_rank) {
+    g_rank = world_rank;
+    g_stage = pp_stage;
+    g_tp = tp_rank;
+}
+
+void log_set_quiet(int quiet) { g_quiet = quiet; }
+
+static void prefix(FILE *f, const char *kind) {
+    if (g_rank >= 0)
+        fprintf(f, "dsbatch[r%d pp%d tp%d]: %s", g_rank, g_stage, g_tp, kind);
+    else
+        fprintf(f, "dsbatch: %s", kind);
+}
+
+void log_info(const char *fmt, ...) {
+    if (g_quiet) return;
+    va_list ap;
+    va_start(ap, fmt);
+    prefix(stderr, "");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+void log_warn(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    prefix(stderr, "warning: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+void ds_err_set(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+}
+
+const char *ds_err_get(void) { return g_err[0] ? g_err : "unknown error"; }
+
+static void __attribute__((noreturn)) end_job(int code) {
+    int up = 0, down = 0;
+    MPI_Initialized(&up);
+    MPI_Finalized(&down);
+    fflush(stdout);
+    fflush(stderr);
+    if (up && !down) {
+        int size = 1;
+        MPI_Comm_size(MPI_COMM_WORLD, &size);
+        if (size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+        MPI_Finalize();
+    }
+    exit(code);
+}
+
+void ds_die_err(void) {
+    prefix(stderr, "error: ");
+    fprintf(stderr, "%s\n", ds_err_get());
+    end_job(1);
+}
+
+void ds_die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    ds_die_err();
+}
+
+void ds_fatal(const char *file, int line, const char *func, const char *lib, const char *call,
+              const char *msg) {
+    char host[256] = "?";
+    gethostname(host, sizeof host - 1);
+    fprintf(stderr, "dsbatch: FATAL rank %d (pp %d, tp %d) host %s: %s:%d %s(): %s call `%s` failed: %s\n",
+            g_rank, g_stage, g_tp, host, file, line, func, lib, call, msg ? msg : "");
+    end_job(2);
+}
+
+const char *ds_errno_str(void) { return strerror(errno); }
+
+void *ds_malloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) ds_fatal(__FILE__, __LINE__, __func__, "libc", "malloc", "out of memory");
+    return p;
+}
+
+void *ds_calloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) ds_fatal(__FILE__, __LINE__, __func__, "libc", "calloc", "out of memory");
+    return p;
+}
+
+void *ds_realloc(void *p, size_t n) {
+    void *q = realloc(p, n ? n : 1);
+    if (!q) ds_fatal(__FILE__, __LINE__, __func__, "libc", "realloc", "out of memory");
+    return q;
+}
+
+char *ds_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = ds_malloc(n);
+    memcpy(d, s, n);
+    return d;
+}
