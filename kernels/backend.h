@@ -143,9 +143,12 @@ struct backend_ops {
     /* Index scores for T query rows against keys K [nk, d] bf16:
      * d_h = bf16(Σ_d q[t,h,d]·K[j,d]) (fp32 accumulation), p_h = bf16(relu(d_h) · w[t,h]) (fp32 product),
      * S[t,j] = bf16(Σ_h p_h) (fp32 accumulation in h order), stored as fp32 in S [T, nk] (row stride
-     * ld_s). Positions j >= visible[t] are set to −inf. */
-    void (*index_scores)(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, const bf16_t *K,
-                         const bf16_t *w, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk);
+     * ld_s). Positions j >= visible[t] are set to −inf. The head weights are first scaled as the
+     * reference does: w[t,h] = bf16(w_raw[t,h] · w_scale) (w_raw bf16 [T, nh]).
+     * q [T, nh, d] has row stride ld_q (elements). */
+    void (*index_scores)(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
+                         const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
+                         int64_t nh, int64_t d, int64_t nk);
 
     /* ---- MoE (MODEL.md §3.10) ---- */
     /* Router: z = x_f32 · gate_f32ᵀ / temp; s = sqrtf(softplus(z)) (z > 20 → z); selection =

@@ -105,7 +105,7 @@ uint8_t e2m1_from_f32(float f) {
  * Scales and activation QDQ */
 
 /* ceil(log2(t)) from t's bits, as the reference kernel does: the exponent field, plus one when
- * any mantissa bit is set. Done in unsigned arithmetic so odd inputs wrap instead of being UB. */
+ * any mantissa bit is set. Exact for normal t; a subnormal or zero t gives -126 or -127. */
 static inline int32_t log2_ceil_bits(float t) {
     uint32_t u = f32_bits(t);
     return (int32_t)((u >> 23) & 0xFFu) - 127 + ((u & 0x7FFFFFu) != 0);
@@ -113,6 +113,8 @@ static inline int32_t log2_ceil_bits(float t) {
 
 float ds_round_scale_pow2(float amax, float max_inv) {
     float t = amax * max_inv;
+    /* Shifted unsigned: a NaN t yields 256 << 23, which would overflow a signed int (the
+     * kernel's int32 wraps to the same bits, -0.0). */
     return f32_from_bits((uint32_t)(log2_ceil_bits(t) + 127) << 23);
 }
 

@@ -1,0 +1,124 @@
+/* The CPU reference backend's op table, its init/free, the memory ops and weight preparation.
+ *
+ * On the CPU "device" memory is host memory, so the memory ops are calloc/free/memcpy and ops run
+ * inline (sync has nothing to wait for). Weights keep pointing into the checkpoint mapping; the one
+ * exception is a weight the model asks to have in bf16 (wo_a, which the reference dequantizes at
+ * load): that gets an owned bf16 copy, and the original description is parked in be_priv so that
+ * release can free the copy and hand the weight back exactly as it came. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+#include "log.h"
+
+static void *cpu_alloc(struct backend *be, size_t bytes) { return ds_calloc(1, bytes); }
+
+static void cpu_free(struct backend *be, void *p) { free(p); }
+
+static void cpu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes) {
+    if (bytes) memcpy(dst, src_host, bytes);
+}
+
+static void cpu_download(struct backend *be, void *dst_host, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst_host, src, bytes);
+}
+
+static void cpu_copy(struct backend *be, void *dst, const void *src, size_t bytes) {
+    if (bytes) memmove(dst, src, bytes);
+}
+
+static void cpu_sync(struct backend *be) {}
+
+/* Rows dequantized per step: one 32-row tile band, so the fp32 scratch stays small however large
+ * the weight is. */
+#define PREP_ROWS 32
+
+static int cpu_weight_prepare(struct backend *be, struct qweight *w, bool dequant_bf16) {
+    if (!dequant_bf16 || w->fmt == WF_BF16) return 0;
+    if (w->fmt != WF_FP8) {
+        ds_err_set("cpu weight_prepare: a bf16 copy was asked of a weight in format %d (only FP8 converts)",
+                   (int)w->fmt);
+        return -1;
+    }
+    if (w->be_priv) {
+        ds_err_set("cpu weight_prepare: weight is already prepared");
+        return -1;
+    }
+    int64_t n = w->n, k = w->k;
+    bf16_t *copy = ds_malloc((size_t)(n * k) * sizeof(bf16_t));
+    float *rows = ds_malloc((size_t)(PREP_ROWS * k) * sizeof(float));
+    const uint8_t *src = w->w;
+    for (int64_t i0 = 0; i0 < n; i0 += PREP_ROWS) {
+        int64_t nr = n - i0 < PREP_ROWS ? n - i0 : PREP_ROWS;
+        /* i0 is a multiple of 32, so the band's scales start at scale row i0 / 32. */
+        dequant_fp8_tiles(src + i0 * w->ld, w->s + (i0 / 32) * w->s_ld, nr, k, w->ld, w->s_ld, rows);
+        for (int64_t i = 0; i < nr * k; i++) copy[i0 * k + i] = bf16_from_f32(rows[i]);
+    }
+    free(rows);
+    struct qweight *orig = ds_malloc(sizeof *orig);
+    *orig = *w;
+    w->be_priv = orig;
+    w->fmt = WF_BF16;
+    w->w = copy;
+    w->ld = k;
+    w->s = NULL;
+    w->s_ld = 0;
+    return 0;
+}
+
+static void cpu_weight_release(struct backend *be, struct qweight *w) {
+    struct qweight *orig = w->be_priv;
+    if (!orig) return;
+    free((void *)w->w);
+    *w = *orig;
+    w->be_priv = NULL;
+    free(orig);
+}
+
+static const struct backend_ops cpu_ops = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_upload,
+    .download = cpu_download,
+    .copy = cpu_copy,
+    .sync = cpu_sync,
+    .weight_prepare = cpu_weight_prepare,
+    .weight_release = cpu_weight_release,
+    .linear = cpu_op_linear,
+    .linear_f32 = cpu_op_linear_f32,
+    .grouped_linear = cpu_op_grouped_linear,
+    .head = cpu_op_head,
+    .rmsnorm = cpu_op_rmsnorm,
+    .rope = cpu_op_rope,
+    .qdq_fp8_32 = cpu_op_qdq_fp8_32,
+    .qdq_fp4_32 = cpu_op_qdq_fp4_32,
+    .qdq_fp4_16 = cpu_op_qdq_fp4_16,
+    .hc_mixes = cpu_op_hc_mixes,
+    .hc_collapse = cpu_op_hc_collapse,
+    .hc_expand = cpu_op_hc_expand,
+    .hc_init = cpu_op_hc_init,
+    .embed = cpu_op_embed,
+    .engram_gather = cpu_op_engram_gather,
+    .engram_gate = cpu_op_engram_gate,
+    .sparse_attn = cpu_op_sparse_attn,
+    .compress_pool = cpu_op_compress_pool,
+    .index_scores = cpu_op_index_scores,
+    .router = cpu_op_router,
+    .moe_experts = cpu_op_moe_experts,
+    .shared_expert = cpu_op_shared_expert,
+    .add_f32_bf16 = cpu_op_add_f32_bf16,
+};
+
+int backend_cpu_init(struct backend *be) {
+    /* Build the decode tables here, outside any parallel region. */
+    (void)cpu_e4m3_lut();
+    be->ops = &cpu_ops;
+    be->priv = NULL;
+    return 0;
+}
+
+void backend_cpu_free(struct backend *be) {
+    be->ops = NULL;
+    be->priv = NULL;
+}

@@ -1,0 +1,77 @@
+/* Shared pieces of the CPU reference backend: the prototypes of every op (the table in
+ * cpu_backend.c points at them, and the MoE file calls the linears directly), the decode tables
+ * for the stored weight encodings, and small numeric helpers. The helpers live here as static
+ * inline functions so every file rounds the same way; nothing in this header may introduce a
+ * different rounding point than the one backend.h states for the op that uses it. */
+#ifndef DS_CPU_INTERNAL_H
+#define DS_CPU_INTERNAL_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "formats.h"
+
+/* Output lanes a dense kernel computes together. Each lane is one output with its own sequential
+ * sum, so the grouping only lets the compiler use SIMD across outputs; it never changes an order. */
+#define CPU_LANES 8
+
+static inline float cpu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* Decode tables, built once: e4m3 byte -> value, and one FP4 byte -> (even, odd) values. */
+const float *cpu_e4m3_lut(void);
+const float *cpu_fp4_pair_lut(void); /* [256][2]: low nibble first */
+
+/* ---- cpu_linear.c ---- */
+void cpu_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
+void cpu_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
+void cpu_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
+                           const struct qweight *W);
+void cpu_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+
+/* ---- cpu_elementwise.c ---- */
+void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
+                    float eps);
+void cpu_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
+                 int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse);
+void cpu_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n);
+void cpu_op_qdq_fp4_32(struct backend *be, bf16_t *x, int64_t n);
+void cpu_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n);
+void cpu_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
+                     int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
+                     float norm_eps, float hc_eps);
+void cpu_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
+                        int64_t D);
+void cpu_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
+                      const float *comb, int64_t T, int64_t hc, int64_t D);
+void cpu_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
+                    int64_t D);
+void cpu_op_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
+                  int64_t row0, int64_t nrows, int64_t D);
+void cpu_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
+                          const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
+void cpu_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
+                        int64_t hc, int64_t D, float eps);
+void cpu_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
+
+/* ---- cpu_attention.c ---- */
+void cpu_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                        int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+void cpu_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G,
+                          int64_t r, int64_t n);
+void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
+                         const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
+                         int64_t nh, int64_t d, int64_t nk);
+
+/* ---- cpu_moe.c ---- */
+void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
+                   const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
+                   float route_scale);
+void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const int32_t *idx, const float *wts,
+                        int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                        const struct qweight *w3, const struct qweight *w2, float limit);
+void cpu_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                          const struct qweight *w3, const struct qweight *w2, float limit);
+
+#endif /* DS_CPU_INTERNAL_H */

@@ -1,0 +1,367 @@
+/* Attention of one layer over a batch of sequence chunks (MODEL.md §3.5–§3.9): low-rank q, the
+ * window K=V of this layer, and on ratio>0 layers the compressed branch — the KV source's
+ * compressor (pooled latents -> index keys and compressed KV), the indexer with candidate blocks
+ * and top-k, or the top-k published by this layer's index source — then sparse attention with
+ * sink, inverse RoPE and the grouped low-rank output. Host code only orchestrates: every number
+ * is produced by the op table. The index lists are built on the host because their order is part
+ * of the numerics (sparse_attn rounds P per block of 64 entries). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "model_internal.h"
+#include "topk.h"
+
+#define OPS (m->be->ops)
+
+static void *balloc(struct model *m, size_t bytes) { return OPS->alloc(m->be, bytes); }
+static void bfree(struct model *m, void *p) { OPS->free(m->be, p); }
+
+/* Latents emitted by a KV source in this call. */
+struct emitted {
+    int64_t n;
+    int *chunk;     /* [n] */
+    int64_t *group; /* [n] group index j (position j*ratio) */
+};
+
+/* Compressor of a KV source: pooled (ratio > 1) or per-token (ratio 1) latents, normalized.
+ * Returns the latents [n, hd] bf16 (backend) and which (chunk, group) each belongs to. */
+static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x, struct emitted *em) {
+    const struct model_config *c = m->cfg;
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    struct layer_cache *lc = &m->lc[l];
+    int ratio = c->role[l].ratio;
+    int64_t hd = c->head_dim, T = b->T;
+    em->n = 0;
+    em->chunk = ds_malloc(sizeof(int) * (size_t)(T + 1));
+    em->group = ds_malloc(sizeof(int64_t) * (size_t)(T + 1));
+    bf16_t *lat;
+    if (ratio == 1) {
+        lat = balloc(m, (size_t)T * hd * 2);
+        OPS->linear(m->be, lat, x, T, &aw->cmp_wkv);
+        for (int i = 0; i < b->n; i++)
+            for (int64_t t = 0; t < b->seqs[i].len; t++) {
+                em->chunk[em->n] = i;
+                em->group[em->n++] = b->seqs[i].start + t;
+            }
+    } else {
+        float *kvf = balloc(m, (size_t)T * hd * 4), *scf = balloc(m, (size_t)T * hd * 4);
+        OPS->linear_f32(m->be, kvf, x, T, &aw->cmp_wkv);
+        OPS->linear_f32(m->be, scf, x, T, &aw->cmp_wgate);
+        /* Walk positions through the open-group state exactly as decode does; a prefill chunk pools
+         * the same fp32 rows, so both paths give the same latent. */
+        float *gkv = balloc(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
+        float *gsc = balloc(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
+        size_t rowb = (size_t)hd * 4;
+        for (int i = 0; i < b->n; i++) {
+            const struct fwd_seq *s = &b->seqs[i];
+            float *skv = lc->cmp_kv + (size_t)s->slot * ratio * hd, *ssc = lc->cmp_sc + (size_t)s->slot * ratio * hd;
+            for (int64_t t = 0; t < s->len; t++) {
+                int64_t p = s->start + t, row = b->row0[i] + t;
+                int64_t k = p % ratio;
+                OPS->copy(m->be, skv + k * hd, kvf + row * hd, rowb);
+                OPS->copy(m->be, ssc + k * hd, scf + row * hd, rowb);
+                if ((p + 1) % ratio == 0) {
+                    OPS->copy(m->be, gkv + em->n * ratio * hd, skv, rowb * ratio);
+                    OPS->copy(m->be, gsc + em->n * ratio * hd, ssc, rowb * ratio);
+                    em->chunk[em->n] = i;
+                    em->group[em->n++] = p / ratio;
+                }
+            }
+        }
+        lat = balloc(m, (size_t)(em->n ? em->n : 1) * hd * 2);
+        if (em->n) OPS->compress_pool(m->be, lat, gkv, gsc, em->n, ratio, hd);
+        bfree(m, kvf);
+        bfree(m, scf);
+        bfree(m, gkv);
+        bfree(m, gsc);
+    }
+    if (em->n) OPS->rmsnorm(m->be, lat, lat, aw->cmp_norm, em->n, hd, (float)c->norm_eps);
+    return lat;
+}
+
+/* Positions j*ratio of the emitted latents, as a backend int32 array. */
+static int32_t *latent_positions(struct model *m, const struct emitted *em, int ratio) {
+    int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)(em->n + 1));
+    for (int64_t i = 0; i < em->n; i++) h[i] = (int32_t)(em->group[i] * ratio);
+    int32_t *d = balloc(m, sizeof(int32_t) * (size_t)(em->n + 1));
+    OPS->upload(m->be, d, h, sizeof(int32_t) * (size_t)em->n);
+    free(h);
+    return d;
+}
+
+/* Index keys from the (pre-RoPE) latents, written to this owner's key cache (§3.6). */
+static void write_index_keys(struct model *m, int l, struct batch *b, const bf16_t *lat, const struct emitted *em,
+                             const int32_t *lpos) {
+    const struct model_config *c = m->cfg;
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    struct layer_cache *lc = &m->lc[l];
+    int64_t id = c->index_head_dim, rd = c->rope_dim, n = em->n;
+    bf16_t *k = balloc(m, (size_t)n * id * 2);
+    OPS->linear(m->be, k, lat, n, &aw->idx_wk);
+    OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps);
+    OPS->rope(m->be, k, n, 1, id, id, id - rd, rd, lpos, m->freqs[l], false);
+    OPS->qdq_fp4_32(m->be, k, n * id);
+    for (int64_t i = 0; i < n; i++) {
+        int slot = b->seqs[em->chunk[i]].slot;
+        OPS->copy(m->be, lc->kidx + ((size_t)slot * lc->cap + em->group[i]) * id, k + i * id, (size_t)id * 2);
+        m->slots[slot].index_k_src = l;
+    }
+    bfree(m, k);
+}
+
+/* Compressed KV: RoPE at the group's first token, FP4 (16, e4m3) QDQ, into the source cache. */
+static void write_compressed_kv(struct model *m, int l, struct batch *b, bf16_t *lat, const struct emitted *em,
+                                const int32_t *lpos) {
+    const struct model_config *c = m->cfg;
+    struct layer_cache *lc = &m->lc[l];
+    int64_t hd = c->head_dim, rd = c->rope_dim, n = em->n;
+    OPS->rope(m->be, lat, n, 1, hd, hd, hd - rd, rd, lpos, m->freqs[l], false);
+    OPS->qdq_fp4_16(m->be, lat, n * hd);
+    for (int64_t i = 0; i < n; i++) {
+        int slot = b->seqs[em->chunk[i]].slot;
+        OPS->copy(m->be, lc->ckv + ((size_t)slot * lc->cap + em->group[i]) * hd, lat + i * hd, (size_t)hd * 2);
+    }
+}
+
+/* Level one of the two-level top-k (§3.8): a per-position mask of the best candidate blocks. */
+static void candidate_mask(const float *S, int64_t nk, int64_t visible, int64_t topk_blocks, int64_t bs,
+                           uint8_t *mask) {
+    int64_t nb = (nk + bs - 1) / bs;
+    float *sc = ds_malloc(sizeof(float) * (size_t)(nb + 1));
+    uint8_t *keep = ds_calloc((size_t)nb + 1, 1);
+    for (int64_t k = 0; k < nb; k++) {
+        float mx = -INFINITY;
+        for (int64_t j = k * bs; j < (k + 1) * bs && j < nk; j++)
+            if (S[j] > mx) mx = S[j];
+        sc[k] = mx;
+    }
+    if (visible > 0) sc[(visible - 1) / bs] = INFINITY;
+    int64_t want = i64min(topk_blocks, nb);
+    int32_t *sel = ds_malloc(sizeof(int32_t) * (size_t)(want + 1));
+    torch_topk(sc, nb, want, sel);
+    for (int64_t r = 0; r < want; r++)
+        if (sc[sel[r]] > -INFINITY) keep[sel[r]] = 1;
+    free(sel);
+    for (int64_t j = 0; j < nk; j++) mask[j] = keep[j / bs];
+    free(sc);
+    free(keep);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Top-k of one score row, ties broken as torch.topk does (topk.h), re-sorted by position;
+ * positions the query cannot see yet become -1 (they sort last). */
+static void topk_row(const float *S, int64_t nk, int64_t k, int64_t visible, int32_t *out) {
+    torch_topk(S, nk, k, out);
+    qsort(out, (size_t)k, sizeof *out, cmp_i32);
+    for (int64_t r = 0; r < k; r++)
+        if (out[r] >= visible) out[r] = -1;
+}
+
+/* Indexer of an index source (§3.7): scores every visible compressed row, applies candidate
+ * blocks, publishes the top-k rows for this forward's batch in b->topk[l]. */
+static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr) {
+    const struct model_config *c = m->cfg;
+    const struct layer_role *r = &c->role[l];
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, id = c->index_head_dim, rd = c->rope_dim, ihl = aw->idx_weights_proj.n;
+    int ratio = r->ratio;
+
+    int64_t kmax = 0, nk_max = 0;
+    for (int i = 0; i < b->n; i++) {
+        int64_t nk = (b->seqs[i].start + b->seqs[i].len) / ratio;
+        nk_max = i64max(nk_max, nk);
+        kmax = i64max(kmax, i64min(c->index_topk, nk));
+    }
+    int32_t *top = ds_malloc(sizeof(int32_t) * (size_t)(T * kmax + 1));
+    for (int64_t i = 0; i < T * kmax; i++) top[i] = -1;
+    b->topk[l] = top;
+    b->topk_w[l] = kmax;
+    if (kmax == 0) return;
+
+    bf16_t *iq = balloc(m, (size_t)T * ihl * id * 2);
+    bf16_t *wr = balloc(m, (size_t)T * ihl * 2);
+    OPS->linear(m->be, iq, qr, T, &aw->idx_wq_b);
+    OPS->rope(m->be, iq, T, ihl, ihl * id, id, id - rd, rd, b->pos, m->freqs[l], false);
+    OPS->qdq_fp4_32(m->be, iq, T * ihl * id);
+    OPS->linear(m->be, wr, x, T, &aw->idx_weights_proj);
+    /* the reference scales the projected weights by index_head_dim^-0.5 · n_heads^-0.5 (all heads) */
+    float w_scale = (float)(pow((double)id, -0.5) * pow((double)c->index_n_heads, -0.5));
+
+    if (r->is_candidate_source) {
+        free(b->cand);
+        b->cand = ds_calloc((size_t)(T * nk_max + 1), 1);
+        b->cand_w = nk_max;
+    }
+    float *S_d = balloc(m, (size_t)(T * nk_max + 1) * 4);
+    float *S = ds_malloc(sizeof(float) * (size_t)(T * nk_max + 1));
+    int32_t *vis_h = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
+    int32_t *vis_d = balloc(m, sizeof(int32_t) * (size_t)(T + 1));
+    for (int i = 0; i < b->n; i++) {
+        const struct fwd_seq *s = &b->seqs[i];
+        int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i];
+        if (nk == 0) continue;
+        /* Which keys: the owner's own, or (quirk) whatever key owner published last for this
+         * sequence — on an open-group decode step that is a later layer's cache from the step before. */
+        int ks = r->kv_src;
+        if (m->opt.stale_index_keys && m->slots[s->slot].index_k_src >= 0) ks = m->slots[s->slot].index_k_src;
+        struct layer_cache *klc = &m->lc[ks];
+        int64_t nkk = i64min(nk, klc->cap);
+        for (int64_t t = 0; t < s->len; t++) vis_h[t] = (int32_t)((s->start + t + 1) / ratio);
+        OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)s->len);
+        OPS->index_scores(m->be, S_d, nk, iq + r0 * ihl * id, ihl * id, klc->kidx + (size_t)s->slot * klc->cap * id,
+                          wr + r0 * ihl, w_scale, vis_d, s->len, ihl, id, nkk);
+        OPS->download(m->be, S, S_d, sizeof(float) * (size_t)(s->len * nk));
+        for (int64_t t = 0; t < s->len; t++) {
+            float *row = S + t * nk;
+            for (int64_t j = nkk; j < nk; j++) row[j] = -INFINITY;
+            int64_t vis = vis_h[t];
+            /* A decode step scores exactly its visible rows; the reference's single-shot prefill
+             * scores the chunk's whole width. The width decides how exact ties break, so the
+             * chunk-invariant layout scores every row like a decode step. */
+            int64_t n_row = m->opt.window_layout == WINDOW_LAYOUT_DECODE ? vis : nk;
+            int64_t k_row = i64min(c->index_topk, n_row);
+            if (r->is_candidate_source)
+                candidate_mask(row, n_row, vis, c->candidate_topk_blocks, c->candidate_block_size,
+                               b->cand + (r0 + t) * b->cand_w);
+            else if (r->uses_candidates && b->cand) {
+                const uint8_t *mk = b->cand + (r0 + t) * b->cand_w;
+                for (int64_t j = 0; j < nk; j++)
+                    if (j >= b->cand_w || !mk[j]) row[j] = -INFINITY;
+            }
+            topk_row(row, n_row, k_row, vis, top + (r0 + t) * kmax);
+        }
+    }
+    free(S);
+    free(vis_h);
+    bfree(m, vis_d);
+    bfree(m, S_d);
+    bfree(m, iq);
+    bfree(m, wr);
+}
+
+int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *out,
+                      const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    const struct layer_role *r = &c->role[l];
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, W = c->window, ql = c->q_lora_rank;
+    int64_t Hl = aw->wq_b.n / hd;
+    float eps = (float)c->norm_eps;
+
+    bf16_t *qr = balloc(m, (size_t)T * ql * 2);
+    bf16_t *q = balloc(m, (size_t)T * Hl * hd * 2);
+    bf16_t *kv = balloc(m, (size_t)T * hd * 2);
+    OPS->linear(m->be, qr, x, T, &aw->wq_a);
+    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
+    OPS->linear(m->be, q, qr, T, &aw->wq_b);
+    OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    OPS->linear(m->be, kv, x, T, &aw->wkv);
+    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, eps);
+    OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    OPS->qdq_fp8_32(m->be, kv, T * hd);
+
+    /* compressed branch: sources write their caches first, then index sources choose rows */
+    int src = r->ratio > 0 ? r->kv_src : -1;
+    if (r->owns_compressor) {
+        struct emitted em;
+        bf16_t *lat = compress(m, l, b, x, &em);
+        if (em.n) {
+            int32_t *lpos = latent_positions(m, &em, r->ratio);
+            if (r->owns_index_keys) write_index_keys(m, l, b, lat, &em, lpos);
+            write_compressed_kv(m, l, b, lat, &em, lpos);
+            bfree(m, lpos);
+        }
+        bfree(m, lat);
+        free(em.chunk);
+        free(em.group);
+    }
+    if (r->is_index_source) {
+        run_indexer(m, l, b, x, qr);
+        if (hooks && hooks->topk) hooks->topk(hooks->ctx, l, b->topk[l], T, b->topk_w[l]);
+    }
+    const int32_t *ctop = src >= 0 ? b->topk[r->topk_src] : NULL;
+    int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0;
+    if (src >= 0 && !ctop) {
+        ds_err_set("layer %d: top-k source layer %d did not run in this forward", l, r->topk_src);
+        return -1;
+    }
+
+    /* Per chunk a kv scratch region [ring W | chunk rows | compressed rows] and per row the index
+     * list [window | compressed | -1 padding]; padding at the end of a row changes nothing. */
+    int64_t n_idx = 0, kv_rows = 0;
+    int64_t *base = ds_malloc(sizeof(int64_t) * (size_t)b->n), *nw = ds_malloc(sizeof(int64_t) * (size_t)b->n);
+    for (int i = 0; i < b->n; i++) {
+        const struct fwd_seq *s = &b->seqs[i];
+        bool ref_prefill = m->opt.window_layout == WINDOW_LAYOUT_REFERENCE && s->start == 0;
+        nw[i] = ref_prefill ? i64min(s->len, W) : W;
+        n_idx = i64max(n_idx, nw[i] + kc);
+        base[i] = kv_rows;
+        kv_rows += W + s->len + (src >= 0 ? (s->start + s->len) / r->ratio : 0);
+    }
+    bf16_t *kvs = balloc(m, (size_t)(kv_rows + 1) * hd * 2);
+    int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 1));
+    struct layer_cache *lc = &m->lc[l];
+    for (int i = 0; i < b->n; i++) {
+        const struct fwd_seq *s = &b->seqs[i];
+        size_t rb = (size_t)hd * 2;
+        if (s->start > 0) OPS->copy(m->be, kvs + base[i] * hd, lc->ring + (size_t)s->slot * W * hd, rb * W);
+        OPS->copy(m->be, kvs + (base[i] + W) * hd, kv + b->row0[i] * hd, rb * s->len);
+        int64_t ncomp = src >= 0 ? (s->start + s->len) / r->ratio : 0;
+        if (ncomp) {
+            struct layer_cache *sc = &m->lc[src];
+            OPS->copy(m->be, kvs + (base[i] + W + s->len) * hd, sc->ckv + (size_t)s->slot * sc->cap * hd, rb * ncomp);
+        }
+        for (int64_t t = 0; t < s->len; t++) {
+            int64_t p = s->start + t, row = b->row0[i] + t;
+            int32_t *ir = idx + row * n_idx;
+            int64_t e = 0;
+            for (int64_t w = 0; w < nw[i]; w++) {
+                /* reference prefill: positions from max(0, p-W+1) upwards, trailing -1;
+                 * decode: the W positions ending at p, oldest first, leading -1 */
+                int64_t qp = nw[i] < W ? i64max(0, p - W + 1) + w : p - W + 1 + w;
+                if (qp < 0 || qp > p)
+                    ir[e++] = -1;
+                else
+                    ir[e++] = (int32_t)(qp >= s->start ? base[i] + W + (qp - s->start) : base[i] + qp % W);
+            }
+            for (int64_t j = 0; j < kc; j++) {
+                int32_t cj = ctop[row * kc + j];
+                ir[e++] = cj < 0 ? -1 : (int32_t)(base[i] + W + s->len + cj);
+            }
+            while (e < n_idx) ir[e++] = -1;
+        }
+        /* the ring keeps the last W positions for later steps */
+        for (int64_t t = i64max(0, s->len - W); t < s->len; t++) {
+            int64_t p = s->start + t;
+            OPS->copy(m->be, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, rb);
+        }
+    }
+    int32_t *idx_d = balloc(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
+    OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx));
+    bf16_t *o = balloc(m, (size_t)T * Hl * hd * 2);
+    float scale = (float)pow((double)hd, -0.5);
+    OPS->sparse_attn(m->be, o, q, kvs, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
+    OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
+    int64_t Gl = aw->wo_a.n / c->o_lora_rank;
+    bf16_t *u = balloc(m, (size_t)T * aw->wo_a.n * 2);
+    OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
+    OPS->linear(m->be, out, u, T, &aw->wo_b);
+
+    free(base);
+    free(nw);
+    free(idx);
+    bfree(m, idx_d);
+    bfree(m, kvs);
+    bfree(m, o);
+    bfree(m, u);
+    bfree(m, qr);
+    bfree(m, q);
+    bfree(m, kv);
+    return 0;
+}

@@ -1,0 +1,158 @@
+/* `dsbatch replay` and `dsbatch verify` (issue #3): load a model folder on the CPU backend, run
+ * golden fixtures through it with the stream or the tokens forced, and write the engine's results
+ * (replay) or judge them against the fixture layer by layer (verify). */
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "loader.h"
+#include "log.h"
+#include "model.h"
+#include "replay.h"
+#include "tolerances.h"
+#include "verify.h"
+
+struct engine_flags {
+    bool no_stale_keys;
+    enum window_layout layout;
+};
+
+/* Common engine switches; returns 1 when argv[*i] was one of them. */
+static int parse_engine_flag(int argc, char **argv, int *i, struct engine_flags *f) {
+    if (!strcmp(argv[*i], "--no-stale-index-keys")) {
+        f->no_stale_keys = true;
+        return 1;
+    }
+    if (!strcmp(argv[*i], "--window-layout") && *i + 1 < argc) {
+        const char *v = argv[++*i];
+        if (!strcmp(v, "reference"))
+            f->layout = WINDOW_LAYOUT_REFERENCE;
+        else if (!strcmp(v, "decode"))
+            f->layout = WINDOW_LAYOUT_DECODE;
+        else
+            ds_die("--window-layout: '%s' is not one of reference, decode", v);
+        return 1;
+    }
+    return 0;
+}
+
+static struct model *open_engine(struct loaded_model *lm, struct backend *be, const char *dir,
+                                 const struct engine_flags *f, int64_t min_len) {
+    if (loader_open(lm, dir, NULL)) ds_die_err();
+    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
+    struct engine_opts eo = engine_opts_default(&lm->cfg);
+    if (eo.max_seq_len < min_len) eo.max_seq_len = min_len;
+    eo.stale_index_keys = !f->no_stale_keys;
+    eo.window_layout = f->layout;
+    return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
+}
+
+/* Positions a fixture needs: prompt + decode steps. */
+static int64_t fixture_len(struct st_model *fx) {
+    const struct st_tensor *p = st_find(fx, "prompt_ids"), *g = st_find(fx, "greedy_tokens");
+    return (p ? p->shape[0] : 0) + (g ? g->shape[0] : 0) + 1;
+}
+
+int cmd_replay(int argc, char **argv) {
+    const char *model = NULL, *fixture = NULL, *out = NULL;
+    enum replay_force force = REPLAY_FORCE_STREAM;
+    struct engine_flags f = {0};
+    for (int i = 1; i < argc; i++) {
+        if (parse_engine_flag(argc, argv, &i, &f)) continue;
+        if (!strcmp(argv[i], "--model") && i + 1 < argc)
+            model = argv[++i];
+        else if (!strcmp(argv[i], "--fixture") && i + 1 < argc)
+            fixture = argv[++i];
+        else if (!strcmp(argv[i], "--out") && i + 1 < argc)
+            out = argv[++i];
+        else if (!strcmp(argv[i], "--force") && i + 1 < argc) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "stream"))
+                force = REPLAY_FORCE_STREAM;
+            else if (!strcmp(v, "tokens"))
+                force = REPLAY_FORCE_TOKENS;
+            else
+                ds_die("--force: '%s' is not one of stream, tokens", v);
+        } else if (!strcmp(argv[i], "--help")) {
+            printf("usage: dsbatch replay --model DIR --fixture promptK.safetensors --force stream|tokens --out R.safetensors\n"
+                   "       [--no-stale-index-keys] [--window-layout reference|decode]\n");
+            return 0;
+        } else
+            ds_die("replay: unknown option '%s'", argv[i]);
+    }
+    if (!model || !fixture || !out) ds_die("replay: --model, --fixture and --out are required");
+    struct st_model fx;
+    if (st_open(fixture, &fx)) ds_die_err();
+    struct loaded_model lm;
+    struct backend be;
+    struct model *m = open_engine(&lm, &be, model, &f, fixture_len(&fx));
+    struct replay_result res;
+    if (replay_run(m, &fx, force, &res)) ds_die_err();
+    if (replay_write(&res, out)) ds_die_err();
+    replay_free(&res);
+    model_free(m);
+    backend_cpu_free(&be);
+    loader_close(&lm);
+    st_close(&fx);
+    return 0;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int cmd_verify(int argc, char **argv) {
+    const char *golden = NULL;
+    struct engine_flags f = {0};
+    for (int i = 1; i < argc; i++) {
+        if (parse_engine_flag(argc, argv, &i, &f)) continue;
+        if (!strcmp(argv[i], "--golden") && i + 1 < argc)
+            golden = argv[++i];
+        else if (!strcmp(argv[i], "--help")) {
+            printf("usage: dsbatch verify --golden DIR   (DIR = a fixture folder: model + promptK.safetensors)\n");
+            return 0;
+        } else
+            ds_die("verify: unknown option '%s'", argv[i]);
+    }
+    if (!golden) ds_die("verify: --golden DIR is required");
+    DIR *d = opendir(golden);
+    if (!d) ds_die("%s: cannot open folder", golden);
+    char *names[256];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 256)
+        if (!strncmp(e->d_name, "prompt", 6) && strstr(e->d_name, ".safetensors")) names[n++] = ds_strdup(e->d_name);
+    closedir(d);
+    if (!n) ds_die("%s: no promptK.safetensors fixtures", golden);
+    qsort(names, (size_t)n, sizeof *names, cmp_str);
+
+    struct loaded_model lm;
+    struct backend be;
+    int64_t need = 0;
+    struct st_model *fx = ds_calloc((size_t)n, sizeof *fx);
+    for (int i = 0; i < n; i++) {
+        char p[1024];
+        snprintf(p, sizeof p, "%s/%s", golden, names[i]);
+        if (st_open(p, &fx[i])) ds_die_err();
+        if (fixture_len(&fx[i]) > need) need = fixture_len(&fx[i]);
+    }
+    struct model *m = open_engine(&lm, &be, golden, &f, need);
+    struct verify_summary sum = {0};
+    for (int i = 0; i < n; i++) {
+        char label[64];
+        snprintf(label, sizeof label, "%.*s", (int)(strlen(names[i]) - strlen(".safetensors")), names[i]);
+        if (verify_fixture(m, &fx[i], label, stdout, &sum)) ds_die_err();
+        st_close(&fx[i]);
+        free(names[i]);
+    }
+    printf("verify %s: %d checks, %d failed; worst layer rel_rms %.3e (max %.0e), median %.3e (max %.0e); "
+           "worst forced-logits |d| %.3e (max %.2g); unexcused top-k rows %d; hash mismatches %d\n",
+           golden, sum.checks, sum.failures, sum.worst_layer_rel, TOL_LAYER_REL_RMS_MAX, sum.median_layer_rel,
+           TOL_LAYER_REL_RMS_MEDIAN, sum.worst_forced_logits, TOL_FORCED_LOGITS_MAX_ABS,
+           sum.topk_rows_diff_unexcused, sum.hash_mismatches);
+    free(fx);
+    model_free(m);
+    backend_cpu_free(&be);
+    loader_close(&lm);
+    return sum.failures ? 1 : 0;
+}

@@ -1,0 +1,303 @@
+/* Single-rank `dsbatch generate` and `dsbatch score` over JSONL prompt files (issue #3).
+ * generate: continuous batching over `--max-seqs` slots — each step prefills newly admitted
+ * prompts and decodes one token for every running sequence in one forward; a finished sequence's
+ * slot is reused at once. score: per-token log-probabilities of each prompt's own tokens, computed
+ * chunk by chunk so no logits buffer larger than a chunk is ever held. Output lines keep the
+ * order of the input. */
+#include <cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "loader.h"
+#include "log.h"
+#include "model.h"
+#include "sampler.h"
+
+struct prompt {
+    cJSON *id;
+    int32_t *tokens;
+    int64_t n;
+    int64_t max_new;
+    struct sample_params sp;
+    /* results */
+    int32_t *out;
+    int64_t n_out;
+    const char *finish;
+};
+
+struct gen_opts {
+    const char *model, *prompts, *out;
+    int64_t max_new, max_seq_len, chunk;
+    int max_seqs;
+    struct sample_params sp;
+    bool no_stale_keys, layout_decode;
+};
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) ds_die("%s: cannot open: %s", path, ds_errno_str());
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = ds_malloc((size_t)n + 1);
+    if (fread(b, 1, (size_t)n, f) != (size_t)n) ds_die("%s: short read", path);
+    b[n] = 0;
+    fclose(f);
+    *len = (size_t)n;
+    return b;
+}
+
+static struct prompt *read_prompts(const char *path, const struct gen_opts *o, int vocab, int *count) {
+    size_t len;
+    char *text = read_file(path, &len);
+    struct prompt *ps = NULL;
+    int n = 0, line = 0;
+    for (char *s = text, *e; s && *s; s = e ? e + 1 : NULL) {
+        e = strchr(s, '\n');
+        if (e) *e = 0;
+        line++;
+        if (strspn(s, " \t\r") == strlen(s)) continue;
+        cJSON *j = cJSON_Parse(s);
+        if (!j || !cJSON_IsObject(j)) ds_die("%s:%d: not a JSON object", path, line);
+        cJSON *tk = cJSON_GetObjectItem(j, "tokens");
+        if (!cJSON_IsArray(tk) || cJSON_GetArraySize(tk) < 1)
+            ds_die("%s:%d: tokens: expected a non-empty array of token ids", path, line);
+        ps = ds_realloc(ps, sizeof *ps * (size_t)(n + 1));
+        struct prompt *p = &ps[n];
+        memset(p, 0, sizeof *p);
+        cJSON *id = cJSON_GetObjectItem(j, "id");
+        p->id = id ? cJSON_Duplicate(id, 1) : cJSON_CreateNumber(n);
+        p->n = cJSON_GetArraySize(tk);
+        p->tokens = ds_malloc(sizeof(int32_t) * (size_t)p->n);
+        int64_t i = 0;
+        cJSON *v;
+        cJSON_ArrayForEach(v, tk) {
+            if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 ||
+                v->valuedouble >= vocab)
+                ds_die("%s:%d: tokens[%lld]: token id outside the vocabulary [0, %d)", path, line, (long long)i, vocab);
+            p->tokens[i++] = (int32_t)v->valuedouble;
+        }
+        cJSON *mn = cJSON_GetObjectItem(j, "max_new_tokens"), *t = cJSON_GetObjectItem(j, "temperature");
+        cJSON *tkk = cJSON_GetObjectItem(j, "top_k"), *tp = cJSON_GetObjectItem(j, "top_p"), *sd = cJSON_GetObjectItem(j, "seed");
+        p->max_new = cJSON_IsNumber(mn) ? (int64_t)mn->valuedouble : o->max_new;
+        p->sp = o->sp;
+        if (cJSON_IsNumber(t)) p->sp.temperature = (float)t->valuedouble;
+        if (cJSON_IsNumber(tkk)) p->sp.top_k = tkk->valueint;
+        if (cJSON_IsNumber(tp)) p->sp.top_p = (float)tp->valuedouble;
+        if (cJSON_IsNumber(sd)) p->sp.seed = (uint64_t)sd->valuedouble;
+        if (p->n + p->max_new > o->max_seq_len)
+            ds_die("%s:%d: prompt of %lld tokens + max_new_tokens %lld exceeds the maximum sequence length %lld",
+                   path, line, (long long)p->n, (long long)p->max_new, (long long)o->max_seq_len);
+        cJSON_Delete(j);
+        n++;
+    }
+    free(text);
+    *count = n;
+    return ps;
+}
+
+static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score) {
+    *o = (struct gen_opts){.max_new = 16, .max_seqs = 8, .chunk = 512, .sp = {.temperature = 0, .top_p = 1}};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (!strcmp(a, name) && v && (i++, 1))
+        if (OPT("--model")) o->model = v;
+        else if (OPT("--prompts")) o->prompts = v;
+        else if (OPT("--out")) o->out = v;
+        else if (OPT("--max-new-tokens")) o->max_new = atoll(v);
+        else if (OPT("--max-seqs")) o->max_seqs = atoi(v);
+        else if (OPT("--max-seq-len")) o->max_seq_len = atoll(v);
+        else if (OPT("--chunk")) o->chunk = atoll(v);
+        else if (OPT("--temperature")) o->sp.temperature = (float)atof(v);
+        else if (OPT("--top-k")) o->sp.top_k = atoi(v);
+        else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
+        else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--no-stale-index-keys")) o->no_stale_keys = true;
+        else if (OPT("--window-layout")) {
+            if (strcmp(v, "reference") && strcmp(v, "decode")) ds_die("--window-layout: '%s' is not one of reference, decode", v);
+            o->layout_decode = !strcmp(v, "decode");
+        } else if (!strcmp(a, "--help")) {
+            printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
+                   "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+                   "       [--no-stale-index-keys] [--window-layout reference|decode]\n",
+                   score ? "score" : "generate");
+            exit(0);
+        } else
+            ds_die("%s: unknown option '%s'", score ? "score" : "generate", a);
+#undef OPT
+    }
+    if (!o->model || !o->prompts || !o->out) ds_die("--model, --prompts and --out are required");
+    if (o->max_seqs < 1 || o->chunk < 1) ds_die("--max-seqs and --chunk must be positive");
+    return 0;
+}
+
+static struct model *engine(struct loaded_model *lm, struct backend *be, struct gen_opts *o) {
+    if (loader_open(lm, o->model, NULL)) ds_die_err();
+    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
+    struct engine_opts eo = engine_opts_default(&lm->cfg);
+    if (o->max_seq_len > 0) {
+        if (o->max_seq_len > lm->cfg.max_pos)
+            ds_die("--max-seq-len %lld exceeds the model's max_position_embeddings %lld", (long long)o->max_seq_len,
+                   (long long)lm->cfg.max_pos);
+        eo.max_seq_len = o->max_seq_len;
+    }
+    o->max_seq_len = eo.max_seq_len;
+    eo.max_seqs = o->max_seqs;
+    eo.stale_index_keys = !o->no_stale_keys;
+    eo.window_layout = o->layout_decode ? WINDOW_LAYOUT_DECODE : WINDOW_LAYOUT_REFERENCE;
+    return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
+}
+
+/* Write to path.tmp and rename, so a killed run never leaves a file that looks complete. */
+static FILE *open_out(const char *path, char *tmp, size_t n) {
+    snprintf(tmp, n, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) ds_die("%s: cannot write: %s", path, ds_errno_str());
+    return f;
+}
+
+static void close_out(FILE *f, const char *tmp, const char *path) {
+    if (fclose(f) != 0 || rename(tmp, path) != 0) ds_die("%s: cannot write: %s", path, ds_errno_str());
+}
+
+int cmd_generate(int argc, char **argv) {
+    struct gen_opts o;
+    parse_gen_opts(argc, argv, &o, false);
+    struct loaded_model lm;
+    struct backend be;
+    struct model *m = engine(&lm, &be, &o);
+    int np;
+    struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
+    int V = lm.cfg.vocab_size, S = o.max_seqs;
+    int *slot_req = ds_malloc(sizeof(int) * (size_t)S);
+    for (int s = 0; s < S; s++) slot_req[s] = -1;
+    struct fwd_seq *fs = ds_malloc(sizeof *fs * (size_t)S);
+    int *fs_req = ds_malloc(sizeof(int) * (size_t)S);
+    float *logits = ds_malloc(sizeof(float) * (size_t)S * V);
+    int64_t *fed = ds_calloc((size_t)S, sizeof(int64_t)); /* prompt tokens prefilled per slot */
+    int next = 0, done = 0;
+    while (done < np) {
+        int n = 0;
+        for (int s = 0; s < S; s++) {
+            if (slot_req[s] < 0 && next < np) { /* admit the next prompt into a free slot */
+                struct prompt *p = &ps[next];
+                p->out = ds_malloc(sizeof(int32_t) * (size_t)(p->max_new + 1));
+                if (p->max_new == 0) {
+                    p->finish = "length";
+                    done++;
+                    next++;
+                    s--; /* the slot is still free */
+                    continue;
+                }
+                slot_req[s] = next++;
+                model_reset_slot(m, s);
+                fed[s] = 0;
+            }
+            if (slot_req[s] < 0) continue;
+            struct prompt *p = &ps[slot_req[s]];
+            if (fed[s] < p->n) { /* prefill in chunks of at most --chunk tokens */
+                int64_t len = p->n - fed[s] < o.chunk ? p->n - fed[s] : o.chunk;
+                fs[n] = (struct fwd_seq){.slot = s, .start = fed[s], .len = len, .tokens = p->tokens + fed[s]};
+                fed[s] += len;
+            } else {
+                fs[n] = (struct fwd_seq){.slot = s, .start = p->n + p->n_out - 1, .len = 1, .tokens = &p->out[p->n_out - 1]};
+            }
+            fs_req[n] = slot_req[s];
+            n++;
+        }
+        if (!n) continue;
+        if (model_forward(m, fs, n, logits, NULL)) ds_die_err();
+        for (int i = 0; i < n; i++) {
+            struct prompt *p = &ps[fs_req[i]];
+            int s = fs[i].slot;
+            if (fs[i].start + fs[i].len < p->n) continue; /* prompt not complete yet: no token */
+            int64_t pos = p->n + p->n_out;
+            int tok = sampler_pick(logits + (size_t)i * V, V, &p->sp, (uint64_t)fs_req[i], (uint64_t)pos);
+            p->out[p->n_out++] = tok;
+            bool eos = tok == lm.cfg.eos_id;
+            if (eos || p->n_out >= p->max_new) {
+                p->finish = eos ? "stop" : "length";
+                slot_req[s] = -1;
+                done++;
+            }
+        }
+    }
+    free(fed);
+    char tmp[1100];
+    FILE *f = open_out(o.out, tmp, sizeof tmp);
+    for (int i = 0; i < np; i++) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddItemToObject(j, "id", ps[i].id);
+        cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
+        for (int64_t k = 0; k < ps[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ps[i].out[k]));
+        cJSON_AddStringToObject(j, "finish_reason", ps[i].finish);
+        char *s = cJSON_PrintUnformatted(j);
+        fprintf(f, "%s\n", s);
+        free(s);
+        cJSON_Delete(j);
+        free(ps[i].tokens);
+        free(ps[i].out);
+    }
+    close_out(f, tmp, o.out);
+    free(ps);
+    free(slot_req);
+    free(fs);
+    free(fs_req);
+    free(logits);
+    model_free(m);
+    backend_cpu_free(&be);
+    loader_close(&lm);
+    return 0;
+}
+
+int cmd_score(int argc, char **argv) {
+    struct gen_opts o;
+    parse_gen_opts(argc, argv, &o, true);
+    o.max_new = 0;
+    o.max_seqs = 1;
+    struct loaded_model lm;
+    struct backend be;
+    struct model *m = engine(&lm, &be, &o);
+    int np;
+    struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
+    int V = lm.cfg.vocab_size;
+    float *logits = ds_malloc(sizeof(float) * (size_t)o.chunk * V);
+    char tmp[1100];
+    FILE *f = open_out(o.out, tmp, sizeof tmp);
+    for (int i = 0; i < np; i++) {
+        struct prompt *p = &ps[i];
+        model_reset_slot(m, 0);
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddItemToObject(j, "id", p->id);
+        cJSON *a = cJSON_AddArrayToObject(j, "token_logprobs");
+        double nll = 0;
+        /* row r of a chunk predicts token start+r+1: the chunk's logits are consumed at once */
+        for (int64_t start = 0; start < p->n; start += o.chunk) {
+            int64_t len = p->n - start < o.chunk ? p->n - start : o.chunk;
+            struct fwd_seq s = {.slot = 0, .start = start, .len = len, .tokens = p->tokens + start, .all_logits = true};
+            if (model_forward(m, &s, 1, logits, NULL)) ds_die_err();
+            for (int64_t r = 0; r < len && start + r + 1 < p->n; r++) {
+                double lp = sampler_logprob(logits + (size_t)r * V, V, p->tokens[start + r + 1]);
+                nll -= lp;
+                cJSON_AddItemToArray(a, cJSON_CreateNumber(lp));
+            }
+        }
+        cJSON_AddNumberToObject(j, "nll", nll);
+        cJSON_AddNumberToObject(j, "n_tokens", (double)(p->n - 1));
+        char *s = cJSON_PrintUnformatted(j);
+        fprintf(f, "%s\n", s);
+        free(s);
+        cJSON_Delete(j);
+        free(p->tokens);
+    }
+    close_out(f, tmp, o.out);
+    free(ps);
+    free(logits);
+    model_free(m);
+    backend_cpu_free(&be);
+    loader_close(&lm);
+    return 0;
+}

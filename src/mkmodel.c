@@ -1,0 +1,990 @@
+/* `dsbatch mkmodel`: write a synthetic checkpoint in the official DeepSeek-V4.1 format.
+ *
+ * The engine, the tests and the benchmarks need models of any geometry, from the 6-layer golden
+ * shape up to slices of the real 40-layer model, without downloading 510 GB. This command takes a
+ * preset config (data/presets/NAME.json), applies geometry overrides and an optional layer/expert
+ * slice, re-validates the result through the one config parser, and writes a folder that the
+ * loader cannot tell from a release: config.json, model-0000K-of-0000N.safetensors shards with
+ * every tensor named, typed and shaped as in MODEL.md §2 (FP8 tiles, packed FP4 experts, Engram
+ * rows, F32 mHC, BF16 norms, DSpark blocks), model.safetensors.index.json, and the Engram
+ * sidecar (token map and hash constants). Weights are seeded random numbers from a counter-based
+ * generator, so every element depends only on (seed, tensor name, index): output is byte-identical
+ * across runs and thread counts, and generation parallelises freely. Magnitudes follow the golden
+ * models' init (1/sqrt(fan_in) projections, unit norms with small noise) so a forward pass stays
+ * in range. The folder appears atomically: it is built in DIR.tmp-XXXXXX and renamed at the end. */
+#include <cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "config.h"
+#include "engram_hash.h"
+#include "formats.h"
+#include "log.h"
+#include "safetensors.h"
+
+#define SHARD_LIMIT 2000000000ull /* bytes per shard before starting a new one (~2 GB) */
+
+/* ------------------------------------------------------------------------------------------------
+ * Inventory: every tensor of the checkpoint with the rule that generates its data */
+
+enum gen_kind {
+    GK_F32,    /* mean + std * N(0,1) */
+    GK_BF16,   /* the same, rounded to bf16 */
+    GK_FP8_W,  /* e4m3 [n,k] of a 32x32-tile quantized N(0, std) matrix; partner = its scale */
+    GK_FP8_S,  /* e8m0 [ceil(n/32), ceil(k/32)] */
+    GK_FP4_W,  /* I8 [n, k/2] packed e2m1 of N(0, std); partner = its scale */
+    GK_FP4_S,  /* e8m0 [n, k/32] */
+    GK_ROWS_W, /* Engram table e4m3 [rows, hd], one scale per row per 32 columns */
+    GK_ROWS_S, /* e8m0 [rows, hd/32] */
+};
+
+struct tdesc {
+    char name[128];
+    enum st_dtype dt;
+    int ndim;
+    int64_t shape[2];
+    enum gen_kind kind;
+    float mean, std;
+    int64_t n, k;  /* logical matrix of a quantized pair */
+    uint64_t key;  /* random stream: hash of the logical name, shared by a weight and its scale */
+    int partner;   /* other half of a quantized pair, or -1 */
+    int shard;
+    size_t nbytes;
+};
+
+struct inventory {
+    struct tdesc *t;
+    int n, cap;
+    uint64_t total;
+};
+
+static uint64_t fnv1a(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static struct tdesc *inv_add(struct inventory *inv, const char *name, enum st_dtype dt, int64_t d0, int64_t d1,
+                             enum gen_kind kind, float mean, float std) {
+    if (inv->n == inv->cap) {
+        inv->cap = inv->cap ? 2 * inv->cap : 1024;
+        inv->t = ds_realloc(inv->t, (size_t)inv->cap * sizeof *inv->t);
+    }
+    struct tdesc *t = &inv->t[inv->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->dt = dt;
+    t->ndim = d1 > 0 ? 2 : 1;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    t->kind = kind;
+    t->mean = mean;
+    t->std = std;
+    t->key = fnv1a(name);
+    t->partner = -1;
+    t->nbytes = st_dtype_size(dt) * (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
+    inv->total += t->nbytes;
+    return t;
+}
+
+static void add_f32(struct inventory *inv, const char *name, int64_t d0, int64_t d1, float mean, float std) {
+    inv_add(inv, name, ST_F32, d0, d1, GK_F32, mean, std);
+}
+
+static void add_bf16(struct inventory *inv, const char *name, int64_t d0, int64_t d1, float mean, float std) {
+    inv_add(inv, name, ST_BF16, d0, d1, GK_BF16, mean, std);
+}
+
+/* RMSNorm weights: 1 plus small noise, so a wrong norm is visible but nothing is rescaled much. */
+static void add_norm(struct inventory *inv, const char *name, int64_t d) { add_bf16(inv, name, d, 0, 1.0f, 0.1f); }
+
+/* A quantized matrix [n, k] as `prefix.weight` + `prefix.scale`; both draw from the stream of
+ * `prefix`, since the scale is a by-product of quantizing the same numbers. */
+static void add_pair(struct inventory *inv, const char *prefix, enum gen_kind wk, enum st_dtype wdt, int64_t w0,
+                     int64_t w1, int64_t s0, int64_t s1, int64_t n, int64_t k, float std) {
+    char nw[160], ns[160];
+    snprintf(nw, sizeof nw, "%s.weight", prefix);
+    snprintf(ns, sizeof ns, "%s.scale", prefix);
+    uint64_t key = fnv1a(prefix);
+    struct tdesc *w = inv_add(inv, nw, wdt, w0, w1, wk, 0.0f, std);
+    w->n = n, w->k = k, w->key = key, w->partner = inv->n;
+    struct tdesc *s = inv_add(inv, ns, ST_F8_E8M0, s0, s1, (enum gen_kind)(wk + 1), 0.0f, std);
+    s->n = n, s->k = k, s->key = key, s->partner = inv->n - 2;
+}
+
+static void add_fp8(struct inventory *inv, const char *prefix, int64_t n, int64_t k) {
+    add_pair(inv, prefix, GK_FP8_W, ST_F8_E4M3, n, k, cdiv(n, 32), cdiv(k, 32), n, k, 1.0f / sqrtf((float)k));
+}
+
+static void add_fp4(struct inventory *inv, const char *prefix, int64_t n, int64_t k) {
+    add_pair(inv, prefix, GK_FP4_W, ST_I8, n, k / 2, n, k / 32, n, k, 1.0f / sqrtf((float)k));
+}
+
+/* Engram rows are looked up, not multiplied: unit variance like an embedding. */
+static void add_rows(struct inventory *inv, const char *prefix, int64_t rows, int64_t hd) {
+    add_pair(inv, prefix, GK_ROWS_W, ST_F8_E4M3, rows, hd, rows, hd / 32, rows, hd, 1.0f);
+}
+
+/* One block (backbone layer or DSpark block), mirroring weights.c's expectations. */
+static void add_block(struct inventory *inv, const struct model_config *c, int l) {
+    const struct layer_role *r = &c->role[l];
+    char p[64], n[160];
+    if (r->is_dspark)
+        snprintf(p, sizeof p, "mtp.%d", l - c->n_layers);
+    else
+        snprintf(p, sizeof p, "layers.%d", l);
+    int64_t D = c->dim, hd = c->head_dim, H = c->n_heads, G = c->o_groups, R = c->o_lora_rank, q = c->q_lora_rank;
+    int64_t hc = c->hc_mult, mix = (2 + hc) * hc, I = c->moe_inter_dim, E = r->n_experts;
+#define N(...) (snprintf(n, sizeof n, __VA_ARGS__), n)
+    add_fp8(inv, N("%s.attn.wq_a", p), q, D);
+    add_norm(inv, N("%s.attn.q_norm.weight", p), q);
+    add_fp8(inv, N("%s.attn.wq_b", p), H * hd, q);
+    add_fp8(inv, N("%s.attn.wkv", p), hd, D);
+    add_norm(inv, N("%s.attn.kv_norm.weight", p), hd);
+    add_fp8(inv, N("%s.attn.wo_a", p), G * R, H * hd / G);
+    add_fp8(inv, N("%s.attn.wo_b", p), D, G * R);
+    add_f32(inv, N("%s.attn.attn_sink", p), H, 0, 0.0f, 1.0f);
+    if (r->owns_compressor) {
+        add_bf16(inv, N("%s.attn.compressor.wkv.weight", p), hd, D, 0.0f, 1.0f / sqrtf((float)D));
+        if (r->ratio > 1) add_bf16(inv, N("%s.attn.compressor.wgate.weight", p), hd, D, 0.0f, 1.0f / sqrtf((float)D));
+        add_norm(inv, N("%s.attn.compressor.norm.weight", p), hd);
+    }
+    if (r->is_index_source) {
+        int64_t ih = c->index_n_heads, id = c->index_head_dim;
+        add_fp8(inv, N("%s.attn.indexer.wq_b", p), ih * id, q);
+        add_bf16(inv, N("%s.attn.indexer.weights_proj.weight", p), ih, D, 0.0f, 1.0f / sqrtf((float)D));
+        if (r->owns_index_keys) {
+            add_bf16(inv, N("%s.attn.indexer.wk.weight", p), id, hd, 0.0f, 1.0f / sqrtf((float)hd));
+            add_norm(inv, N("%s.attn.indexer.k_norm.weight", p), id);
+        }
+    }
+    add_bf16(inv, N("%s.ffn.gate.weight", p), E, D, 0.0f, 1.0f / sqrtf((float)D));
+    add_f32(inv, N("%s.ffn.gate.bias", p), E, 0, 0.0f, 0.1f);
+    /* Different numbers than gate.bias, so routing text with the image bias shows up. */
+    add_f32(inv, N("%s.ffn.gate.bias_vl", p), E, 0, 0.0f, 0.5f);
+    for (int64_t e = 0; e < E; e++) {
+        add_fp4(inv, N("%s.ffn.experts.%lld.w1", p, (long long)e), I, D);
+        add_fp4(inv, N("%s.ffn.experts.%lld.w3", p, (long long)e), I, D);
+        add_fp4(inv, N("%s.ffn.experts.%lld.w2", p, (long long)e), D, I);
+    }
+    add_fp8(inv, N("%s.ffn.shared_experts.w1", p), I, D);
+    add_fp8(inv, N("%s.ffn.shared_experts.w3", p), I, D);
+    add_fp8(inv, N("%s.ffn.shared_experts.w2", p), D, I);
+    add_norm(inv, N("%s.attn_norm.weight", p), D);
+    add_norm(inv, N("%s.ffn_norm.weight", p), D);
+    /* mHC: fn scaled so the mix logits are O(1) for a unit-RMS stream, as in the golden models. */
+    float fn_std = 1.0f / sqrtf((float)(hc * D));
+    add_f32(inv, N("%s.hc_attn_fn", p), mix, hc * D, 0.0f, fn_std);
+    add_f32(inv, N("%s.hc_ffn_fn", p), mix, hc * D, 0.0f, fn_std);
+    add_f32(inv, N("%s.hc_attn_base", p), mix, 0, 0.0f, 0.5f);
+    add_f32(inv, N("%s.hc_ffn_base", p), mix, 0, 0.0f, 0.5f);
+    add_f32(inv, N("%s.hc_attn_scale", p), 3, 0, 0.0f, 0.5f);
+    add_f32(inv, N("%s.hc_ffn_scale", p), 3, 0, 0.0f, 0.5f);
+    if (r->engram_idx >= 0) {
+        int64_t ehd = c->engram_head_dim, C = (int64_t)(c->engram_max_ngram - 1) * c->engram_n_heads;
+        add_rows(inv, N("%s.engram.embed", p), c->engram_num_embeddings[r->engram_idx], ehd);
+        add_fp8(inv, N("%s.engram.wkv", p), (hc + 1) * D, C * ehd);
+        add_bf16(inv, N("%s.engram.q_weight", p), hc, D, 0.0f, 1.0f / sqrtf((float)D));
+        add_bf16(inv, N("%s.engram.k_weight", p), hc, D, 0.0f, 1.0f / sqrtf((float)D));
+    }
+    if (r->is_dspark) {
+        int m = l - c->n_layers;
+        if (m == 0) {
+            add_fp8(inv, N("%s.main_proj", p), D, D * c->n_dspark_targets);
+            add_norm(inv, N("%s.main_norm.weight", p), D);
+        }
+        if (m == c->n_mtp - 1) {
+            int64_t V = c->vocab_size, rk = c->dspark_markov_rank;
+            add_norm(inv, N("%s.norm.weight", p), D);
+            add_bf16(inv, N("%s.markov_head.embed.weight", p), V, rk, 0.0f, 1.0f / sqrtf((float)rk));
+            add_bf16(inv, N("%s.markov_head.head.weight", p), V, rk, 0.0f, 1.0f / sqrtf((float)rk));
+            add_bf16(inv, N("%s.confidence_head.proj.weight", p), 1, D + rk, 0.0f, 1.0f / sqrtf((float)(D + rk)));
+        }
+    }
+#undef N
+}
+
+/* Natural order (embed, layers, DSpark, norm, head), so each shard holds whole neighbouring
+ * layers; a quantized pair never straddles two shards. */
+static void build_inventory(struct inventory *inv, const struct model_config *c) {
+    int64_t V = c->vocab_size, D = c->dim;
+    add_bf16(inv, "embed.weight", V, D, 0.0f, 1.0f);
+    for (int l = 0; l < config_total_layers(c); l++) add_block(inv, c, l);
+    add_norm(inv, "norm.weight", D);
+    add_bf16(inv, "head.weight", V, D, 0.0f, 1.0f / sqrtf((float)D));
+}
+
+static int assign_shards(struct inventory *inv) {
+    int shard = 0;
+    uint64_t used = 0;
+    for (int i = 0; i < inv->n; i++) {
+        uint64_t unit = inv->t[i].nbytes;
+        bool pair_head = inv->t[i].partner == i + 1;
+        if (pair_head) unit += inv->t[i + 1].nbytes;
+        if (used > 0 && used + unit > SHARD_LIMIT) {
+            shard++;
+            used = 0;
+        }
+        inv->t[i].shard = shard;
+        if (pair_head) inv->t[++i].shard = shard;
+        used += unit;
+    }
+    return shard + 1;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Counter-based random numbers: value i of a tensor is a pure function of (seed, name, i). */
+
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Sum of four 16-bit uniforms (Irwin-Hall), centred and scaled to unit variance: one hash per
+ * value, and tails bounded at ±3.46σ, which keeps random activations tame. */
+static inline float gauss_at(uint64_t base, int64_t i) {
+    uint64_t r = mix64(base + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
+    uint32_t s = (uint32_t)(r & 0xffff) + (uint32_t)((r >> 16) & 0xffff) + (uint32_t)((r >> 32) & 0xffff) +
+                 (uint32_t)(r >> 48);
+    return (((float)s + 2.0f) / 65536.0f - 2.0f) * 1.7320508f;
+}
+
+static uint64_t stream_base(uint64_t seed, uint64_t key) { return mix64(mix64(seed ^ 0x5eed5eed5eed5eedull) ^ key); }
+
+/* ------------------------------------------------------------------------------------------------
+ * Tensor data generation */
+
+static void gen_f32(float *out, int64_t n, uint64_t base, float mean, float std) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = mean + std * gauss_at(base, i);
+}
+
+static void gen_bf16(bf16_t *out, int64_t n, uint64_t base, float mean, float std) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_from_f32(mean + std * gauss_at(base, i));
+}
+
+/* Quantized pairs, generated in stripes of rows (32 for FP8 tiles) so only the output bytes are
+ * held whole; each stripe uses the element's flat index, so the stripe size does not matter. */
+static void gen_quant(enum gen_kind kind, int64_t n, int64_t k, uint64_t base, float std, uint8_t *q, uint8_t *s) {
+    const int64_t rows = kind == GK_FP8_W ? 32 : 64;
+    const int64_t n_stripes = cdiv(n, rows), tk = cdiv(k, 32);
+#pragma omp parallel
+    {
+        float *buf = ds_malloc((size_t)(rows * k) * sizeof *buf);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t si = 0; si < n_stripes; si++) {
+            int64_t r0 = si * rows, rn = n - r0 < rows ? n - r0 : rows;
+            for (int64_t e = 0; e < rn * k; e++) buf[e] = std * gauss_at(base, r0 * k + e);
+            if (kind == GK_FP8_W) {
+                quant_fp8_tiles(buf, rn, k, q + r0 * k, s + si * tk);
+            } else if (kind == GK_FP4_W) {
+                quant_fp4_rows(buf, rn, k, q + r0 * (k / 2), s + r0 * (k / 32));
+            } else {
+                /* A one-row "tile" is exactly the Engram layout: a scale per 32 columns of a row. */
+                for (int64_t r = 0; r < rn; r++)
+                    quant_fp8_tiles(buf + r * k, 1, k, q + (r0 + r) * k, s + (r0 + r) * (k / 32));
+            }
+        }
+        free(buf);
+    }
+}
+
+/* The half of a quantized pair generated ahead of its turn (its partner was written first). */
+struct pending {
+    int idx;
+    uint8_t *buf;
+};
+
+static int write_tensor(struct st_writer *w, int widx, const struct inventory *inv, int i, struct pending *pend,
+                        uint64_t seed) {
+    const struct tdesc *t = &inv->t[i];
+    uint64_t base = stream_base(seed, t->key);
+    int64_t count = (int64_t)(t->nbytes / st_dtype_size(t->dt));
+    int rc;
+    switch (t->kind) {
+    case GK_F32: {
+        float *buf = ds_malloc(t->nbytes);
+        gen_f32(buf, count, base, t->mean, t->std);
+        rc = st_writer_write(w, widx, buf, t->nbytes);
+        free(buf);
+        return rc;
+    }
+    case GK_BF16: {
+        bf16_t *buf = ds_malloc(t->nbytes);
+        gen_bf16(buf, count, base, t->mean, t->std);
+        rc = st_writer_write(w, widx, buf, t->nbytes);
+        free(buf);
+        return rc;
+    }
+    default: break;
+    }
+    if (pend->idx == i) {
+        rc = st_writer_write(w, widx, pend->buf, t->nbytes);
+        free(pend->buf);
+        pend->buf = NULL;
+        pend->idx = -1;
+        return rc;
+    }
+    if (pend->idx >= 0) {
+        ds_err_set("mkmodel: internal error: %s is not next to %s in its shard", inv->t[pend->idx].name,
+                   inv->t[inv->t[pend->idx].partner].name);
+        return -1;
+    }
+    bool is_w = t->kind == GK_FP8_W || t->kind == GK_FP4_W || t->kind == GK_ROWS_W;
+    const struct tdesc *tw = is_w ? t : &inv->t[t->partner], *ts = is_w ? &inv->t[t->partner] : t;
+    uint8_t *q = ds_malloc(tw->nbytes), *s = ds_malloc(ts->nbytes);
+    gen_quant(tw->kind, tw->n, tw->k, base, tw->std, q, s);
+    rc = st_writer_write(w, widx, is_w ? q : s, t->nbytes);
+    pend->idx = t->partner;
+    pend->buf = is_w ? s : q;
+    free(is_w ? q : s);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Output folder: built under DIR.tmp-XXXXXX, removed again on any failure. */
+
+static char g_tmpdir[4096];
+
+static void remove_tmpdir(void) {
+    if (!g_tmpdir[0]) return;
+    DIR *d = opendir(g_tmpdir);
+    if (d) {
+        struct dirent *e;
+        char p[8192];
+        while ((e = readdir(d)) != NULL) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            snprintf(p, sizeof p, "%s/%s", g_tmpdir, e->d_name);
+            unlink(p);
+        }
+        closedir(d);
+    }
+    rmdir(g_tmpdir);
+    g_tmpdir[0] = '\0';
+}
+
+static void __attribute__((noreturn)) fail_out(void) {
+    remove_tmpdir();
+    ds_die_err();
+}
+
+static void write_text(const char *dir, const char *name, const char *text) {
+    char p[8192];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    FILE *f = fopen(p, "wb");
+    if (!f) {
+        ds_err_set("%s: cannot create: %s", p, ds_errno_str());
+        fail_out();
+    }
+    size_t n = strlen(text);
+    bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF;
+    ok = (fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
+    if (fclose(f) != 0 || !ok) {
+        ds_err_set("%s: write failed: %s", p, ds_errno_str());
+        fail_out();
+    }
+}
+
+/* Refuse a non-empty DIR; an empty one is replaced by the rename. */
+static void check_out_dir(const char *dir) {
+    struct stat sb;
+    if (stat(dir, &sb) != 0) {
+        if (errno == ENOENT) return;
+        ds_die("%s: cannot stat: %s", dir, ds_errno_str());
+    }
+    if (!S_ISDIR(sb.st_mode)) ds_die("%s: exists and is not a directory; refusing to overwrite it", dir);
+    DIR *d = opendir(dir);
+    if (!d) ds_die("%s: cannot open: %s", dir, ds_errno_str());
+    struct dirent *e;
+    bool empty = true;
+    while ((e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) empty = false;
+    closedir(d);
+    if (!empty) ds_die("%s: exists and is not empty; refusing to overwrite it (choose another --out)", dir);
+}
+
+static void parent_of(const char *path, char *out, size_t n) {
+    snprintf(out, n, "%s", path);
+    size_t len = strlen(out);
+    while (len > 1 && out[len - 1] == '/') out[--len] = '\0';
+    char *slash = strrchr(out, '/');
+    if (!slash)
+        snprintf(out, n, ".");
+    else if (slash == out)
+        out[1] = '\0';
+    else
+        *slash = '\0';
+}
+
+static uint64_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    uint64_t kb = 0;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1) break;
+    if (f) fclose(f);
+    return kb ? kb * 1024 : UINT64_MAX;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Config: preset + overrides + slice, validated by the config parser at every step */
+
+static void find_preset(const char *name, char *out, size_t n) {
+    if (strchr(name, '/') || strstr(name, ".json")) {
+        snprintf(out, n, "%s", name);
+        return;
+    }
+    char exe[4096], dirs[3][4096];
+    int nd = 0;
+    const char *env = getenv("DSBATCH_PRESETS");
+    if (env && env[0]) snprintf(dirs[nd++], sizeof dirs[0], "%s", env);
+    ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (el > 0) {
+        exe[el] = '\0';
+        char bin[4096];
+        parent_of(exe, bin, sizeof bin);
+        snprintf(dirs[nd++], sizeof dirs[0], "%.4000s/../data/presets", bin);
+    }
+    snprintf(dirs[nd++], sizeof dirs[0], "data/presets");
+    for (int i = 0; i < nd; i++) {
+        snprintf(out, n, "%.4000s/%.60s.json", dirs[i], name);
+        if (access(out, R_OK) == 0) return;
+    }
+    ds_die("--preset %s: no %s.json in $DSBATCH_PRESETS, <dsbatch>/../data/presets or ./data/presets "
+           "(presets: tiny, tp8pp2, v41-flash, or a path to a config.json)",
+           name, name);
+}
+
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) ds_die("%s: cannot open: %s", path, ds_errno_str());
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    if (len < 0) ds_die("%s: cannot read", path);
+    char *buf = ds_malloc((size_t)len + 1);
+    if (fread(buf, 1, (size_t)len, f) != (size_t)len) ds_die("%s: read failed", path);
+    buf[len] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* "a.b" reaches into the sub-object a, so --rope_scaling.factor 8 works like any key. */
+static cJSON *json_path(cJSON *obj, const char *path, cJSON **parent, const char **leaf) {
+    char head[128];
+    const char *dot = strchr(path, '.');
+    if (!dot) {
+        *parent = obj;
+        *leaf = path;
+        return cJSON_GetObjectItemCaseSensitive(obj, path);
+    }
+    size_t n = (size_t)(dot - path);
+    if (n >= sizeof head) return NULL;
+    memcpy(head, path, n);
+    head[n] = '\0';
+    cJSON *sub = cJSON_GetObjectItemCaseSensitive(obj, head);
+    return cJSON_IsObject(sub) ? json_path(sub, dot + 1, parent, leaf) : NULL;
+}
+
+static void json_set_int(cJSON *obj, const char *key, double v) {
+    if (cJSON_GetObjectItemCaseSensitive(obj, key))
+        cJSON_ReplaceItemInObjectCaseSensitive(obj, key, cJSON_CreateNumber(v));
+    else
+        cJSON_AddNumberToObject(obj, key, v);
+}
+
+static int json_int(const cJSON *obj, const char *key, int def) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    return cJSON_IsNumber(it) ? it->valueint : def;
+}
+
+struct mk_args {
+    const char *preset, *out;
+    uint64_t seed;
+    bool have_seed;
+    int layer_a, layer_b; /* -1: all */
+    int experts;          /* 0: as the preset */
+    int64_t max_pos;      /* 0: as the preset */
+    bool dry_run;         /* print the plan (sizes, shards) and write nothing */
+    int n_over;
+    const char *over_key[64], *over_val[64];
+};
+
+static void apply_overrides(cJSON *tc, const struct mk_args *a, const char *preset, bool *user_emb) {
+    *user_emb = false;
+    for (int i = 0; i < a->n_over; i++) {
+        cJSON *parent;
+        const char *leaf;
+        cJSON *old = json_path(tc, a->over_key[i], &parent, &leaf);
+        if (!old)
+            ds_die("unknown option --%s (neither a mkmodel option nor a text_config key of preset %s)",
+                   a->over_key[i], preset);
+        /* Values are JSON (numbers, true/false, [lists]); anything else is taken as a string. */
+        cJSON *v = cJSON_Parse(a->over_val[i]);
+        if (!v) v = cJSON_CreateString(a->over_val[i]);
+        cJSON_ReplaceItemInObjectCaseSensitive(parent, leaf, v);
+        if (!strcmp(a->over_key[i], "engram_num_embeddings")) *user_emb = true;
+    }
+    if (a->max_pos > 0) json_set_int(tc, "max_position_embeddings", (double)a->max_pos);
+    if (a->experts > 0) {
+        int n = a->experts, k = json_int(tc, "num_experts_per_tok", n);
+        json_set_int(tc, "n_routed_experts", n);
+        json_set_int(tc, "num_experts_per_tok", k < n ? k : n);
+        int dn = json_int(tc, "dspark_n_routed_experts", n), dk = json_int(tc, "dspark_num_experts_per_tok", 0);
+        if (dn > n) dn = n;
+        json_set_int(tc, "dspark_n_routed_experts", dn);
+        if (dk > 0) json_set_int(tc, "dspark_num_experts_per_tok", dk < dn ? dk : dn);
+    }
+    /* Table rows follow from the primes (computed later); a placeholder of the right length lets
+     * the parser accept a changed engram_layer_ids list. */
+    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(tc, "engram_layer_ids");
+    if (!*user_emb && cJSON_IsArray(ids)) {
+        cJSON *ph = cJSON_CreateArray();
+        for (int i = 0; i < cJSON_GetArraySize(ids); i++) cJSON_AddItemToArray(ph, cJSON_CreateNumber(1));
+        if (cJSON_GetObjectItemCaseSensitive(tc, "engram_num_embeddings"))
+            cJSON_ReplaceItemInObjectCaseSensitive(tc, "engram_num_embeddings", ph);
+        else
+            cJSON_AddItemToObject(tc, "engram_num_embeddings", ph);
+    }
+}
+
+/* Keep list entries inside [lo, hi], renumbered from lo. */
+static void slice_list(int *a, int *n, int lo, int hi) {
+    int m = 0;
+    for (int i = 0; i < *n; i++)
+        if (a[i] >= lo && a[i] <= hi) a[m++] = a[i] - lo;
+    *n = m;
+}
+
+static void slice_layers(struct model_config *c, int A, int B) {
+    int nl = c->n_layers;
+    if (A < 0 || B < A || B >= nl) ds_die("--layers %d-%d: outside the backbone layers 0-%d", A, B, nl - 1);
+    for (int l = A; l <= B; l++) {
+        int src = c->role[l].kv_src;
+        if (src >= 0 && src < A) {
+            int end = src;
+            for (int j = src; j < nl; j++)
+                if (c->role[j].kv_src == src) end = j;
+            ds_die("--layers: layer range %d-%d cuts KV-sharing group %d-%d (layer %d reads the compressed KV of "
+                   "layer %d); start at %d or after %d",
+                   A, B, src, end, l, src, src, end);
+        }
+        if (c->role[l].topk_src >= 0 && c->role[l].topk_src < A)
+            ds_die("--layers: layer range %d-%d cuts the top-k group of index source %d (layer %d reuses it)", A, B,
+                   c->role[l].topk_src, l);
+    }
+    bool keep_mtp = B == nl - 1;
+    int ratios[CFG_MAX_LAYERS], nr = 0;
+    for (int l = A; l <= B; l++) ratios[nr++] = c->compress_ratios[l];
+    if (keep_mtp)
+        for (int m = 0; m < c->n_mtp; m++) ratios[nr++] = c->compress_ratios[nl + m];
+    memcpy(c->compress_ratios, ratios, sizeof ratios);
+    c->n_compress_ratios = nr;
+    slice_list(c->kv_sources, &c->n_kv_sources, A, B);
+    slice_list(c->index_sources, &c->n_index_sources, A, B);
+    c->candidate_source = c->candidate_source >= A && c->candidate_source <= B ? c->candidate_source - A : -1;
+    int m = 0;
+    for (int i = 0; i < c->n_engram; i++)
+        if (c->engram_layer_ids[i] >= A && c->engram_layer_ids[i] <= B) {
+            c->engram_layer_ids[m] = c->engram_layer_ids[i] - A;
+            c->engram_num_embeddings[m++] = c->engram_num_embeddings[i];
+        }
+    c->n_engram = m;
+    if (keep_mtp) {
+        slice_list(c->dspark_targets, &c->n_dspark_targets, A, B);
+        if (c->n_mtp > 0 && c->n_dspark_targets == 0)
+            ds_die("--layers %d-%d keeps the DSpark blocks but none of their target layers", A, B);
+    } else {
+        c->n_mtp = 0;
+        c->n_dspark_targets = 0;
+    }
+    c->n_layers = B - A + 1;
+    if (config_derive_roles(c)) ds_die("--layers %d-%d: %s", A, B, ds_err_get());
+}
+
+/* engram_num_embeddings must be the sum of each table's primes; engram_consts_init reports the
+ * sums it reached before a mismatch, so a few passes settle every table. */
+static void fit_engram_rows(struct model_config *c, bool user_emb) {
+    struct engram_consts *ec = ds_calloc(1, sizeof *ec);
+    for (int pass = 0; pass <= c->n_engram; pass++) {
+        if (engram_consts_init(ec, c) == 0) break;
+        bool changed = false;
+        for (int li = 0; li < c->n_engram; li++)
+            if (ec->table_rows[li] > 0 && ec->table_rows[li] != c->engram_num_embeddings[li]) {
+                if (user_emb)
+                    ds_die("--engram_num_embeddings: entry %d is %lld but the primes of engram layer %d sum to %lld",
+                           li, (long long)c->engram_num_embeddings[li], c->engram_layer_ids[li],
+                           (long long)ec->table_rows[li]);
+                c->engram_num_embeddings[li] = ec->table_rows[li];
+                changed = true;
+            }
+        if (!changed) ds_die_err();
+    }
+    free(ec);
+}
+
+static void build_config(const struct mk_args *a, struct model_config *cfg, char **json_out) {
+    char path[4200];
+    find_preset(a->preset, path, sizeof path);
+    char *text = read_file(path);
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!root) ds_die("%s: not valid JSON", path);
+    cJSON *tc = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+    if (!cJSON_IsObject(tc)) ds_die("%s: text_config: missing (a preset is an HF nested config.json)", path);
+    bool user_emb;
+    apply_overrides(tc, a, a->preset, &user_emb);
+    char *eff = cJSON_Print(root);
+    cJSON_Delete(root);
+    char src[4300];
+    snprintf(src, sizeof src, "%s (with the command-line overrides)", path);
+    struct model_config c0;
+    if (config_parse(eff, src, &c0)) ds_die_err();
+    free(eff);
+    if (a->layer_a >= 0) slice_layers(&c0, a->layer_a, a->layer_b);
+    fit_engram_rows(&c0, user_emb && a->layer_a < 0);
+    char *json = config_to_json(&c0);
+    config_free(&c0);
+    /* Re-parse what will be written: the folder's config.json is exactly what gets validated. */
+    if (config_parse(json, src, cfg)) ds_die_err();
+    *json_out = json;
+}
+
+/* Checks the writer cannot make later: every quantized K dimension splits into 32-blocks. */
+static void check_geometry(const struct model_config *c) {
+    if (!c->dense_fp8 || !c->expert_fp4)
+        ds_die("mkmodel writes the release format only: quantization_config needs quant_method fp8 and "
+               "expert_dtype fp4");
+    if (c->weight_block != 32) ds_die("quantization_config.weight_block_size: only [32, 32] is written");
+    if (c->dim % 32) ds_die("hidden_size %d: must be a multiple of 32 (FP4 expert scales per 32 columns)", c->dim);
+    if (c->moe_inter_dim % 32)
+        ds_die("moe_intermediate_size %d: must be a multiple of 32 (FP4 expert scales per 32 columns)",
+               c->moe_inter_dim);
+    if (c->n_engram > 0 && c->engram_head_dim % 32)
+        ds_die("engram_head_dim %d: must be a multiple of 32 (one scale per 32 columns of a row)", c->engram_head_dim);
+    if (c->n_engram > 0 && c->engram_compressed_vocab > c->vocab_size)
+        ds_die("engram_compressed_vocab_size %lld exceeds vocab_size %d: the synthetic token map needs at least one "
+               "token per class",
+               (long long)c->engram_compressed_vocab, c->vocab_size);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Writers */
+
+static const struct inventory *g_sort_inv; /* qsort has no context argument */
+
+/* Within a shard: widest dtype first (keeps F32 data 4-aligned), then by name, as the golden
+ * files are laid out; a weight and its scale then sit next to each other. */
+static int cmp_in_shard(const void *pa, const void *pb) {
+    const struct tdesc *a = &g_sort_inv->t[*(const int *)pa], *b = &g_sort_inv->t[*(const int *)pb];
+    size_t sa = st_dtype_size(a->dt), sb = st_dtype_size(b->dt);
+    if (sa != sb) return sa > sb ? -1 : 1;
+    return strcmp(a->name, b->name);
+}
+
+static int cmp_by_name(const void *pa, const void *pb) {
+    return strcmp(g_sort_inv->t[*(const int *)pa].name, g_sort_inv->t[*(const int *)pb].name);
+}
+
+static void shard_name(char *out, size_t n, int k, int n_shards) {
+    snprintf(out, n, "model-%05d-of-%05d.safetensors", k + 1, n_shards);
+}
+
+static void write_shard(const char *dir, const struct inventory *inv, int shard, int n_shards, uint64_t seed) {
+    int *idx = ds_malloc((size_t)inv->n * sizeof *idx), m = 0;
+    for (int i = 0; i < inv->n; i++)
+        if (inv->t[i].shard == shard) idx[m++] = i;
+    g_sort_inv = inv;
+    qsort(idx, (size_t)m, sizeof *idx, cmp_in_shard);
+    struct st_writer *w = st_writer_new();
+    st_writer_set_metadata(w, "format", "pt");
+    for (int j = 0; j < m; j++) {
+        const struct tdesc *t = &inv->t[idx[j]];
+        if (st_writer_declare(w, t->name, t->dt, t->ndim, t->shape) != j) {
+            st_writer_abort(w);
+            fail_out();
+        }
+    }
+    char name[64], path[8192];
+    shard_name(name, sizeof name, shard, n_shards);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct pending pend = {.idx = -1, .buf = NULL};
+    int rc = st_writer_begin(w, path);
+    for (int j = 0; j < m && rc == 0; j++) rc = write_tensor(w, j, inv, idx[j], &pend, seed);
+    free(pend.buf);
+    free(idx);
+    if (rc != 0) {
+        st_writer_abort(w);
+        fail_out();
+    }
+    if (st_writer_finish(w) != 0) fail_out();
+}
+
+static void write_index(const char *dir, const struct inventory *inv, int n_shards) {
+    int *idx = ds_malloc((size_t)inv->n * sizeof *idx);
+    for (int i = 0; i < inv->n; i++) idx[i] = i;
+    g_sort_inv = inv;
+    qsort(idx, (size_t)inv->n, sizeof *idx, cmp_by_name);
+    cJSON *root = cJSON_CreateObject(), *meta = cJSON_AddObjectToObject(root, "metadata");
+    cJSON_AddNumberToObject(meta, "total_size", (double)inv->total);
+    cJSON *wm = cJSON_AddObjectToObject(root, "weight_map");
+    char name[64];
+    for (int i = 0; i < inv->n; i++) {
+        shard_name(name, sizeof name, inv->t[idx[i]].shard, n_shards);
+        cJSON_AddStringToObject(wm, inv->t[idx[i]].name, name);
+    }
+    char *text = cJSON_Print(root);
+    write_text(dir, "model.safetensors.index.json", text);
+    free(text);
+    cJSON_Delete(root);
+    free(idx);
+}
+
+/* engram.safetensors, as the golden sidecar: token map and the reference's hash constants. */
+static void write_engram(const char *dir, const struct model_config *c) {
+    struct engram_consts *ec = ds_calloc(1, sizeof *ec);
+    if (engram_consts_init(ec, c)) fail_out();
+    int V = c->vocab_size, nl = ec->n_layers, ng = ec->max_ngram, nh = ec->n_heads;
+    int64_t C = c->engram_compressed_vocab;
+    /* The golden stub tokenizer folds pairs of ids (t -> t/2); any other class count uses t mod C,
+     * which still gives exactly C classes because C <= vocab. */
+    bool halve = 2 * C == V;
+    int32_t *map = ds_malloc((size_t)V * sizeof *map);
+    for (int t = 0; t < V; t++) map[t] = (int32_t)(halve ? t / 2 : t % C);
+    if (engram_set_token_map(ec, c, map, V)) fail_out();
+    int64_t *mult = ds_malloc((size_t)(nl * ng) * sizeof *mult);
+    int64_t *offs = ds_malloc((size_t)(nl * (ng - 1) * nh) * sizeof *offs);
+    int64_t *primes = ds_malloc((size_t)(nl * (ng - 1) * nh) * sizeof *primes);
+    int32_t *ids = ds_malloc((size_t)nl * sizeof *ids);
+    for (int li = 0; li < nl; li++) {
+        ids[li] = ec->layer_ids[li];
+        for (int s = 0; s < ng; s++) mult[li * ng + s] = ec->mult[li][s];
+        for (int n = 0; n < ng - 1; n++)
+            for (int h = 0; h < nh; h++) {
+                primes[(li * (ng - 1) + n) * nh + h] = ec->primes[li][n][h];
+                offs[(li * (ng - 1) + n) * nh + h] = ec->offsets[li][n * nh + h];
+            }
+    }
+    char pad[32], pad_tok[32], cv[32], note[400];
+    snprintf(pad, sizeof pad, "%lld", (long long)ec->pad);
+    snprintf(pad_tok, sizeof pad_tok, "%d", c->engram_pad_id);
+    snprintf(cv, sizeof cv, "%lld", (long long)C);
+    snprintf(note, sizeof note,
+             "token_map[token] -> compressed id (synthetic: %s); primes [n_engram_layers, max_ngram-1, n_heads]; "
+             "offsets [n_engram_layers, (max_ngram-1)*n_heads]; multipliers [n_engram_layers, max_ngram] int64 "
+             "(keep as int64, never via double); pad_id = token_map[engram_pad_token_id]",
+             halve ? "t//2" : "t % engram_compressed_vocab_size");
+    struct st_writer *w = st_writer_new();
+    st_writer_set_metadata(w, "pad_id", pad);
+    st_writer_set_metadata(w, "engram_pad_token_id", pad_tok);
+    st_writer_set_metadata(w, "compressed_vocab_size", cv);
+    st_writer_set_metadata(w, "note", note);
+    int64_t s_mult[2] = {nl, ng}, s_offs[2] = {nl, (int64_t)(ng - 1) * nh}, s_pr[3] = {nl, ng - 1, nh},
+            s_ids[1] = {nl}, s_map[1] = {V};
+    int rc = st_writer_add(w, "multipliers", ST_I64, 2, s_mult, mult);
+    if (rc == 0) rc = st_writer_add(w, "offsets", ST_I64, 2, s_offs, offs);
+    if (rc == 0) rc = st_writer_add(w, "primes", ST_I64, 3, s_pr, primes);
+    if (rc == 0) rc = st_writer_add(w, "layer_ids", ST_I32, 1, s_ids, ids);
+    if (rc == 0) rc = st_writer_add(w, "token_map", ST_I32, 1, s_map, map);
+    char path[8192];
+    snprintf(path, sizeof path, "%s/engram.safetensors", dir);
+    if (rc != 0) {
+        st_writer_abort(w);
+        fail_out();
+    }
+    if (st_writer_save(w, path) != 0) fail_out();
+    free(mult), free(offs), free(primes), free(ids), free(map);
+    engram_consts_free(ec);
+    free(ec);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Command */
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: dsbatch mkmodel --preset NAME --out DIR [--seed S] [--layers A-B] [--experts N] [--max-pos N]\n"
+            "                       [--KEY VALUE ...]\n"
+            "  Write a seeded random checkpoint in the official format (config.json, sharded safetensors,\n"
+            "  index, engram.safetensors).\n"
+            "  --preset NAME   tiny (golden small6 geometry), tp8pp2, v41-flash (real dimensions), or a config path\n"
+            "  --seed S        random seed (default 0); the same seed gives byte-identical files\n"
+            "  --out DIR       output folder; must not exist or be empty\n"
+            "  --layers A-B    only backbone layers A..B (renumbered 0..B-A; DSpark kept if B is the last layer)\n"
+            "  --experts N     routed experts per layer (DSpark: min(N, preset)); top-k capped at N\n"
+            "  --max-pos N     max_position_embeddings\n"
+            "  --KEY VALUE     override any text_config key (JSON value), e.g. --hidden_size 512\n"
+            "  --dry-run       print the size and shard count, write nothing\n");
+}
+
+static int64_t parse_i64(const char *opt, const char *v, int64_t lo, int64_t hi) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi)
+        ds_die("%s: '%s' is not an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
+    return x;
+}
+
+static void parse_args(int argc, char **argv, struct mk_args *a) {
+    memset(a, 0, sizeof *a);
+    a->layer_a = a->layer_b = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (!strcmp(arg, "--dry-run")) {
+            a->dry_run = true;
+            continue;
+        }
+        if (strncmp(arg, "--", 2) || !arg[2]) ds_die("mkmodel: unexpected argument '%s' (see --help)", arg);
+        char key[128];
+        const char *eq = strchr(arg, '='), *val;
+        size_t kl = eq ? (size_t)(eq - arg - 2) : strlen(arg + 2);
+        if (kl >= sizeof key) ds_die("mkmodel: option '%s' is too long", arg);
+        memcpy(key, arg + 2, kl);
+        key[kl] = '\0';
+        if (eq) {
+            val = eq + 1;
+        } else {
+            if (i + 1 >= argc) ds_die("mkmodel: --%s needs a value", key);
+            val = argv[++i];
+        }
+        if (!strcmp(key, "preset")) {
+            a->preset = val;
+        } else if (!strcmp(key, "out")) {
+            a->out = val;
+        } else if (!strcmp(key, "seed")) {
+            char *end;
+            errno = 0;
+            unsigned long long s = strtoull(val, &end, 10);
+            if (errno || end == val || *end || val[0] == '-') ds_die("--seed: '%s' is not a non-negative integer", val);
+            a->seed = s;
+            a->have_seed = true;
+        } else if (!strcmp(key, "layers")) {
+            int x, y, n = 0;
+            if (sscanf(val, "%d-%d%n", &x, &y, &n) != 2 || val[n] || x < 0 || y < x)
+                ds_die("--layers: '%s' is not a range A-B with 0 <= A <= B", val);
+            a->layer_a = x;
+            a->layer_b = y;
+        } else if (!strcmp(key, "experts")) {
+            a->experts = (int)parse_i64("--experts", val, 1, 1 << 20);
+        } else if (!strcmp(key, "max-pos") || !strcmp(key, "max_pos")) {
+            a->max_pos = parse_i64("--max-pos", val, 1, INT64_MAX / 4);
+        } else {
+            if (a->n_over == (int)(sizeof a->over_key / sizeof a->over_key[0]))
+                ds_die("mkmodel: too many overrides");
+            char *k = ds_strdup(key);
+            a->over_key[a->n_over] = k;
+            a->over_val[a->n_over++] = val;
+        }
+    }
+    if (!a->preset) ds_die("mkmodel: --preset is required (tiny, tp8pp2, v41-flash); see --help");
+    if (!a->out || !a->out[0]) ds_die("mkmodel: --out DIR is required; see --help");
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int cmd_mkmodel(int argc, char **argv) {
+    double t0 = now_s();
+    struct mk_args a;
+    parse_args(argc, argv, &a);
+    check_out_dir(a.out);
+
+    struct model_config cfg;
+    char *cfg_json;
+    build_config(&a, &cfg, &cfg_json);
+    check_geometry(&cfg);
+
+    struct inventory inv = {0};
+    build_inventory(&inv, &cfg);
+    int n_shards = assign_shards(&inv);
+
+    if (a.dry_run) {
+        printf("mkmodel: would write %s (preset %s): %d layers + %d DSpark, %d experts, %d tensors in %d shard%s, "
+               "%llu bytes\n",
+               a.out, a.preset, cfg.n_layers, cfg.n_mtp, cfg.n_routed_experts, inv.n, n_shards, n_shards == 1 ? "" : "s",
+               (unsigned long long)inv.total);
+        free(inv.t);
+        free(cfg_json);
+        config_free(&cfg);
+        return 0;
+    }
+
+    /* Refuse up front what cannot finish: the disk space, and the largest tensor, which the
+     * streaming writer still takes whole. */
+    char parent[4096];
+    parent_of(a.out, parent, sizeof parent);
+    struct statvfs vfs;
+    if (statvfs(parent, &vfs) != 0) ds_die("%s: cannot stat the output filesystem: %s", parent, ds_errno_str());
+    uint64_t need = inv.total + (uint64_t)inv.n * 160 + (uint64_t)cfg.vocab_size * 4 + (1u << 20);
+    uint64_t avail = (uint64_t)vfs.f_bavail * (uint64_t)vfs.f_frsize;
+    if (need > avail)
+        ds_die("%s: the checkpoint needs %llu bytes (%.1f GB) but the filesystem has %llu bytes free (%.1f GB); "
+               "use --layers/--experts for a smaller model",
+               a.out, (unsigned long long)need, (double)need / 1e9, (unsigned long long)avail, (double)avail / 1e9);
+    uint64_t biggest = 0;
+    const char *big_name = "";
+    for (int i = 0; i < inv.n; i++) {
+        uint64_t b = inv.t[i].nbytes + (inv.t[i].partner >= 0 ? inv.t[inv.t[i].partner].nbytes : 0);
+        if (b > biggest) biggest = b, big_name = inv.t[i].name;
+    }
+    uint64_t mem = mem_available();
+    if (biggest > mem)
+        ds_die("%s: tensor %s needs %llu bytes of memory to generate but only %llu are available", a.out, big_name,
+               (unsigned long long)biggest, (unsigned long long)mem);
+
+    size_t ol = strlen(a.out);
+    while (ol > 1 && a.out[ol - 1] == '/') ol--;
+    if (ol + 12 >= sizeof g_tmpdir) ds_die("%s: path too long", a.out);
+    snprintf(g_tmpdir, sizeof g_tmpdir, "%.*s.tmp-XXXXXX", (int)ol, a.out);
+    if (!mkdtemp(g_tmpdir)) {
+        ds_err_set("%s: cannot create a temporary folder: %s", g_tmpdir, ds_errno_str());
+        g_tmpdir[0] = '\0';
+        ds_die_err();
+    }
+
+    for (int s = 0; s < n_shards; s++) write_shard(g_tmpdir, &inv, s, n_shards, a.seed);
+    write_index(g_tmpdir, &inv, n_shards);
+    if (cfg.n_engram > 0) write_engram(g_tmpdir, &cfg);
+    write_text(g_tmpdir, "config.json", cfg_json);
+    chmod(g_tmpdir, 0755); /* mkdtemp makes it 0700; a model folder is ordinary shared data */
+
+    check_out_dir(a.out);
+    if (rename(g_tmpdir, a.out) != 0) {
+        ds_err_set("%s: cannot rename %s to it: %s", a.out, g_tmpdir, ds_errno_str());
+        fail_out();
+    }
+    g_tmpdir[0] = '\0';
+
+    printf("mkmodel: wrote %s (preset %s, seed %llu): %d layers + %d DSpark, %d experts, %d tensors in %d shard%s, "
+           "%llu bytes, %.2f s\n",
+           a.out, a.preset, (unsigned long long)a.seed, cfg.n_layers, cfg.n_mtp, cfg.n_routed_experts, inv.n, n_shards,
+           n_shards == 1 ? "" : "s", (unsigned long long)inv.total, now_s() - t0);
+    free(inv.t);
+    free(cfg_json);
+    config_free(&cfg);
+    for (int i = 0; i < a.n_over; i++) free((char *)a.over_key[i]);
+    return 0;
+}

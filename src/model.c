@@ -1,0 +1,377 @@
+/* The forward pass of one pipeline stage over a batch of sequence chunks (see model.h):
+ * embedding and 4-copy expansion, Engram injection before its layers, the delayed-mHC block
+ * (attention in attention.c, MoE here), the final collapse, norm and fp32 head. Also the model
+ * object: per-layer RoPE tables, prepared weights, and per-slot caches. */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats.h"
+#include "log.h"
+#include "model_internal.h"
+
+#define OPS (m->be->ops)
+
+void rope_freqs(float *out, int rd, double theta, bool yarn, double factor, int64_t original_seq_len,
+                double beta_fast, double beta_slow) {
+    /* fp32 exponent, fp32 pow, fp32 reciprocal: the reference's bits (MODEL.md §3.13) */
+    for (int i = 0; i < rd / 2; i++) {
+        float e = (float)(2 * i) / (float)rd;
+        out[i] = 1.0f / powf((float)theta, e);
+    }
+    if (!yarn || original_seq_len <= 0) return;
+    double lo_d = rd * log((double)original_seq_len / (beta_fast * 2 * M_PI)) / (2 * log(theta));
+    double hi_d = rd * log((double)original_seq_len / (beta_slow * 2 * M_PI)) / (2 * log(theta));
+    double low = floor(lo_d), high = ceil(hi_d);
+    if (low < 0) low = 0;
+    if (high > rd - 1) high = rd - 1;
+    float den = (float)(high - low > 1e-3 ? high - low : 1e-3);
+    for (int i = 0; i < rd / 2; i++) {
+        float ramp = ((float)i - (float)low) / den;
+        if (ramp < 0) ramp = 0;
+        if (ramp > 1) ramp = 1;
+        float smooth = 1.0f - ramp;
+        float f = out[i];
+        float a = f / (float)factor;
+        float one_minus = 1.0f - smooth;
+        out[i] = a * one_minus + f * smooth;
+    }
+}
+
+struct engine_opts engine_opts_default(const struct model_config *cfg) {
+    int64_t len = cfg->max_pos < 4096 ? cfg->max_pos : 4096;
+    return (struct engine_opts){.max_seq_len = len, .max_seqs = 1, .stale_index_keys = true,
+                                .window_layout = WINDOW_LAYOUT_REFERENCE};
+}
+
+static void *balloc(struct model *m, size_t bytes) { return OPS->alloc(m->be, bytes); }
+static void bfree(struct model *m, void *p) {
+    if (p) OPS->free(m->be, p);
+}
+
+struct model *model_new(const struct model_config *cfg, struct model_weights *w, struct backend *be,
+                        const struct engram_consts *ec, const struct engine_opts *opt) {
+    struct model *m = ds_calloc(1, sizeof *m);
+    m->cfg = cfg;
+    m->w = w;
+    m->be = be;
+    m->ec = ec;
+    m->opt = *opt;
+    int total = config_total_layers(cfg);
+    int64_t hd = cfg->head_dim, D = cfg->dim, hc = cfg->hc_mult, W = cfg->window, S = opt->max_seqs;
+    float *fr = ds_malloc(sizeof(float) * (size_t)cfg->rope_dim);
+    for (int l = 0; l < total; l++) {
+        const struct layer_role *r = &cfg->role[l];
+        rope_freqs(fr, cfg->rope_dim, r->rope_theta, r->yarn, cfg->rope_factor, cfg->original_seq_len, cfg->beta_fast,
+                   cfg->beta_slow);
+        m->freqs[l] = balloc(m, sizeof(float) * (size_t)cfg->rope_dim / 2);
+        OPS->upload(be, m->freqs[l], fr, sizeof(float) * (size_t)cfg->rope_dim / 2);
+    }
+    free(fr);
+    m->lc = ds_calloc((size_t)total, sizeof *m->lc);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        struct layer_weights *lw = &w->layers[l];
+        if (!lw->present) continue;
+        const struct layer_role *r = &cfg->role[l];
+        struct layer_cache *lc = &m->lc[l];
+        /* prepare every weight of the layer for the backend; wo_a goes to bf16 as in the reference */
+        struct qweight *qs[] = {&lw->attn.wq_a, &lw->attn.wq_b, &lw->attn.wkv, &lw->attn.wo_b, &lw->ffn.gate,
+                                &lw->ffn.sh_w1, &lw->ffn.sh_w3, &lw->ffn.sh_w2};
+        for (size_t i = 0; i < sizeof qs / sizeof *qs; i++) be->ops->weight_prepare(be, qs[i], false);
+        be->ops->weight_prepare(be, &lw->attn.wo_a, true);
+        for (int e = 0; e < lw->ffn.n_local; e++) {
+            be->ops->weight_prepare(be, &lw->ffn.w1[e], false);
+            be->ops->weight_prepare(be, &lw->ffn.w3[e], false);
+            be->ops->weight_prepare(be, &lw->ffn.w2[e], false);
+        }
+        if (r->owns_compressor) {
+            be->ops->weight_prepare(be, &lw->attn.cmp_wkv, false);
+            if (r->ratio > 1) be->ops->weight_prepare(be, &lw->attn.cmp_wgate, false);
+        }
+        if (r->is_index_source) {
+            be->ops->weight_prepare(be, &lw->attn.idx_wq_b, false);
+            be->ops->weight_prepare(be, &lw->attn.idx_weights_proj, false);
+            if (r->owns_index_keys) be->ops->weight_prepare(be, &lw->attn.idx_wk, false);
+        }
+        if (lw->has_engram) {
+            be->ops->weight_prepare(be, &lw->engram.wkv, false);
+            float *ew = ds_malloc(sizeof(float) * (size_t)(hc * D));
+            for (int64_t i = 0; i < hc * D; i++)
+                ew[i] = bf16_to_f32(lw->engram.q_weight[i]) * bf16_to_f32(lw->engram.k_weight[i]);
+            m->engram_w[l] = balloc(m, sizeof(float) * (size_t)(hc * D));
+            OPS->upload(be, m->engram_w[l], ew, sizeof(float) * (size_t)(hc * D));
+            free(ew);
+        }
+        lc->ring = balloc(m, (size_t)S * W * hd * 2);
+        if (r->owns_compressor) {
+            lc->cap = opt->max_seq_len / r->ratio;
+            lc->ckv = balloc(m, (size_t)(S * lc->cap + 1) * hd * 2);
+            if (r->owns_index_keys) lc->kidx = balloc(m, (size_t)(S * lc->cap + 1) * cfg->index_head_dim * 2);
+            if (r->ratio > 1) {
+                lc->cmp_kv = balloc(m, (size_t)S * r->ratio * hd * 4);
+                lc->cmp_sc = balloc(m, (size_t)S * r->ratio * hd * 4);
+            }
+        }
+    }
+    if (w->opt.last_stage) be->ops->weight_prepare(be, &w->head, false);
+    m->slots = ds_calloc((size_t)S, sizeof *m->slots);
+    for (int s = 0; s < S; s++) {
+        m->slots[s].hist = ds_calloc((size_t)opt->max_seq_len + 1, sizeof(int64_t));
+        model_reset_slot(m, s);
+    }
+    return m;
+}
+
+void model_reset_slot(struct model *m, int slot) {
+    struct slot_state *st = &m->slots[slot];
+    st->len = 0;
+    st->index_k_src = -1;
+    const struct model_config *c = m->cfg;
+    int64_t hd = c->head_dim;
+    for (int l = 0; l < c->n_layers; l++) {
+        struct layer_cache *lc = &m->lc[l];
+        int ratio = c->role[l].ratio;
+        if (!lc->cmp_sc) continue;
+        /* an empty open group: scores -inf, so a half group never leaks an old token */
+        size_t n = (size_t)ratio * hd;
+        float *tmp = ds_malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++) tmp[i] = -INFINITY;
+        OPS->upload(m->be, lc->cmp_sc + (size_t)slot * n, tmp, n * sizeof(float));
+        memset(tmp, 0, n * sizeof(float));
+        OPS->upload(m->be, lc->cmp_kv + (size_t)slot * n, tmp, n * sizeof(float));
+        free(tmp);
+    }
+}
+
+int64_t model_slot_len(const struct model *m, int slot) { return m->slots[slot].len; }
+
+void model_free(struct model *m) {
+    if (!m) return;
+    const struct model_config *c = m->cfg;
+    int total = config_total_layers(c);
+    for (int l = 0; l < total; l++) {
+        bfree(m, m->freqs[l]);
+        bfree(m, m->engram_w[l]);
+    }
+    for (int l = 0; l < c->n_layers; l++) {
+        struct layer_cache *lc = &m->lc[l];
+        bfree(m, lc->ring);
+        bfree(m, lc->ckv);
+        bfree(m, lc->kidx);
+        bfree(m, lc->cmp_kv);
+        bfree(m, lc->cmp_sc);
+        struct layer_weights *lw = &m->w->layers[l];
+        if (lw->present) m->be->ops->weight_release(m->be, &lw->attn.wo_a);
+    }
+    for (int s = 0; s < m->opt.max_seqs; s++) free(m->slots[s].hist);
+    free(m->slots);
+    free(m->lc);
+    free(m);
+}
+
+int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
+    int64_t r = 0;
+    for (int i = 0; i < n; i++) r += seqs[i].all_logits ? seqs[i].len : 1;
+    return r;
+}
+
+/* Engram (§3.3) before block l: hash ids from the token history, gather, project, gate. */
+static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    const struct engram_weights *ew = &m->w->layers[l].engram;
+    int li = c->role[l].engram_idx;
+    int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim, D = c->dim, hc = c->hc_mult;
+    int64_t *ids = ds_malloc(sizeof(int64_t) * (size_t)(T * C));
+    for (int i = 0; i < b->n; i++) {
+        const struct fwd_seq *s = &b->seqs[i];
+        for (int64_t t = 0; t < s->len; t++)
+            engram_hash_position(m->ec, li, m->slots[s->slot].hist, s->start + t, ids + (b->row0[i] + t) * C);
+    }
+    if (hooks && hooks->engram_ids) hooks->engram_ids(hooks->ctx, l, ids, T, C);
+    int64_t *ids_d = balloc(m, sizeof(int64_t) * (size_t)(T * C));
+    OPS->upload(m->be, ids_d, ids, sizeof(int64_t) * (size_t)(T * C));
+    bf16_t *rows = balloc(m, (size_t)(T * C * hd) * 2);
+    OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
+    bf16_t *kv = balloc(m, (size_t)(T * (hc + 1) * D) * 2);
+    OPS->linear(m->be, kv, rows, T, &ew->wkv);
+    OPS->engram_gate(m->be, X, kv, m->engram_w[l], T, hc, D, (float)c->norm_eps);
+    free(ids);
+    bfree(m, ids_d);
+    bfree(m, rows);
+    bfree(m, kv);
+}
+
+/* MoE (§3.10): router, routed experts in ascending id order into fp32, shared expert, bf16. */
+static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *out) {
+    const struct model_config *c = m->cfg;
+    const struct ffn_weights *fw = &m->w->layers[l].ffn;
+    const struct layer_role *r = &c->role[l];
+    int64_t T = b->T, D = c->dim, k = r->n_active;
+    int32_t *idx = balloc(m, sizeof(int32_t) * (size_t)(T * k));
+    float *wts = balloc(m, sizeof(float) * (size_t)(T * k));
+    float *acc = balloc(m, sizeof(float) * (size_t)(T * D));
+    bf16_t *sh = balloc(m, (size_t)(T * D) * 2);
+    OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
+                (float)c->route_scale);
+    OPS->moe_experts(m->be, acc, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
+                     (float)c->swiglu_limit);
+    OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
+    OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
+    bfree(m, idx);
+    bfree(m, wts);
+    bfree(m, acc);
+    bfree(m, sh);
+}
+
+static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, bf16_t **Xtmp, float *P,
+                         const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    const struct layer_weights *lw = &m->w->layers[l];
+    int64_t T = b->T, D = c->dim, hc = c->hc_mult;
+    float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
+    bf16_t *X = *Xp, *X1 = *Xtmp;
+    float *apre = balloc(m, sizeof(float) * (size_t)(T * hc)), *post = balloc(m, sizeof(float) * (size_t)(T * hc));
+    float *comb = balloc(m, sizeof(float) * (size_t)(T * hc * hc));
+    bf16_t *y = balloc(m, (size_t)(T * D) * 2), *o = balloc(m, (size_t)(T * D) * 2);
+
+    OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
+                  c->hc_sinkhorn_iters, eps, hc_eps);
+    OPS->hc_collapse(m->be, y, X, P, T, hc, D);
+    OPS->rmsnorm(m->be, y, y, lw->attn_norm, T, D, eps);
+    int rc = attention_forward(m, l, b, y, o, hooks);
+    if (rc == 0) {
+        OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
+        /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards */
+        OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
+                      c->hc_sinkhorn_iters, eps, hc_eps);
+        OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
+        OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
+        moe_forward(m, l, b, y, o);
+        OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
+    }
+    bfree(m, apre);
+    bfree(m, post);
+    bfree(m, comb);
+    bfree(m, y);
+    bfree(m, o);
+    return rc;
+}
+
+static int check_batch(struct model *m, const struct fwd_seq *seqs, int n) {
+    const struct model_config *c = m->cfg;
+    for (int i = 0; i < n; i++) {
+        const struct fwd_seq *s = &seqs[i];
+        if (s->slot < 0 || s->slot >= m->opt.max_seqs) {
+            ds_err_set("sequence slot %d out of range (max_seqs %d)", s->slot, m->opt.max_seqs);
+            return -1;
+        }
+        for (int j = 0; j < i; j++)
+            if (seqs[j].slot == s->slot) {
+                ds_err_set("sequence slot %d appears twice in one forward", s->slot);
+                return -1;
+            }
+        if (s->start != m->slots[s->slot].len) {
+            ds_err_set("sequence slot %d: chunk starts at %lld but the sequence holds %lld tokens", s->slot,
+                       (long long)s->start, (long long)m->slots[s->slot].len);
+            return -1;
+        }
+        if (s->len < 1 || s->start + s->len > m->opt.max_seq_len) {
+            ds_err_set("sequence of %lld tokens exceeds max_seq_len %lld", (long long)(s->start + s->len),
+                       (long long)m->opt.max_seq_len);
+            return -1;
+        }
+        for (int64_t t = 0; t < s->len; t++)
+            if (s->tokens[t] < 0 || s->tokens[t] >= c->vocab_size) {
+                ds_err_set("token id %d at position %lld is outside the vocabulary [0, %d)", s->tokens[t],
+                           (long long)(s->start + t), c->vocab_size);
+                return -1;
+            }
+    }
+    return 0;
+}
+
+int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    if (check_batch(m, seqs, n)) return -1;
+    struct batch b = {.seqs = seqs, .n = n};
+    b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        b.row0[i] = b.T;
+        b.T += seqs[i].len;
+    }
+    int64_t T = b.T, D = c->dim, hc = c->hc_mult;
+    b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)T);
+    b.row_seq = ds_malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)T);
+    for (int i = 0; i < n; i++)
+        for (int64_t t = 0; t < seqs[i].len; t++) {
+            int64_t r = b.row0[i] + t;
+            b.pos_h[r] = (int32_t)(seqs[i].start + t);
+            b.row_seq[r] = i;
+            tok[r] = seqs[i].tokens[t];
+            if (m->ec && m->ec->token_map)
+                m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
+        }
+    b.pos = balloc(m, sizeof(int32_t) * (size_t)T);
+    OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
+    b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
+    b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
+
+    int32_t *tok_d = balloc(m, sizeof(int32_t) * (size_t)T);
+    OPS->upload(m->be, tok_d, tok, sizeof(int32_t) * (size_t)T);
+    bf16_t *e = balloc(m, (size_t)(T * D) * 2);
+    bf16_t *X = balloc(m, (size_t)(T * hc * D) * 2), *X1 = balloc(m, (size_t)(T * hc * D) * 2);
+    float *P = balloc(m, sizeof(float) * (size_t)(T * hc));
+    OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
+    OPS->hc_init(m->be, X, P, e, T, hc, D);
+
+    int rc = 0;
+    for (int l = 0; l < c->n_layers && rc == 0; l++) {
+        if (!m->w->layers[l].present) continue;
+        if (hooks && hooks->pre_engram) hooks->pre_engram(hooks->ctx, l, X, P, T);
+        if (c->role[l].engram_idx >= 0) engram_forward(m, l, &b, X, hooks);
+        if (hooks && hooks->pre_block) hooks->pre_block(hooks->ctx, l, X, P, T);
+        rc = block_forward(m, l, &b, &X, &X1, P, hooks);
+        if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
+    }
+    if (rc == 0 && m->w->opt.last_stage) {
+        /* final collapse with the last FFN pre, norm, fp32 head over the rows asked for */
+        int64_t R = model_logits_rows(seqs, n);
+        bf16_t *h = balloc(m, (size_t)(T * D) * 2), *hr = balloc(m, (size_t)(R * D) * 2);
+        OPS->hc_collapse(m->be, h, X, P, T, hc, D);
+        OPS->rmsnorm(m->be, h, h, m->w->norm, T, D, (float)c->norm_eps);
+        if (hooks && hooks->final_hidden) hooks->final_hidden(hooks->ctx, h, T);
+        int64_t o = 0;
+        for (int i = 0; i < n; i++) {
+            int64_t cnt = seqs[i].all_logits ? seqs[i].len : 1;
+            int64_t from = b.row0[i] + seqs[i].len - cnt;
+            OPS->copy(m->be, hr + o * D, h + from * D, (size_t)(cnt * D) * 2);
+            o += cnt;
+        }
+        float *lg = balloc(m, sizeof(float) * (size_t)(R * c->vocab_size));
+        OPS->head(m->be, lg, hr, R, &m->w->head);
+        OPS->download(m->be, logits, lg, sizeof(float) * (size_t)(R * c->vocab_size));
+        bfree(m, lg);
+        bfree(m, h);
+        bfree(m, hr);
+    }
+    if (rc == 0)
+        for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
+    for (int l = 0; l < c->n_layers; l++) free(b.topk[l]);
+    free(b.topk);
+    free(b.topk_w);
+    free(b.cand);
+    free(b.row0);
+    free(b.pos_h);
+    free(b.row_seq);
+    free(tok);
+    bfree(m, b.pos);
+    bfree(m, tok_d);
+    bfree(m, e);
+    bfree(m, X);
+    bfree(m, X1);
+    bfree(m, P);
+    return rc;
+}

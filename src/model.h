@@ -1,0 +1,82 @@
+/* The per-stage forward pass of DeepSeek-V4.1-Flash over a batch of sequence chunks, written
+ * against the op table (kernels/backend.h) only. Holds the per-sequence state the reference keeps
+ * in its module buffers: window KV rings, compressed KV and index-key caches of the KV sources,
+ * open compressor groups, Engram token history, and which index keys were published last (for the
+ * stale-key quirk of MODEL.md §3.12). One forward can mix sequences at different positions, each
+ * contributing a chunk of any length (prefill chunk or one decode token). */
+#ifndef DS_MODEL_H
+#define DS_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "config.h"
+#include "engram_hash.h"
+#include "weights.h"
+
+enum window_layout {
+    /* Chunks that start at position 0 list each row's window as the reference's single-shot
+     * prefill does (min(T, W) entries, trailing -1); every other row as a decode step does. */
+    WINDOW_LAYOUT_REFERENCE = 0,
+    /* Every row as a decode step (W window entries, oldest first, leading -1; the indexer scores
+     * and selects over exactly the visible rows): results then do not depend on how a prompt is
+     * chunked. */
+    WINDOW_LAYOUT_DECODE,
+};
+
+struct engine_opts {
+    int64_t max_seq_len;       /* positions per sequence slot */
+    int max_seqs;              /* sequence slots */
+    bool stale_index_keys;     /* reproduce the reference's stale index-key slot (§3.12) */
+    enum window_layout window_layout;
+};
+
+struct engine_opts engine_opts_default(const struct model_config *cfg);
+
+/* One sequence's part of a forward call. */
+struct fwd_seq {
+    int slot;              /* sequence slot (state) */
+    int64_t start;         /* absolute position of tokens[0]; must equal the slot's current length */
+    int64_t len;           /* tokens in this chunk */
+    const int32_t *tokens; /* [len] host */
+    bool all_logits;       /* logits for every row (else only the last row) */
+};
+
+/* Observation/forcing points used by replay (stream forcing) and tests. X/P are backend pointers
+ * to the whole batch ([T, hc, D] bf16, [T, hc] fp32); rows follow the order of the fwd_seq list. */
+struct fwd_hooks {
+    void *ctx;
+    void (*pre_engram)(void *ctx, int layer, bf16_t *X, float *P, int64_t T);  /* before engram/block */
+    void (*pre_block)(void *ctx, int layer, bf16_t *X, float *P, int64_t T);   /* after engram */
+    void (*post_block)(void *ctx, int layer, const bf16_t *X, const float *P, int64_t T);
+    void (*engram_ids)(void *ctx, int layer, const int64_t *ids, int64_t T, int64_t C); /* host */
+    /* top-k rows of an index source, host int32 [T, k] (compressed row ids, −1 unused) */
+    void (*topk)(void *ctx, int layer, const int32_t *idx, int64_t T, int64_t k);
+    void (*final_hidden)(void *ctx, const bf16_t *h, int64_t T); /* normed hidden before the head */
+};
+
+struct model;
+
+struct model *model_new(const struct model_config *cfg, struct model_weights *w, struct backend *be,
+                        const struct engram_consts *ec, const struct engine_opts *opt);
+void model_free(struct model *m);
+
+/* Reset a slot to an empty sequence. */
+void model_reset_slot(struct model *m, int slot);
+int64_t model_slot_len(const struct model *m, int slot);
+
+/* Run one forward over n chunks. logits (host, fp32) receives, in chunk order, either every row
+ * (all_logits) or the last row of each chunk: [n_rows_out, vocab]. Returns 0 or -1 (ds_err_set:
+ * token out of range, sequence too long, ...). */
+int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits,
+                  const struct fwd_hooks *hooks);
+
+/* Number of logits rows model_forward writes for this batch. */
+int64_t model_logits_rows(const struct fwd_seq *seqs, int n);
+
+/* RoPE frequency table of the reference (fp32 pow, fp32 reciprocal, YaRN blend), rd/2 entries. */
+void rope_freqs(float *out, int rd, double theta, bool yarn, double factor, int64_t original_seq_len,
+                double beta_fast, double beta_slow);
+
+#endif /* DS_MODEL_H */

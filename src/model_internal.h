@@ -1,0 +1,61 @@
+/* Internals shared by the files of the forward pass (model.c, attention.c): the model object,
+ * per-slot state and the per-forward batch description. Not part of the public model API. */
+#ifndef DS_MODEL_INTERNAL_H
+#define DS_MODEL_INTERNAL_H
+
+#include "model.h"
+
+/* Per layer, per slot caches (backend memory). */
+struct layer_cache {
+    bf16_t *ring;   /* [slots, W, hd] window K=V ring, post-RoPE, FP8-QDQ'd */
+    bf16_t *ckv;    /* KV sources: [slots, cap, hd] compressed KV, post-RoPE, FP4-QDQ'd */
+    bf16_t *kidx;   /* index-key owners: [slots, cap, id] index keys */
+    float *cmp_kv;  /* ratio>1 sources: [slots, ratio, hd] open group (fp32) */
+    float *cmp_sc;  /* same, scores; -inf when empty */
+    int64_t cap;    /* compressed rows per slot = max_seq_len / ratio */
+};
+
+struct slot_state {
+    int64_t len;            /* positions consumed */
+    int64_t *hist;          /* [max_seq_len] host: compressed token ids (Engram history) */
+    int index_k_src;        /* layer whose index keys were published last (-1 none) */
+};
+
+struct model {
+    const struct model_config *cfg;
+    struct model_weights *w;
+    struct backend *be;
+    const struct engram_consts *ec;
+    struct engine_opts opt;
+    float *freqs[CFG_MAX_LAYERS];  /* backend [rd/2] per layer */
+    float *engram_w[CFG_MAX_LAYERS]; /* backend [hc, D] fp32 q_weight*k_weight, engram layers */
+    struct layer_cache *lc;        /* [n_layers] */
+    struct slot_state *slots;      /* [max_seqs] */
+};
+
+/* One forward's batch, resolved. Row r of the batch belongs to chunk row_seq[r] at position
+ * row_pos[r]; chunks are contiguous row ranges [row0[i], row0[i] + len). */
+struct batch {
+    const struct fwd_seq *seqs;
+    int n;
+    int64_t T;
+    int64_t *row0;     /* [n] host */
+    int32_t *pos_h;    /* [T] host positions */
+    int32_t *pos;      /* [T] backend positions */
+    int32_t *row_seq;  /* [T] host */
+    /* per-forward products shared between layers (host, owned by the forward) */
+    int32_t **topk;    /* [n_layers] index sources: [T, topk_w[l]] compressed ids, -1 unused */
+    int64_t *topk_w;   /* [n_layers] */
+    uint8_t *cand;     /* candidate source: [T, cand_w] mask */
+    int64_t cand_w;
+    /* per chunk: did the KV source emit latents in this call (for the stale-key rule) */
+};
+
+/* attention.c: x [T, D] normed input -> out [T, D] (before TP reduction). */
+int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *out,
+                      const struct fwd_hooks *hooks);
+
+static inline int64_t i64min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t i64max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+#endif /* DS_MODEL_INTERNAL_H */

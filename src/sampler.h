@@ -1,0 +1,27 @@
+/* Token sampling: greedy, temperature, top-k, top-p, with randomness from a counter-based
+ * generator (Philox-4x32-10) keyed by (seed, request, position), so a request's tokens do not
+ * depend on batch composition, concurrency, rank count or order. */
+#ifndef DS_SAMPLER_H
+#define DS_SAMPLER_H
+
+#include <stdint.h>
+
+struct sample_params {
+    float temperature; /* 0 = greedy */
+    int top_k;         /* 0 = off */
+    float top_p;       /* 1 = off */
+    uint64_t seed;
+};
+
+/* Philox-4x32-10 of counter (c0..c3) under key (k0, k1). */
+void philox4x32(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+/* Uniform in [0, 1) for (seed, request, position). */
+double sampler_uniform(uint64_t seed, uint64_t request, uint64_t position);
+
+/* Pick a token from logits [V] (not modified). */
+int sampler_pick(const float *logits, int V, const struct sample_params *p, uint64_t request, uint64_t position);
+
+/* log-softmax of logits at `token`, computed in double over the row. */
+double sampler_logprob(const float *logits, int V, int token);
+
+#endif /* DS_SAMPLER_H */
