@@ -263,7 +263,8 @@ static void print_ranks(struct loaded_model *lm, int tp, int pp) {
     int begin[CFG_MAX_LAYERS + 1];
     plan_stages(&lm->cfg, pp, begin);
     printf("ranks (TP %d x PP %d; rank = stage * %d + tp rank)\n", tp, pp, tp);
-    printf("  rank  stage  tp  layers        bytes mapped         engram        experts\n");
+    printf("  %4s  %5s  %2s  %-10s %16s %-12s %12s %14s\n", "rank", "stage", "tp", "layers", "bytes mapped", "",
+           "engram", "experts");
     uint64_t sum = 0;
     char h[32];
     for (int s = 0; s < pp; s++) {
@@ -275,8 +276,10 @@ static void print_ranks(struct loaded_model *lm, int tp, int pp) {
             char layers[64];
             int n = snprintf(layers, sizeof layers, "%d-%d", begin[s], begin[s + 1] - 1);
             if (o.last_stage && lm->cfg.n_mtp > 0) snprintf(layers + n, sizeof layers - (size_t)n, "+mtp");
-            printf("  %4d  %5d  %2d  %-10s %16llu %-10s %12llu %14llu\n", s * tp + r, s, r, layers,
-                   (unsigned long long)mw.bytes_total, human((double)mw.bytes_total, h, sizeof h),
+            char hb[40];
+            snprintf(hb, sizeof hb, "(%s)", human((double)mw.bytes_total, h, sizeof h));
+            printf("  %4d  %5d  %2d  %-10s %16llu %-12s %12llu %14llu\n", s * tp + r, s, r, layers,
+                   (unsigned long long)mw.bytes_total, hb,
                    (unsigned long long)mw.bytes_engram, (unsigned long long)mw.bytes_experts);
             sum += mw.bytes_total;
             weights_free(&mw);

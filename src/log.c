@@ -96,6 +96,13 @@ void ds_fatal(const char *file, int line, const char *func, const char *lib, con
 
 const char *ds_errno_str(void) { return strerror(errno); }
 
+const char *ds_mpi_str(int code) {
+    static char buf[MPI_MAX_ERROR_STRING + 1];
+    int len = 0;
+    if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) snprintf(buf, sizeof buf, "MPI error %d", code);
+    return buf;
+}
+
 void *ds_malloc(size_t n) {
     void *p = malloc(n ? n : 1);
     if (!p) ds_fatal(__FILE__, __LINE__, __func__, "libc", "malloc", "out of memory");

@@ -44,6 +44,28 @@ void ds_fatal(const char *file, int line, const char *func, const char *lib, con
     } while (0)
 const char *ds_errno_str(void);
 
+/* MPI calls return an error code once MPI_ERRORS_RETURN is set on the communicators (done at
+ * init), so a failure is reported here with MPI's own message instead of MPI's default abort. */
+#define CHECK_MPI(call)                                                                         \
+    do {                                                                                        \
+        int ds_rc_ = (call);                                                                    \
+        if (ds_rc_ != 0) ds_fatal(__FILE__, __LINE__, __func__, "MPI", #call, ds_mpi_str(ds_rc_)); \
+    } while (0)
+const char *ds_mpi_str(int code);
+
+/* HDF5 calls return a negative herr_t / hid_t on failure. */
+#define CHECK_H5(call)                                                                          \
+    do {                                                                                        \
+        if ((long long)(call) < 0) ds_fatal(__FILE__, __LINE__, __func__, "HDF5", #call, "negative return"); \
+    } while (0)
+
+/* zstd calls return a size_t that ZSTD_isError() recognises (include zstd.h before use). */
+#define CHECK_ZSTD(call)                                                                        \
+    do {                                                                                        \
+        size_t ds_zr_ = (call);                                                                 \
+        if (ZSTD_isError(ds_zr_)) ds_fatal(__FILE__, __LINE__, __func__, "zstd", #call, ZSTD_getErrorName(ds_zr_)); \
+    } while (0)
+
 /* Allocation that cannot fail silently. */
 void *ds_malloc(size_t n);
 void *ds_calloc(size_t n, size_t size);

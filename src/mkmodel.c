@@ -268,13 +268,17 @@ static uint64_t stream_base(uint64_t seed, uint64_t key) { return mix64(mix64(se
 /* ------------------------------------------------------------------------------------------------
  * Tensor data generation */
 
+/* Threads only pay off on big tensors: a tiny model's hundreds of small parallel regions would
+ * spend longer in OpenMP barriers than in generating numbers, badly so on a loaded machine. */
+#define PAR_MIN ((int64_t)1 << 18)
+
 static void gen_f32(float *out, int64_t n, uint64_t base, float mean, float std) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = mean + std * gauss_at(base, i);
 }
 
 static void gen_bf16(bf16_t *out, int64_t n, uint64_t base, float mean, float std) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = bf16_from_f32(mean + std * gauss_at(base, i));
 }
 
@@ -283,7 +287,7 @@ static void gen_bf16(bf16_t *out, int64_t n, uint64_t base, float mean, float st
 static void gen_quant(enum gen_kind kind, int64_t n, int64_t k, uint64_t base, float std, uint8_t *q, uint8_t *s) {
     const int64_t rows = kind == GK_FP8_W ? 32 : 64;
     const int64_t n_stripes = cdiv(n, rows), tk = cdiv(k, 32);
-#pragma omp parallel
+#pragma omp parallel if (n * k >= PAR_MIN)
     {
         float *buf = ds_malloc((size_t)(rows * k) * sizeof *buf);
 #pragma omp for schedule(dynamic, 1)
@@ -316,22 +320,15 @@ static int write_tensor(struct st_writer *w, int widx, const struct inventory *i
     uint64_t base = stream_base(seed, t->key);
     int64_t count = (int64_t)(t->nbytes / st_dtype_size(t->dt));
     int rc;
-    switch (t->kind) {
-    case GK_F32: {
-        float *buf = ds_malloc(t->nbytes);
-        gen_f32(buf, count, base, t->mean, t->std);
+    if (t->kind == GK_F32 || t->kind == GK_BF16) {
+        void *buf = ds_malloc(t->nbytes);
+        if (t->kind == GK_F32)
+            gen_f32(buf, count, base, t->mean, t->std);
+        else
+            gen_bf16(buf, count, base, t->mean, t->std);
         rc = st_writer_write(w, widx, buf, t->nbytes);
         free(buf);
         return rc;
-    }
-    case GK_BF16: {
-        bf16_t *buf = ds_malloc(t->nbytes);
-        gen_bf16(buf, count, base, t->mean, t->std);
-        rc = st_writer_write(w, widx, buf, t->nbytes);
-        free(buf);
-        return rc;
-    }
-    default: break;
     }
     if (pend->idx == i) {
         rc = st_writer_write(w, widx, pend->buf, t->nbytes);
@@ -400,22 +397,33 @@ static void write_text(const char *dir, const char *name, const char *text) {
     }
 }
 
-/* Refuse a non-empty DIR; an empty one is replaced by the rename. */
+/* Refuse a non-empty DIR; an empty one is replaced by the rename. Checked again just before the
+ * rename, when the temporary folder exists and must go if DIR appeared meanwhile. */
 static void check_out_dir(const char *dir) {
     struct stat sb;
     if (stat(dir, &sb) != 0) {
         if (errno == ENOENT) return;
-        ds_die("%s: cannot stat: %s", dir, ds_errno_str());
+        ds_err_set("%s: cannot stat: %s", dir, ds_errno_str());
+        fail_out();
     }
-    if (!S_ISDIR(sb.st_mode)) ds_die("%s: exists and is not a directory; refusing to overwrite it", dir);
+    if (!S_ISDIR(sb.st_mode)) {
+        ds_err_set("%s: exists and is not a directory; refusing to overwrite it", dir);
+        fail_out();
+    }
     DIR *d = opendir(dir);
-    if (!d) ds_die("%s: cannot open: %s", dir, ds_errno_str());
+    if (!d) {
+        ds_err_set("%s: cannot open: %s", dir, ds_errno_str());
+        fail_out();
+    }
     struct dirent *e;
     bool empty = true;
     while ((e = readdir(d)) != NULL)
         if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) empty = false;
     closedir(d);
-    if (!empty) ds_die("%s: exists and is not empty; refusing to overwrite it (choose another --out)", dir);
+    if (!empty) {
+        ds_err_set("%s: exists and is not empty; refusing to overwrite it (choose another --out)", dir);
+        fail_out();
+    }
 }
 
 static void parent_of(const char *path, char *out, size_t n) {
@@ -515,8 +523,7 @@ static int json_int(const cJSON *obj, const char *key, int def) {
 
 struct mk_args {
     const char *preset, *out;
-    uint64_t seed;
-    bool have_seed;
+    uint64_t seed; /* default 0 */
     int layer_a, layer_b; /* -1: all */
     int experts;          /* 0: as the preset */
     int64_t max_pos;      /* 0: as the preset */
@@ -877,7 +884,6 @@ static void parse_args(int argc, char **argv, struct mk_args *a) {
             unsigned long long s = strtoull(val, &end, 10);
             if (errno || end == val || *end || val[0] == '-') ds_die("--seed: '%s' is not a non-negative integer", val);
             a->seed = s;
-            a->have_seed = true;
         } else if (!strcmp(key, "layers")) {
             int x, y, n = 0;
             if (sscanf(val, "%d-%d%n", &x, &y, &n) != 2 || val[n] || x < 0 || y < x)
