@@ -103,4 +103,12 @@ void config_print_roles(FILE *f, const struct model_config *cfg);
 
 static inline int config_total_layers(const struct model_config *c) { return c->n_layers + c->n_mtp; }
 
+/* Checkpoint name prefix of layer l: "layers.L" for the backbone, "mtp.M" for DSpark block M. */
+static inline void config_layer_prefix(const struct model_config *c, int l, char *buf, size_t n) {
+    if (l >= c->n_layers)
+        snprintf(buf, n, "mtp.%d", l - c->n_layers);
+    else
+        snprintf(buf, n, "layers.%d", l);
+}
+
 #endif /* DS_CONFIG_H */

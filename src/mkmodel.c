@@ -142,10 +142,7 @@ static void add_rows(struct inventory *inv, const char *prefix, int64_t rows, in
 static void add_block(struct inventory *inv, const struct model_config *c, int l) {
     const struct layer_role *r = &c->role[l];
     char p[64], n[160];
-    if (r->is_dspark)
-        snprintf(p, sizeof p, "mtp.%d", l - c->n_layers);
-    else
-        snprintf(p, sizeof p, "layers.%d", l);
+    config_layer_prefix(c, l, p, sizeof p);
     int64_t D = c->dim, hd = c->head_dim, H = c->n_heads, G = c->o_groups, R = c->o_lora_rank, q = c->q_lora_rank;
     int64_t hc = c->hc_mult, mix = (2 + hc) * hc, I = c->moe_inter_dim, E = r->n_experts;
 #define N(...) (snprintf(n, sizeof n, __VA_ARGS__), n)

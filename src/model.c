@@ -303,13 +303,11 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
     }
     int64_t T = b.T, D = c->dim, hc = c->hc_mult;
     b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)T);
-    b.row_seq = ds_malloc(sizeof(int32_t) * (size_t)T);
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < n; i++)
         for (int64_t t = 0; t < seqs[i].len; t++) {
             int64_t r = b.row0[i] + t;
             b.pos_h[r] = (int32_t)(seqs[i].start + t);
-            b.row_seq[r] = i;
             tok[r] = seqs[i].tokens[t];
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
@@ -365,7 +363,6 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
     free(b.cand);
     free(b.row0);
     free(b.pos_h);
-    free(b.row_seq);
     free(tok);
     bfree(m, b.pos);
     bfree(m, tok_d);

@@ -33,8 +33,8 @@ struct model {
     struct slot_state *slots;      /* [max_seqs] */
 };
 
-/* One forward's batch, resolved. Row r of the batch belongs to chunk row_seq[r] at position
- * row_pos[r]; chunks are contiguous row ranges [row0[i], row0[i] + len). */
+/* One forward's batch, resolved: chunk i owns the contiguous rows [row0[i], row0[i] + len), and
+ * row r sits at position pos_h[r]. */
 struct batch {
     const struct fwd_seq *seqs;
     int n;
@@ -42,13 +42,11 @@ struct batch {
     int64_t *row0;     /* [n] host */
     int32_t *pos_h;    /* [T] host positions */
     int32_t *pos;      /* [T] backend positions */
-    int32_t *row_seq;  /* [T] host */
     /* per-forward products shared between layers (host, owned by the forward) */
     int32_t **topk;    /* [n_layers] index sources: [T, topk_w[l]] compressed ids, -1 unused */
     int64_t *topk_w;   /* [n_layers] */
     uint8_t *cand;     /* candidate source: [T, cand_w] mask */
     int64_t cand_w;
-    /* per chunk: did the KV source emit latents in this call (for the stale-key rule) */
 };
 
 /* attention.c: x [T, D] normed input -> out [T, D] (before TP reduction). */

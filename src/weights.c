@@ -146,10 +146,8 @@ static int bind_attention(struct binder *b, int l, struct attn_weights *a) {
     const struct model_config *c = b->cfg;
     const struct layer_role *r = &c->role[l];
     char base[64], n[320];
-    if (r->is_dspark)
-        snprintf(base, sizeof base, "mtp.%d.attn", l - c->n_layers);
-    else
-        snprintf(base, sizeof base, "layers.%d.attn", l);
+    config_layer_prefix(c, l, base, sizeof base);
+    strcat(base, ".attn");
     int tr = b->opt->tp_rank;
     int64_t D = c->dim, hd = c->head_dim, H = c->n_heads, G = c->o_groups, R = c->o_lora_rank, q = c->q_lora_rank;
     int64_t Hl, Gl;
@@ -188,10 +186,8 @@ static int bind_ffn(struct binder *b, int l, struct ffn_weights *f) {
     const struct model_config *c = b->cfg;
     const struct layer_role *r = &c->role[l];
     char base[64], n[320];
-    if (r->is_dspark)
-        snprintf(base, sizeof base, "mtp.%d.ffn", l - c->n_layers);
-    else
-        snprintf(base, sizeof base, "layers.%d.ffn", l);
+    config_layer_prefix(c, l, base, sizeof base);
+    strcat(base, ".ffn");
     int64_t D = c->dim, I = c->moe_inter_dim, E = r->n_experts, El;
     if (tp_split(b, r->is_dspark ? "dspark_n_routed_experts" : "n_routed_experts", E, &El)) return -1;
     if (!c->expert_fp4) {
@@ -268,10 +264,7 @@ static int bind_layer(struct binder *b, int l) {
     const struct layer_role *r = &c->role[l];
     struct layer_weights *lw = &b->mw->layers[l];
     char base[64], n[320];
-    if (r->is_dspark)
-        snprintf(base, sizeof base, "mtp.%d", l - c->n_layers);
-    else
-        snprintf(base, sizeof base, "layers.%d", l);
+    config_layer_prefix(c, l, base, sizeof base);
     int64_t D = c->dim, hc = c->hc_mult, mix = (2 + hc) * hc;
     b->keep = r->is_dspark ? b->opt->last_stage : (l >= b->opt->layer_begin && l < b->opt->layer_end);
     lw->present = b->keep;
