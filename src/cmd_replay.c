@@ -7,47 +7,12 @@
 #include <string.h>
 
 #include "cli.h"
-#include "loader.h"
+#include "engine_cli.h"
 #include "log.h"
 #include "model.h"
 #include "replay.h"
 #include "tolerances.h"
 #include "verify.h"
-
-struct engine_flags {
-    bool no_stale_keys;
-    enum window_layout layout;
-};
-
-/* Common engine switches; returns 1 when argv[*i] was one of them. */
-static int parse_engine_flag(int argc, char **argv, int *i, struct engine_flags *f) {
-    if (!strcmp(argv[*i], "--no-stale-index-keys")) {
-        f->no_stale_keys = true;
-        return 1;
-    }
-    if (!strcmp(argv[*i], "--window-layout") && *i + 1 < argc) {
-        const char *v = argv[++*i];
-        if (!strcmp(v, "reference"))
-            f->layout = WINDOW_LAYOUT_REFERENCE;
-        else if (!strcmp(v, "decode"))
-            f->layout = WINDOW_LAYOUT_DECODE;
-        else
-            ds_die("--window-layout: '%s' is not one of reference, decode", v);
-        return 1;
-    }
-    return 0;
-}
-
-static struct model *open_engine(struct loaded_model *lm, struct backend *be, const char *dir,
-                                 const struct engine_flags *f, int64_t min_len) {
-    if (loader_open(lm, dir, NULL)) ds_die_err();
-    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
-    struct engine_opts eo = engine_opts_default(&lm->cfg);
-    if (eo.max_seq_len < min_len) eo.max_seq_len = min_len;
-    eo.stale_index_keys = !f->no_stale_keys;
-    eo.window_layout = f->layout;
-    return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
-}
 
 /* Positions a fixture needs: prompt + decode steps. */
 static int64_t fixture_len(struct st_model *fx) {
@@ -60,7 +25,7 @@ int cmd_replay(int argc, char **argv) {
     enum replay_force force = REPLAY_FORCE_STREAM;
     struct engine_flags f = {0};
     for (int i = 1; i < argc; i++) {
-        if (parse_engine_flag(argc, argv, &i, &f)) continue;
+        if (engine_flag_parse(argc, argv, &i, &f)) continue;
         if (!strcmp(argv[i], "--model") && i + 1 < argc)
             model = argv[++i];
         else if (!strcmp(argv[i], "--fixture") && i + 1 < argc)
@@ -87,14 +52,12 @@ int cmd_replay(int argc, char **argv) {
     if (st_open(fixture, &fx)) ds_die_err();
     struct loaded_model lm;
     struct backend be;
-    struct model *m = open_engine(&lm, &be, model, &f, fixture_len(&fx));
+    struct model *m = engine_open(&lm, &be, model, &f, 0, fixture_len(&fx), 1);
     struct replay_result res;
     if (replay_run(m, &fx, force, &res)) ds_die_err();
     if (replay_write(&res, out)) ds_die_err();
     replay_free(&res);
-    model_free(m);
-    backend_cpu_free(&be);
-    loader_close(&lm);
+    engine_close(m, &lm, &be);
     st_close(&fx);
     return 0;
 }
@@ -105,7 +68,7 @@ int cmd_verify(int argc, char **argv) {
     const char *golden = NULL;
     struct engine_flags f = {0};
     for (int i = 1; i < argc; i++) {
-        if (parse_engine_flag(argc, argv, &i, &f)) continue;
+        if (engine_flag_parse(argc, argv, &i, &f)) continue;
         if (!strcmp(argv[i], "--golden") && i + 1 < argc)
             golden = argv[++i];
         else if (!strcmp(argv[i], "--help")) {
@@ -136,7 +99,7 @@ int cmd_verify(int argc, char **argv) {
         if (st_open(p, &fx[i])) ds_die_err();
         if (fixture_len(&fx[i]) > need) need = fixture_len(&fx[i]);
     }
-    struct model *m = open_engine(&lm, &be, golden, &f, need);
+    struct model *m = engine_open(&lm, &be, golden, &f, 0, need, 1);
     struct verify_summary sum = {0};
     for (int i = 0; i < n; i++) {
         char label[64];
@@ -151,8 +114,6 @@ int cmd_verify(int argc, char **argv) {
            TOL_LAYER_REL_RMS_MEDIAN, sum.worst_forced_logits, TOL_FORCED_LOGITS_MAX_ABS,
            sum.topk_rows_diff_unexcused, sum.hash_mismatches);
     free(fx);
-    model_free(m);
-    backend_cpu_free(&be);
-    loader_close(&lm);
+    engine_close(m, &lm, &be);
     return sum.failures ? 1 : 0;
 }

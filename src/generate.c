@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "loader.h"
+#include "engine_cli.h"
 #include "log.h"
 #include "model.h"
 #include "sampler.h"
@@ -33,7 +33,7 @@ struct gen_opts {
     int64_t max_new, max_seq_len, chunk;
     int max_seqs;
     struct sample_params sp;
-    bool no_stale_keys, layout_decode;
+    struct engine_flags ef;
 };
 
 static char *read_file(const char *path, size_t *len) {
@@ -115,11 +115,8 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--top-k")) o->sp.top_k = atoi(v);
         else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
         else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--no-stale-index-keys")) o->no_stale_keys = true;
-        else if (OPT("--window-layout")) {
-            if (strcmp(v, "reference") && strcmp(v, "decode")) ds_die("--window-layout: '%s' is not one of reference, decode", v);
-            o->layout_decode = !strcmp(v, "decode");
-        } else if (!strcmp(a, "--help")) {
+        else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
+        else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
                    "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode]\n",
@@ -132,23 +129,6 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
     if (!o->model || !o->prompts || !o->out) ds_die("--model, --prompts and --out are required");
     if (o->max_seqs < 1 || o->chunk < 1) ds_die("--max-seqs and --chunk must be positive");
     return 0;
-}
-
-static struct model *engine(struct loaded_model *lm, struct backend *be, struct gen_opts *o) {
-    if (loader_open(lm, o->model, NULL)) ds_die_err();
-    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
-    struct engine_opts eo = engine_opts_default(&lm->cfg);
-    if (o->max_seq_len > 0) {
-        if (o->max_seq_len > lm->cfg.max_pos)
-            ds_die("--max-seq-len %lld exceeds the model's max_position_embeddings %lld", (long long)o->max_seq_len,
-                   (long long)lm->cfg.max_pos);
-        eo.max_seq_len = o->max_seq_len;
-    }
-    o->max_seq_len = eo.max_seq_len;
-    eo.max_seqs = o->max_seqs;
-    eo.stale_index_keys = !o->no_stale_keys;
-    eo.window_layout = o->layout_decode ? WINDOW_LAYOUT_DECODE : WINDOW_LAYOUT_REFERENCE;
-    return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
 }
 
 /* Write to path.tmp and rename, so a killed run never leaves a file that looks complete. */
@@ -168,7 +148,8 @@ int cmd_generate(int argc, char **argv) {
     parse_gen_opts(argc, argv, &o, false);
     struct loaded_model lm;
     struct backend be;
-    struct model *m = engine(&lm, &be, &o);
+    struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
+    o.max_seq_len = model_max_seq_len(m);
     int np;
     struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
     int V = lm.cfg.vocab_size, S = o.max_seqs;
@@ -247,9 +228,7 @@ int cmd_generate(int argc, char **argv) {
     free(fs);
     free(fs_req);
     free(logits);
-    model_free(m);
-    backend_cpu_free(&be);
-    loader_close(&lm);
+    engine_close(m, &lm, &be);
     return 0;
 }
 
@@ -260,7 +239,8 @@ int cmd_score(int argc, char **argv) {
     o.max_seqs = 1;
     struct loaded_model lm;
     struct backend be;
-    struct model *m = engine(&lm, &be, &o);
+    struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
+    o.max_seq_len = model_max_seq_len(m);
     int np;
     struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
     int V = lm.cfg.vocab_size;
@@ -296,8 +276,6 @@ int cmd_score(int argc, char **argv) {
     close_out(f, tmp, o.out);
     free(ps);
     free(logits);
-    model_free(m);
-    backend_cpu_free(&be);
-    loader_close(&lm);
+    engine_close(m, &lm, &be);
     return 0;
 }

@@ -147,6 +147,8 @@ void model_reset_slot(struct model *m, int slot) {
 
 int64_t model_slot_len(const struct model *m, int slot) { return m->slots[slot].len; }
 
+int64_t model_max_seq_len(const struct model *m) { return m->opt.max_seq_len; }
+
 void model_free(struct model *m) {
     if (!m) return;
     const struct model_config *c = m->cfg;

@@ -1,0 +1,49 @@
+/* Engine switches and engine construction shared by the commands (see engine_cli.h). */
+#include "engine_cli.h"
+
+#include <string.h>
+
+#include "log.h"
+
+int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
+    if (!strcmp(argv[*i], "--no-stale-index-keys")) {
+        f->no_stale_keys = true;
+        return 1;
+    }
+    if (!strcmp(argv[*i], "--window-layout") && *i + 1 < argc) {
+        const char *v = argv[++*i];
+        if (!strcmp(v, "reference"))
+            f->layout = WINDOW_LAYOUT_REFERENCE;
+        else if (!strcmp(v, "decode"))
+            f->layout = WINDOW_LAYOUT_DECODE;
+        else
+            ds_die("--window-layout: '%s' is not one of reference, decode", v);
+        return 1;
+    }
+    return 0;
+}
+
+struct model *engine_open(struct loaded_model *lm, struct backend *be, const char *dir,
+                          const struct engine_flags *f, int64_t max_seq_len, int64_t min_len, int max_seqs) {
+    if (loader_open(lm, dir, NULL)) ds_die_err();
+    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
+    struct engine_opts eo = engine_opts_default(&lm->cfg);
+    if (max_seq_len > 0) {
+        if (max_seq_len > lm->cfg.max_pos)
+            ds_die("--max-seq-len %lld exceeds the model's max_position_embeddings %lld", (long long)max_seq_len,
+                   (long long)lm->cfg.max_pos);
+        eo.max_seq_len = max_seq_len;
+    } else if (eo.max_seq_len < min_len) {
+        eo.max_seq_len = min_len;
+    }
+    eo.max_seqs = max_seqs;
+    eo.stale_index_keys = !f->no_stale_keys;
+    eo.window_layout = f->layout;
+    return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
+}
+
+void engine_close(struct model *m, struct loaded_model *lm, struct backend *be) {
+    model_free(m);
+    backend_cpu_free(be);
+    loader_close(lm);
+}

@@ -1,0 +1,28 @@
+/* What every engine-running command shares: the engine switches on the command line
+ * (--no-stale-index-keys, --window-layout) and opening a model folder into a ready engine on the
+ * CPU backend, so generate, score, replay and verify parse and build the engine one way. */
+#ifndef DS_ENGINE_CLI_H
+#define DS_ENGINE_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "loader.h"
+#include "model.h"
+
+struct engine_flags {
+    bool no_stale_keys;
+    enum window_layout layout;
+};
+
+/* If argv[*i] is an engine switch, consume it (and its value) and return 1; else 0. */
+int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f);
+
+/* Load DIR (dies with one error line on bad input) and build the engine. max_seq_len > 0 asks for
+ * that many positions per sequence (an error beyond the model's max_position_embeddings); 0 takes
+ * the default, raised to at least min_len. */
+struct model *engine_open(struct loaded_model *lm, struct backend *be, const char *dir,
+                          const struct engine_flags *f, int64_t max_seq_len, int64_t min_len, int max_seqs);
+void engine_close(struct model *m, struct loaded_model *lm, struct backend *be);
+
+#endif /* DS_ENGINE_CLI_H */
