@@ -17,18 +17,22 @@
 
 void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
                     float eps) {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16_t *xr = x + t * n;
-        bf16_t *yr = y + t * n;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            float v = bf16_to_f32(xr[i]);
-            ss += v * v;
+#pragma omp parallel
+    {
+        float *sq = ds_malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const bf16_t *xr = x + t * n;
+            bf16_t *yr = y + t * n;
+            for (int64_t i = 0; i < n; i++) {
+                float v = bf16_to_f32(xr[i]);
+                sq[i] = v * v;
+            }
+            float r = 1.0f / sqrtf(cpu_sum_torch(sq, n) / (float)n + eps);
+            /* Each x is read before its own y is written, which is what makes y == x safe. */
+            for (int64_t i = 0; i < n; i++) yr[i] = bf16_from_f32(bf16_to_f32(w[i]) * (bf16_to_f32(xr[i]) * r));
         }
-        float r = 1.0f / sqrtf(ss / (float)n + eps);
-        /* Each x is read before its own y is written, which is what makes y == x safe. */
-        for (int64_t i = 0; i < n; i++) yr[i] = bf16_from_f32(bf16_to_f32(w[i]) * (bf16_to_f32(xr[i]) * r));
+        free(sq);
     }
 }
 
@@ -140,17 +144,16 @@ void cpu_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, c
     if (T <= 0) return;
 #pragma omp parallel
     {
-        float *xf = ds_malloc((size_t)L * sizeof(float));
+        float *xf = ds_malloc((size_t)L * sizeof(float)), *sq = ds_malloc((size_t)L * sizeof(float));
         float *m = ds_malloc((size_t)nm * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             const bf16_t *xr = X + t * L;
-            float ss = 0.0f;
             for (int64_t i = 0; i < L; i++) {
                 xf[i] = bf16_to_f32(xr[i]);
-                ss += xf[i] * xf[i];
+                sq[i] = xf[i] * xf[i];
             }
-            float r = 1.0f / sqrtf(ss / (float)L + norm_eps);
+            float r = 1.0f / sqrtf(cpu_sum_torch(sq, L) / (float)L + norm_eps);
             for (int64_t j = 0; j < nm; j++) {
                 const float *f = fn + j * L;
                 float acc = 0.0f;
@@ -161,6 +164,7 @@ void cpu_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, c
         }
         free(m);
         free(xf);
+        free(sq);
     }
 }
 
@@ -239,29 +243,31 @@ void cpu_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, 
 void cpu_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
                         int64_t hc, int64_t D, float eps) {
     float inv_sqrt_d = (float)(1.0 / sqrt((double)D));
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16_t *kvr = kv + t * (hc + 1) * D;
-        const bf16_t *value = kvr + hc * D;
-        for (int64_t c = 0; c < hc; c++) {
-            bf16_t *h = X + (t * hc + c) * D;
-            const bf16_t *key = kvr + c * D;
-            const float *wc = w + c * D;
-            float ss_h = 0.0f, ss_k = 0.0f, dot = 0.0f;
-            for (int64_t d = 0; d < D; d++) {
-                float hv = bf16_to_f32(h[d]);
-                ss_h += hv * hv;
+#pragma omp parallel
+    {
+        float *tmp = ds_malloc((size_t)D * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const bf16_t *kvr = kv + t * (hc + 1) * D;
+            const bf16_t *value = kvr + hc * D;
+            for (int64_t c = 0; c < hc; c++) {
+                bf16_t *h = X + (t * hc + c) * D;
+                const bf16_t *key = kvr + c * D;
+                const float *wc = w + c * D;
+                /* each statistic is a materialized fp32 row summed in the reference's order */
+                for (int64_t d = 0; d < D; d++) tmp[d] = bf16_to_f32(h[d]) * bf16_to_f32(h[d]);
+                float ss_h = cpu_sum_torch(tmp, D);
+                for (int64_t d = 0; d < D; d++) tmp[d] = bf16_to_f32(key[d]) * bf16_to_f32(key[d]);
+                float ss_k = cpu_sum_torch(tmp, D);
+                for (int64_t d = 0; d < D; d++) tmp[d] = (bf16_to_f32(h[d]) * wc[d]) * bf16_to_f32(key[d]);
+                float dot = cpu_sum_torch(tmp, D);
+                float rstd = (1.0f / sqrtf(ss_h / (float)D + eps)) * (1.0f / sqrtf(ss_k / (float)D + eps));
+                dot = (dot * rstd) * inv_sqrt_d;
+                float g = cpu_sigmoid(copysignf(sqrtf(fmaxf(fabsf(dot), 1e-6f)), dot));
+                for (int64_t d = 0; d < D; d++) h[d] = bf16_from_f32(bf16_to_f32(h[d]) + g * bf16_to_f32(value[d]));
             }
-            for (int64_t d = 0; d < D; d++) {
-                float kv_d = bf16_to_f32(key[d]);
-                ss_k += kv_d * kv_d;
-            }
-            for (int64_t d = 0; d < D; d++) dot += (bf16_to_f32(h[d]) * wc[d]) * bf16_to_f32(key[d]);
-            float rstd = (1.0f / sqrtf(ss_h / (float)D + eps)) * (1.0f / sqrtf(ss_k / (float)D + eps));
-            dot = (dot * rstd) * inv_sqrt_d;
-            float g = cpu_sigmoid(copysignf(sqrtf(fmaxf(fabsf(dot), 1e-6f)), dot));
-            for (int64_t d = 0; d < D; d++) h[d] = bf16_from_f32(bf16_to_f32(h[d]) + g * bf16_to_f32(value[d]));
         }
+        free(tmp);
     }
 }
 

@@ -19,6 +19,13 @@
 
 static inline float cpu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* Width of the vectors torch's fp32 sum used where the golden fixtures were made (AVX-512). */
+#define CPU_SUM_LANES 16
+/* Σ x[0..n) in the order of the reference's torch sum (cpu_reduce.c). */
+float cpu_sum_torch(const float *x, int64_t n);
+/* The same order for another vector width (8 = torch on AVX2; used to test the algorithm). */
+float cpu_sum_torch_lanes(const float *x, int64_t n, int lanes);
+
 /* Decode tables, built once: e4m3 byte -> value, and one FP4 byte -> (even, odd) values. */
 const float *cpu_e4m3_lut(void);
 const float *cpu_fp4_pair_lut(void); /* [256][2]: low nibble first */

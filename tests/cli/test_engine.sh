@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The CPU engine end to end on the golden small6 model (issue #3): stream-forced verify against the
-# official reference, batch invariance (max-seqs 1 vs 8), chunked-prefill invariance (chunk 1, 7,
+# The CPU engine end to end (issue #3): stream-forced verify of both golden models against the
+# official reference; on small6: batch invariance (max-seqs 1 vs 8), chunked-prefill invariance (chunk 1, 7,
 # 64 vs whole prompts, with the chunk-invariant settings), scoring, and bad input. TAP lines.
 set -u
 DSBATCH=${DSBATCH:-build/dsbatch}
@@ -13,9 +13,11 @@ ok() { echo "ok - $1"; }
 nok() { echo "not ok - $1"; }
 check() { if eval "$2"; then ok "$1"; else nok "$1"; fi; }
 
-"$DSBATCH" verify --golden "$M" > "$T/verify.txt" 2>&1
-check "verify small6: every layer, top-k set, hash id and forced logit within tolerance" '[ $? -eq 0 ] && grep -q "0 failed" "$T/verify.txt"'
-tail -1 "$T/verify.txt"
+for spec in small6 tp8pp2; do
+  "$DSBATCH" verify --golden "$GOLDEN/$spec" > "$T/verify.txt" 2>&1
+  check "verify $spec: every layer, top-k set, hash id and forced logit within tolerance" '[ $? -eq 0 ] && grep -q " 0 failed" "$T/verify.txt"'
+  tail -1 "$T/verify.txt"
+done
 
 P=data/prompts/tiny.jsonl
 "$DSBATCH" generate --model "$M" --prompts $P --out "$T/g1.jsonl" --max-seqs 1 2>"$T/err1"

@@ -10,12 +10,12 @@ GOLDEN=${GOLDEN:-../shared/golden}
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 # spec prompt  prefill_max  decode_max  decode_median  argmax_agree  close_steps (leading steps within 1e-3)  (measured 2026-11-29)
-PINS="small6 0 0.000001 1.553167 0.198613 32 9
-small6 1 0.790969 2.600644 0.412240 31 0
-small6 2 1.574087 1.654238 0.441539 31 0
-tp8pp2 0 0.000082 1.731492 0.404093 37 5
-tp8pp2 1 1.523409 1.332330 0.466502 32 0
-tp8pp2 2 1.497592 1.520224 0.554791 34 0"
+PINS="small6 0 0.000001 0.249344 0.090656 39 10
+small6 1 0.424073 2.561047 0.346100 33 0
+small6 2 1.559836 1.486805 0.367689 31 0
+tp8pp2 0 0.000001 1.284512 0.222592 44 6
+tp8pp2 1 1.157660 1.444449 0.383576 33 0
+tp8pp2 2 1.474266 1.790329 0.537497 35 0"
 while read -r spec p pmax dmax dmed agree exact; do
   "$DSBATCH" replay --model "$GOLDEN/$spec" --fixture "$GOLDEN/$spec/prompt$p.safetensors" --force tokens \
     --out "$T/r.st" 2>"$T/err" || { echo "not ok - replay $spec prompt$p: $(cat "$T/err")"; continue; }
