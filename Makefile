@@ -23,6 +23,9 @@ HOST_OBJ  := $(patsubst %.c,$(BUILD_DIR)/obj/%.o,$(HOST_SRC))
 CU_SRC    := $(wildcard kernels/cuda/*.cu)
 TEST_SRC  := $(wildcard tests/unit/test_*.c)
 TEST_BIN  := $(patsubst tests/unit/%.c,$(BUILD_DIR)/tests/%,$(TEST_SRC))
+# MPI test programs (no cmocka: run under mpirun by tests/cli scripts, which print the TAP lines)
+MPITEST_SRC := $(wildcard tests/mpi/*.c)
+MPITEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD_DIR)/mpitests/%,$(MPITEST_SRC))
 
 ifneq ($(strip $(NVCC)),)
 ifneq ($(strip $(CU_SRC)),)
@@ -39,7 +42,7 @@ LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart_static -lnccl -ldl -lrt -lstdc++
 endif
 
 .PHONY: all cpu test test-cuda demo bench clean help
-all: $(BUILD_DIR)/dsbatch $(TEST_BIN)
+all: $(BUILD_DIR)/dsbatch $(TEST_BIN) $(MPITEST_BIN)
 
 cpu:
 	$(MAKE) WITH_CUDA=0 NVCC= all
@@ -62,6 +65,10 @@ $(BUILD_DIR)/dsbatch: $(BUILD_DIR)/obj/src/main.o $(BUILD_DIR)/libdsbatch.a
 $(BUILD_DIR)/tests/%: tests/unit/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS) -lcmocka
+
+$(BUILD_DIR)/mpitests/%: tests/mpi/%.c $(BUILD_DIR)/libdsbatch.a
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
 
 test: all
 	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh

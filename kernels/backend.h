@@ -158,19 +158,27 @@ struct backend_ops {
     void (*router)(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
                    float route_scale);
-    /* Routed experts e in [e0, e0+n_local) in ascending id order: for every (t, slot) with
-     * idx[t,slot] == e: g = bf16(x·w1ᵀ) → fp32, u = bf16(x·w3ᵀ) → fp32 (FP4 linears with act quant);
+    /* Routed experts e in [e0, e0+n_local): for every (t, slot) with idx[t,slot] == e:
+     * g = bf16(x·w1ᵀ) → fp32, u = bf16(x·w3ᵀ) → fp32 (FP4 linears with act quant);
      * u = clamp(u, −limit, limit), g = min(g, limit) (limit > 0); h = silu(g)·u (fp32, silu(g) =
-     * g / (1 + expf(−g))); h = wts[t,slot]·h; y_e = bf16(bf16(h)·w2ᵀ); acc[t,:] += y_e (fp32).
-     * acc [T, D] fp32 is accumulated into (caller zeroes it). w1/w3/w2: arrays indexed e − e0. */
-    void (*moe_experts)(struct backend *be, float *acc, const bf16_t *x, const int32_t *idx, const float *wts,
+     * g / (1 + expf(−g))); h = wts[t,slot]·h; y[t,slot,:] = bf16(bf16(h)·w2ᵀ).
+     * y [T, k, D] bf16; slots routed elsewhere are left untouched. w1/w3/w2: arrays indexed e − e0. */
+    void (*moe_experts)(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                         const struct qweight *w3, const struct qweight *w2, float limit);
+    /* The reference's expert sum: acc[t,:] += y_e in ascending expert id e over the token's slots,
+     * in fp32. y [P, T, k, D] bf16 holds P parts (one per TP rank after a gather); expert e's output
+     * is in part e / per_part. Slots whose part is >= P are skipped. */
+    void (*moe_combine)(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
+                        int64_t D, int64_t per_part, int64_t P);
     /* Shared expert, same SwiGLU without routing weight: y[T,D] bf16 = bf16(bf16(h)·w2ᵀ) (FP8). */
     void (*shared_expert)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);
     /* out[t,:] = bf16(acc[t,:] + y[t,:]) (acc fp32, y bf16 widened); y may be NULL (out = bf16(acc)). */
     void (*add_f32_bf16)(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
+    /* dst[t, s, :] = src[s, t, :] for S blocks of T rows of `bytes` each: turns a gather of
+     * per-rank column blocks into whole rows. */
+    void (*interleave)(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
 };
 
 struct backend {

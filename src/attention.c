@@ -351,7 +351,14 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     int64_t Gl = aw->wo_a.n / c->o_lora_rank;
     bf16_t *u = balloc(m, (size_t)T * aw->wo_a.n * 2);
     OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
-    OPS->linear(m->be, out, u, T, &aw->wo_b);
+    /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b */
+    int64_t K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
+    bf16_t *uf = balloc(m, (size_t)(T * K) * 2), *ol = balloc(m, (size_t)(T * Dl) * 2);
+    model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
+    OPS->linear(m->be, ol, uf, T, &aw->wo_b);
+    model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
+    bfree(m, uf);
+    bfree(m, ol);
 
     free(base);
     free(nw);

@@ -36,12 +36,23 @@ static int load_token_map(struct loaded_model *lm) {
     return rc;
 }
 
-int loader_open(struct loaded_model *lm, const char *dir, const struct bind_opts *opt) {
+int loader_open_config(struct loaded_model *lm, const char *dir) {
     memset(lm, 0, sizeof *lm);
     snprintf(lm->dir, sizeof lm->dir, "%s", dir);
     char path[700];
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (config_load(path, &lm->cfg)) return -1;
+    return config_load(path, &lm->cfg);
+}
+
+int loader_open(struct loaded_model *lm, const char *dir, const struct bind_opts *opt) {
+    if (loader_open_config(lm, dir)) return -1;
+    return loader_bind(lm, opt);
+}
+
+int loader_bind(struct loaded_model *lm, const struct bind_opts *opt) {
+    const char *dir = lm->dir;
+    char path[700];
+    snprintf(path, sizeof path, "%s/config.json", dir);
     if (st_open(dir, &lm->st)) {
         config_free(&lm->cfg);
         return -1;

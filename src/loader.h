@@ -20,6 +20,10 @@ struct loaded_model {
 
 /* Returns 0 or -1 (ds_err_set). `opt` NULL = whole model on one rank. */
 int loader_open(struct loaded_model *lm, const char *dir, const struct bind_opts *opt);
+/* The same in two steps, for callers whose bind options depend on the config (TP/PP layout):
+ * the config alone, then the checkpoint, weights and Engram constants. */
+int loader_open_config(struct loaded_model *lm, const char *dir);
+int loader_bind(struct loaded_model *lm, const struct bind_opts *opt);
 void loader_close(struct loaded_model *lm);
 
 #endif /* DS_LOADER_H */

@@ -59,6 +59,7 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
     m->be = be;
     m->ec = ec;
     m->opt = *opt;
+    m->tp_size = opt->tp ? opt->tp->size : 1;
     int total = config_total_layers(cfg);
     int64_t hd = cfg->head_dim, D = cfg->dim, hc = cfg->hc_mult, W = cfg->window, S = opt->max_seqs;
     float *fr = ds_malloc(sizeof(float) * (size_t)cfg->rope_dim);
@@ -173,6 +174,18 @@ void model_free(struct model *m) {
     free(m);
 }
 
+void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T, size_t row_bytes,
+                          const char *what) {
+    if (m->tp_size == 1) {
+        OPS->copy(m->be, dst, src, row_bytes * (size_t)T);
+        return;
+    }
+    void *all = balloc(m, row_bytes * (size_t)T * (size_t)m->tp_size);
+    m->opt.tp->ops->allgather(m->opt.tp, src, all, row_bytes * (size_t)T, what);
+    OPS->interleave(m->be, dst, all, m->tp_size, T, row_bytes);
+    bfree(m, all);
+}
+
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
     int64_t r = 0;
     for (int i = 0; i < n; i++) r += seqs[i].all_logits ? seqs[i].len : 1;
@@ -196,6 +209,9 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     OPS->upload(m->be, ids_d, ids, sizeof(int64_t) * (size_t)(T * C));
     bf16_t *rows = balloc(m, (size_t)(T * C * hd) * 2);
     OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
+    /* row-split table: exactly one rank holds each row, the others add zeros (exact) */
+    if (m->tp_size > 1)
+        m->opt.tp->ops->allreduce_sum(m->opt.tp, rows, (size_t)(T * C * hd), COMM_BF16, "engram rows");
     bf16_t *kv = balloc(m, (size_t)(T * (hc + 1) * D) * 2);
     OPS->linear(m->be, kv, rows, T, &ew->wkv);
     OPS->engram_gate(m->be, X, kv, m->engram_w[l], T, hc, D, (float)c->norm_eps);
@@ -214,11 +230,21 @@ static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x
     int32_t *idx = balloc(m, sizeof(int32_t) * (size_t)(T * k));
     float *wts = balloc(m, sizeof(float) * (size_t)(T * k));
     float *acc = balloc(m, sizeof(float) * (size_t)(T * D));
-    bf16_t *sh = balloc(m, (size_t)(T * D) * 2);
+    bf16_t *sh = balloc(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
-    OPS->moe_experts(m->be, acc, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
+    OPS->moe_experts(m->be, y, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
                      (float)c->swiglu_limit);
+    /* experts are split by id: gather every rank's per-slot outputs and sum them per token in
+     * ascending expert id, the single-rank order */
+    bf16_t *all = y;
+    if (m->tp_size > 1) {
+        all = balloc(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
+        m->opt.tp->ops->allgather(m->opt.tp, y, all, (size_t)(T * k * D) * 2, "moe experts");
+    }
+    OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
+    if (all != y) bfree(m, all);
+    bfree(m, y);
     OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
     OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
     bfree(m, idx);
@@ -325,6 +351,8 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
     bf16_t *X = balloc(m, (size_t)(T * hc * D) * 2), *X1 = balloc(m, (size_t)(T * hc * D) * 2);
     float *P = balloc(m, sizeof(float) * (size_t)(T * hc));
     OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
+    /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
+    if (m->tp_size > 1) m->opt.tp->ops->allreduce_sum(m->opt.tp, e, (size_t)(T * D), COMM_BF16, "embed");
     OPS->hc_init(m->be, X, P, e, T, hc, D);
 
     int rc = 0;
@@ -350,10 +378,14 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
             OPS->copy(m->be, hr + o * D, h + from * D, (size_t)(cnt * D) * 2);
             o += cnt;
         }
-        float *lg = balloc(m, sizeof(float) * (size_t)(R * c->vocab_size));
+        /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
+        int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
+        float *lg = balloc(m, sizeof(float) * (size_t)(R * Vl)), *full = balloc(m, sizeof(float) * (size_t)(R * V));
         OPS->head(m->be, lg, hr, R, &m->w->head);
-        OPS->download(m->be, logits, lg, sizeof(float) * (size_t)(R * c->vocab_size));
+        model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
+        OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));
         bfree(m, lg);
+        bfree(m, full);
         bfree(m, h);
         bfree(m, hr);
     }

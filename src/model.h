@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "comm.h"
 #include "config.h"
 #include "engram_hash.h"
 #include "weights.h"
@@ -30,6 +31,9 @@ struct engine_opts {
     int max_seqs;              /* sequence slots */
     bool stale_index_keys;     /* reproduce the reference's stale index-key slot (§3.12) */
     enum window_layout window_layout;
+    /* Tensor-parallel group (NULL = one rank). Every TP collective gathers whole values (never sums
+     * partials), so any TP size computes bit-identical numbers to one rank. */
+    struct comm *tp;
 };
 
 struct engine_opts engine_opts_default(const struct model_config *cfg);

@@ -31,7 +31,13 @@ struct model {
     float *engram_w[CFG_MAX_LAYERS]; /* backend [hc, D] fp32 q_weight*k_weight, engram layers */
     struct layer_cache *lc;        /* [n_layers] */
     struct slot_state *slots;      /* [max_seqs] */
+    int tp_size;
 };
+
+/* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes
+ * dst [T, tp * n] (rank-major columns). With one rank a copy. `what` names it for the watchdog. */
+void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T, size_t row_bytes,
+                          const char *what);
 
 /* One forward's batch, resolved: chunk i owns the contiguous rows [row0[i], row0[i] + len), and
  * row r sits at position pos_h[r]. */

@@ -160,7 +160,12 @@ static int bind_attention(struct binder *b, int l, struct attn_weights *a) {
     if (bind_fp8_full(b, &a->wkv, SUB("wkv"), hd, D)) return -1;
     if (BIND_VEC(b, a->kv_norm, SUB("kv_norm.weight"), ST_BF16, hd)) return -1;
     if (bind_fp8(b, &a->wo_a, SUB("wo_a"), G * R, H * hd / G, tr * Gl * R, Gl * R, 0, H * hd / G)) return -1;
-    if (bind_fp8(b, &a->wo_b, SUB("wo_b"), D, G * R, 0, D, tr * Gl * R, Gl * R)) return -1;
+    /* wo_b is split by output rows (whole K on every rank), not by K as the reference's row-parallel
+     * layer is: each output is then summed over all of K in the reference's order on one rank, so
+     * a TP layout computes exactly what one rank does (layout invariance with reference numerics) */
+    int64_t Dl;
+    if (tp_split(b, "hidden_size", D, &Dl)) return -1;
+    if (bind_fp8(b, &a->wo_b, SUB("wo_b"), D, G * R, tr * Dl, Dl, 0, G * R)) return -1;
     if (bind_vec(b, (const void **)&a->attn_sink, SUB("attn_sink"), ST_F32, 1, H, 0, tr * Hl, Hl)) return -1;
 
     if (r->owns_compressor) {
@@ -169,10 +174,11 @@ static int bind_attention(struct binder *b, int l, struct attn_weights *a) {
         if (BIND_VEC(b, a->cmp_norm, SUB("compressor.norm.weight"), ST_BF16, hd)) return -1;
     }
     if (r->is_index_source) {
-        int64_t ih = c->index_n_heads, id = c->index_head_dim, ihl;
-        if (tp_split(b, "index_n_heads", ih, &ihl)) return -1;
-        if (bind_fp8(b, &a->idx_wq_b, SUB("indexer.wq_b"), ih * id, q, tr * ihl * id, ihl * id, 0, q)) return -1;
-        if (bind_bf16(b, &a->idx_weights_proj, SUB("indexer.weights_proj.weight"), ih, D, tr * ihl, ihl)) return -1;
+        /* the indexer is replicated (as vLLM does): the scores sum every head in the reference's
+         * order on each rank, no collective, and the top-k is the same everywhere */
+        int64_t ih = c->index_n_heads, id = c->index_head_dim;
+        if (bind_fp8_full(b, &a->idx_wq_b, SUB("indexer.wq_b"), ih * id, q)) return -1;
+        if (bind_bf16(b, &a->idx_weights_proj, SUB("indexer.weights_proj.weight"), ih, D, 0, ih)) return -1;
         if (r->owns_index_keys) {
             if (bind_bf16(b, &a->idx_wk, SUB("indexer.wk.weight"), id, hd, 0, id)) return -1;
             if (BIND_VEC(b, a->idx_k_norm, SUB("indexer.k_norm.weight"), ST_BF16, id)) return -1;

@@ -23,7 +23,7 @@ struct attn_weights {
     struct qweight wq_b;  /* FP8 [H_local*hd, q_lora] (column slice) */
     struct qweight wkv;   /* FP8 [hd, D] */
     struct qweight wo_a;  /* FP8 [G_local*o_lora, H*hd/G] (column slice), used dequantized to bf16 */
-    struct qweight wo_b;  /* FP8 [D, G_local*o_lora] (row-parallel: K slice of [D, G*o_lora]) */
+    struct qweight wo_b;  /* FP8 [D/tp, G*o_lora]: this rank's output rows, whole K */
     const bf16_t *q_norm;  /* [q_lora] */
     const bf16_t *kv_norm; /* [hd] */
     const float *attn_sink; /* [H_local] */
@@ -32,8 +32,8 @@ struct attn_weights {
     struct qweight cmp_wgate; /* BF16 [hd, D] (ratio > 1 only) */
     const bf16_t *cmp_norm;   /* [hd] */
     /* indexer (index sources) */
-    struct qweight idx_wq_b;         /* FP8 [ih_local*id, q_lora] */
-    struct qweight idx_weights_proj; /* BF16 [ih_local, D] */
+    struct qweight idx_wq_b;         /* FP8 [ih*id, q_lora] (replicated) */
+    struct qweight idx_weights_proj; /* BF16 [ih, D] (replicated) */
     struct qweight idx_wk;           /* BF16 [id, hd] (key owners) */
     const bf16_t *idx_k_norm;        /* [id] */
 };

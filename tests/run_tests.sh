@@ -7,6 +7,7 @@ set -u
 BUILD_DIR=${BUILD_DIR:-build}
 export GOLDEN=${GOLDEN:-$(cd "$(dirname "$0")/../.." && pwd)/shared/golden}
 export DSBATCH=${DSBATCH:-$PWD/$BUILD_DIR/dsbatch}
+export MPITESTS=${MPITESTS:-$PWD/$BUILD_DIR/mpitests}
 pass=0; fail=0; failed_names=()
 log=$(mktemp -d)
 for t in "$BUILD_DIR"/tests/test_*; do

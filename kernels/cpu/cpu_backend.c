@@ -108,6 +108,8 @@ static const struct backend_ops cpu_ops = {
     .moe_experts = cpu_op_moe_experts,
     .shared_expert = cpu_op_shared_expert,
     .add_f32_bf16 = cpu_op_add_f32_bf16,
+    .moe_combine = cpu_op_moe_combine,
+    .interleave = cpu_op_interleave,
 };
 
 int backend_cpu_init(struct backend *be) {

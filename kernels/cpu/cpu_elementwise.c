@@ -271,6 +271,12 @@ void cpu_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const f
     }
 }
 
+void cpu_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = 0; t < T; t++)
+            memcpy((char *)dst + ((size_t)(t * S + s)) * bytes, (const char *)src + ((size_t)(s * T + t)) * bytes, bytes);
+}
+
 void cpu_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) out[i] = bf16_from_f32(y ? acc[i] + bf16_to_f32(y[i]) : acc[i]);

@@ -75,9 +75,12 @@ void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_
 void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
                    float route_scale);
-void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const int32_t *idx, const float *wts,
+void cpu_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                         const struct qweight *w3, const struct qweight *w2, float limit);
+void cpu_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
+                        int64_t D, int64_t per_part, int64_t P);
+void cpu_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
 void cpu_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);
 

@@ -7,6 +7,7 @@
  * ordinary linears (which parallelize over outputs); the experts themselves run one after another
  * so the accumulation never depends on the thread count. */
 #include <stdlib.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -90,7 +91,7 @@ static void check_ffn_shapes(const struct qweight *w1, const struct qweight *w3,
                (long long)w2->k);
 }
 
-void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const int32_t *idx, const float *wts,
+void cpu_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                         const struct qweight *w3, const struct qweight *w2, float limit) {
     if (T <= 0 || n_local <= 0) return;
@@ -105,7 +106,7 @@ void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const i
         free(count);
         return;
     }
-    int64_t *tok = ds_malloc((size_t)cap * sizeof(int64_t));
+    int64_t *tok = ds_malloc((size_t)cap * sizeof(int64_t)); /* flat (t, slot) index */
     float *wt = ds_malloc((size_t)cap * sizeof(float));
     bf16_t *xg = ds_malloc((size_t)(cap * D) * sizeof(bf16_t));
     bf16_t *gb = ds_malloc((size_t)(cap * I) * sizeof(bf16_t));
@@ -119,7 +120,7 @@ void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const i
         for (int64_t t = 0; t < T; t++)
             for (int64_t slot = 0; slot < k; slot++)
                 if (idx[t * k + slot] == e0 + le) {
-                    tok[c] = t;
+                    tok[c] = t * k + slot;
                     wt[c] = wts[t * k + slot];
                     memcpy(xg + c * D, x + t * D, (size_t)D * sizeof(bf16_t));
                     c++;
@@ -128,11 +129,7 @@ void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const i
         cpu_op_linear(be, ub, xg, c, &w3[le]);
         swiglu_rows(gb, gb, ub, wt, c, I, limit); /* h overwrites g row by row, element by element */
         cpu_op_linear(be, yb, gb, c, &w2[le]);
-        for (int64_t r = 0; r < c; r++) {
-            float *ar = acc + tok[r] * Dout;
-            const bf16_t *yr = yb + r * Dout;
-            for (int64_t d = 0; d < Dout; d++) ar[d] += bf16_to_f32(yr[d]);
-        }
+        for (int64_t r = 0; r < c; r++) memcpy(y + tok[r] * Dout, yb + r * Dout, (size_t)Dout * sizeof(bf16_t));
     }
     free(yb);
     free(ub);
@@ -141,6 +138,29 @@ void cpu_op_moe_experts(struct backend *be, float *acc, const bf16_t *x, const i
     free(wt);
     free(tok);
     free(count);
+}
+
+void cpu_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
+                        int64_t D, int64_t per_part, int64_t P) {
+    enum { MAX_K = 64 };
+    if (k > MAX_K) ds_die("cpu moe_combine: top-%lld exceeds %d", (long long)k, MAX_K);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const int32_t *it = idx + t * k;
+        bool done[MAX_K];
+        for (int64_t s = 0; s < k; s++) done[s] = false;
+        for (int64_t r = 0; r < k; r++) { /* the token's slots in ascending expert id */
+            int64_t best = -1;
+            for (int64_t s = 0; s < k; s++)
+                if (!done[s] && (best < 0 || it[s] < it[best])) best = s;
+            done[best] = true;
+            int64_t part = it[best] / per_part;
+            if (part >= P) continue;
+            const bf16_t *yr = y + ((part * T + t) * k + best) * D;
+            float *ar = acc + t * D;
+            for (int64_t d = 0; d < D; d++) ar[d] += bf16_to_f32(yr[d]);
+        }
+    }
 }
 
 void cpu_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
