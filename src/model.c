@@ -116,6 +116,14 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
             }
         }
     }
+    /* stage 0 of a pipeline keeps mirrors of later stages' index keys for the stale-key quirk */
+    for (int l = 0; l < cfg->n_layers && opt->stale_index_keys; l++) {
+        const struct layer_role *r = &cfg->role[l];
+        struct layer_cache *lc = &m->lc[l];
+        if (w->layers[l].present || !r->owns_index_keys || !w->opt.first_stage) continue;
+        lc->cap = opt->max_seq_len / r->ratio;
+        lc->kidx = balloc(m, (size_t)(S * lc->cap + 1) * cfg->index_head_dim * 2);
+    }
     if (w->opt.last_stage) be->ops->weight_prepare(be, &w->head, false);
     m->slots = ds_calloc((size_t)S, sizeof *m->slots);
     for (int s = 0; s < S; s++) {
@@ -184,6 +192,100 @@ void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T
     m->opt.tp->ops->allgather(m->opt.tp, src, all, row_bytes * (size_t)T, what);
     OPS->interleave(m->be, dst, all, m->tp_size, T, row_bytes);
     bfree(m, all);
+}
+
+/* key sync wire format: int32 n_seq, then per sequence (slot, publishing layer or -1); int32 n_rows,
+ * then per row (layer, slot, j) and index_head_dim bf16 values. Appending merges: a later stage's
+ * publisher replaces an earlier one. */
+static void put32(uint8_t **b, size_t *len, size_t *cap, int32_t v) {
+    if (*len + 4 > *cap) *b = ds_realloc(*b, *cap = (*cap + 4) * 2);
+    memcpy(*b + *len, &v, 4);
+    *len += 4;
+}
+
+void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, uint8_t **buf, size_t *len) {
+    const struct model_config *c = m->cfg;
+    int64_t id = c->index_head_dim;
+    /* read what came from upstream */
+    int32_t up_n = 0, *up = NULL, up_rows = 0;
+    const uint8_t *rows_in = NULL;
+    if (*buf && *len >= 4) {
+        memcpy(&up_n, *buf, 4);
+        up = ds_malloc(sizeof(int32_t) * (size_t)(2 * up_n + 1));
+        memcpy(up, *buf + 4, sizeof(int32_t) * (size_t)(2 * up_n));
+        memcpy(&up_rows, *buf + 4 + 8 * (size_t)up_n, 4);
+        rows_in = *buf + 8 + 8 * (size_t)up_n;
+    }
+    uint8_t *out = NULL;
+    size_t ol = 0, cap = 0;
+    put32(&out, &ol, &cap, n);
+    for (int i = 0; i < n; i++) {
+        int slot = seqs[i].slot, src = -1;
+        for (int u = 0; u < up_n; u++)
+            if (up[2 * u] == slot) src = up[2 * u + 1];
+        for (int l = 0; l < c->n_layers; l++) {
+            const struct layer_role *r = &c->role[l];
+            if (!m->w->layers[l].present || !r->owns_index_keys) continue;
+            if ((seqs[i].start + seqs[i].len) / r->ratio > seqs[i].start / r->ratio) src = m->slots[slot].index_k_src;
+        }
+        put32(&out, &ol, &cap, slot);
+        put32(&out, &ol, &cap, src);
+    }
+    int32_t nrows = up_rows;
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < c->n_layers; l++) {
+            const struct layer_role *r = &c->role[l];
+            if (m->w->layers[l].present && r->owns_index_keys)
+                nrows += (int32_t)((seqs[i].start + seqs[i].len) / r->ratio - seqs[i].start / r->ratio);
+        }
+    put32(&out, &ol, &cap, nrows);
+    size_t row_bytes = 12 + (size_t)id * 2, need = ol + (size_t)nrows * row_bytes;
+    if (need > cap) out = ds_realloc(out, cap = need);
+    if (up_rows) memcpy(out + ol, rows_in, (size_t)up_rows * row_bytes);
+    ol += (size_t)up_rows * row_bytes;
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < c->n_layers; l++) {
+            const struct layer_role *r = &c->role[l];
+            struct layer_cache *lc = &m->lc[l];
+            if (!m->w->layers[l].present || !r->owns_index_keys) continue;
+            for (int64_t j = seqs[i].start / r->ratio; j < (seqs[i].start + seqs[i].len) / r->ratio; j++) {
+                int32_t hdr[3] = {l, seqs[i].slot, (int32_t)j};
+                memcpy(out + ol, hdr, 12);
+                OPS->download(m->be, out + ol + 12, lc->kidx + ((size_t)seqs[i].slot * lc->cap + j) * id, (size_t)id * 2);
+                ol += row_bytes;
+            }
+        }
+    free(up);
+    free(*buf);
+    *buf = out;
+    *len = ol;
+}
+
+int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len) {
+    const struct model_config *c = m->cfg;
+    int64_t id = c->index_head_dim;
+    int32_t ns, nrows;
+    if (len < 8) return 0;
+    memcpy(&ns, buf, 4);
+    for (int i = 0; i < ns; i++) {
+        int32_t sv[2];
+        memcpy(sv, buf + 4 + 8 * (size_t)i, 8);
+        if (sv[1] >= 0) m->slots[sv[0]].index_k_src = sv[1];
+    }
+    memcpy(&nrows, buf + 4 + 8 * (size_t)ns, 4);
+    const uint8_t *p = buf + 8 + 8 * (size_t)ns;
+    for (int32_t r = 0; r < nrows; r++, p += 12 + (size_t)id * 2) {
+        int32_t hdr[3];
+        memcpy(hdr, p, 12);
+        struct layer_cache *lc = &m->lc[hdr[0]];
+        if (m->w->layers[hdr[0]].present || !lc->kidx) continue;
+        if (hdr[2] >= lc->cap) {
+            ds_err_set("key sync: row %d of layer %d beyond the cache (%lld rows)", hdr[2], hdr[0], (long long)lc->cap);
+            return -1;
+        }
+        OPS->upload(m->be, lc->kidx + ((size_t)hdr[1] * lc->cap + hdr[2]) * id, p + 12, (size_t)id * 2);
+    }
+    return 0;
 }
 
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
@@ -321,7 +423,17 @@ static int check_batch(struct model *m, const struct fwd_seq *seqs, int n) {
 }
 
 int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks) {
+    return model_forward_stage(m, seqs, n, NULL, logits, hooks);
+}
+
+int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                        float *logits, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
+    bool first = m->w->opt.first_stage, last = m->w->opt.last_stage;
+    if ((!first && (!io || !io->X_in || !io->P_in)) || (!last && (!io || !io->X_out || !io->P_out))) {
+        ds_err_set("model_forward_stage: a middle pipeline stage needs its input and output stream");
+        return -1;
+    }
     if (check_batch(m, seqs, n)) return -1;
     struct batch b = {.seqs = seqs, .n = n};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
@@ -350,10 +462,15 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
     bf16_t *e = balloc(m, (size_t)(T * D) * 2);
     bf16_t *X = balloc(m, (size_t)(T * hc * D) * 2), *X1 = balloc(m, (size_t)(T * hc * D) * 2);
     float *P = balloc(m, sizeof(float) * (size_t)(T * hc));
-    OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
-    /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
-    if (m->tp_size > 1) m->opt.tp->ops->allreduce_sum(m->opt.tp, e, (size_t)(T * D), COMM_BF16, "embed");
-    OPS->hc_init(m->be, X, P, e, T, hc, D);
+    if (first) {
+        OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
+        /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
+        if (m->tp_size > 1) m->opt.tp->ops->allreduce_sum(m->opt.tp, e, (size_t)(T * D), COMM_BF16, "embed");
+        OPS->hc_init(m->be, X, P, e, T, hc, D);
+    } else {
+        OPS->upload(m->be, X, io->X_in, (size_t)(T * hc * D) * 2);
+        OPS->upload(m->be, P, io->P_in, sizeof(float) * (size_t)(T * hc));
+    }
 
     int rc = 0;
     for (int l = 0; l < c->n_layers && rc == 0; l++) {
@@ -364,7 +481,11 @@ int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *log
         rc = block_forward(m, l, &b, &X, &X1, P, hooks);
         if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
     }
-    if (rc == 0 && m->w->opt.last_stage) {
+    if (rc == 0 && !last) {
+        OPS->download(m->be, io->X_out, X, (size_t)(T * hc * D) * 2);
+        OPS->download(m->be, io->P_out, P, sizeof(float) * (size_t)(T * hc));
+    }
+    if (rc == 0 && last) {
         /* final collapse with the last FFN pre, norm, fp32 head over the rows asked for */
         int64_t R = model_logits_rows(seqs, n);
         bf16_t *h = balloc(m, (size_t)(T * D) * 2), *hr = balloc(m, (size_t)(R * D) * 2);

@@ -78,6 +78,25 @@ int64_t model_max_seq_len(const struct model *m);
 int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits,
                   const struct fwd_hooks *hooks);
 
+/* Pipeline stages: a stage that does not embed takes the stream X [T, hc, D] bf16 and mix
+ * P [T, hc] fp32 from the previous stage (host buffers, rows in chunk order); a stage that does not
+ * own the head hands them on. model_forward is model_forward_stage with io NULL on a whole model. */
+struct stage_io {
+    const bf16_t *X_in;
+    const float *P_in;
+    bf16_t *X_out;
+    float *P_out;
+};
+int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                        float *logits, const struct fwd_hooks *hooks);
+
+/* Stale index keys across stages (MODEL.md §3.12): an open-group decode step on stage 0 scores
+ * against the keys a later stage published last. After a forward, a later stage appends the index
+ * key rows its layers wrote and which layer published last per sequence (key_sync_append); stage 0
+ * applies them to its mirror caches before the sequences' next step (key_sync_apply). */
+void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, uint8_t **buf, size_t *len);
+int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len);
+
 /* Number of logits rows model_forward writes for this batch. */
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n);
 
