@@ -15,6 +15,7 @@
 enum comm_dtype { COMM_F32 = 0, COMM_BF16, COMM_I32, COMM_I64, COMM_U8 };
 
 struct comm;
+struct comm_req; /* a send started by isend, finished by wait */
 
 struct comm_ops {
     const char *name;
@@ -27,6 +28,11 @@ struct comm_ops {
     void (*send)(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what);
     void (*recv)(struct comm *c, void *buf, size_t bytes, int src, int tag, const char *what);
     void (*barrier)(struct comm *c, const char *what);
+    /* A send that returns at once (the buffer must stay untouched until wait): the pipeline's
+     * answers travel against the flow of micro-batches, and two blocking sends facing each other
+     * would wait for each other forever once a message is too large to be buffered. */
+    struct comm_req *(*isend)(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what);
+    void (*wait)(struct comm *c, struct comm_req *r); /* under the watchdog; frees r; NULL is a no-op */
     void (*free)(struct comm *c);
 };
 

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "dist.h"
 #include "engine_cli.h"
 #include "log.h"
 #include "model.h"
@@ -34,6 +35,7 @@ struct gen_opts {
     int max_seqs;
     struct sample_params sp;
     struct engine_flags ef;
+    struct dist_opts dist;
 };
 
 static char *read_file(const char *path, size_t *len) {
@@ -116,10 +118,12 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
         else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
+        else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
                    "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
-                   "       [--no-stale-index-keys] [--window-layout reference|decode]\n",
+                   "       [--no-stale-index-keys] [--window-layout reference|decode]\n"
+                   "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS]   (generate under mpirun)\n",
                    score ? "score" : "generate");
             exit(0);
         } else
@@ -146,89 +150,45 @@ static void close_out(FILE *f, const char *tmp, const char *path) {
 int cmd_generate(int argc, char **argv) {
     struct gen_opts o;
     parse_gen_opts(argc, argv, &o, false);
-    struct loaded_model lm;
-    struct backend be;
-    struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
-    o.max_seq_len = model_max_seq_len(m);
+    struct dist_engine d;
+    struct dist_opts dopt = o.dist;
+    dopt.max_seq_len = o.max_seq_len;
+    dopt.max_seqs = o.max_seqs;
+    dist_open(&d, o.model, &o.ef, &dopt);
+    o.max_seq_len = model_max_seq_len(d.m);
     int np;
-    struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
-    int V = lm.cfg.vocab_size, S = o.max_seqs;
-    int *slot_req = ds_malloc(sizeof(int) * (size_t)S);
-    for (int s = 0; s < S; s++) slot_req[s] = -1;
-    struct fwd_seq *fs = ds_malloc(sizeof *fs * (size_t)S);
-    int *fs_req = ds_malloc(sizeof(int) * (size_t)S);
-    float *logits = ds_malloc(sizeof(float) * (size_t)S * V);
-    int64_t *fed = ds_calloc((size_t)S, sizeof(int64_t)); /* prompt tokens prefilled per slot */
-    int next = 0, done = 0;
-    while (done < np) {
-        int n = 0;
-        for (int s = 0; s < S; s++) {
-            if (slot_req[s] < 0 && next < np) { /* admit the next prompt into a free slot */
-                struct prompt *p = &ps[next];
-                p->out = ds_malloc(sizeof(int32_t) * (size_t)(p->max_new + 1));
-                if (p->max_new == 0) {
-                    p->finish = "length";
-                    done++;
-                    next++;
-                    s--; /* the slot is still free */
-                    continue;
-                }
-                slot_req[s] = next++;
-                model_reset_slot(m, s);
-                fed[s] = 0;
-            }
-            if (slot_req[s] < 0) continue;
-            struct prompt *p = &ps[slot_req[s]];
-            if (fed[s] < p->n) { /* prefill in chunks of at most --chunk tokens */
-                int64_t len = p->n - fed[s] < o.chunk ? p->n - fed[s] : o.chunk;
-                fs[n] = (struct fwd_seq){.slot = s, .start = fed[s], .len = len, .tokens = p->tokens + fed[s]};
-                fed[s] += len;
-            } else {
-                fs[n] = (struct fwd_seq){.slot = s, .start = p->n + p->n_out - 1, .len = 1, .tokens = &p->out[p->n_out - 1]};
-            }
-            fs_req[n] = slot_req[s];
-            n++;
-        }
-        if (!n) continue;
-        if (model_forward(m, fs, n, logits, NULL)) ds_die_err();
-        for (int i = 0; i < n; i++) {
-            struct prompt *p = &ps[fs_req[i]];
-            int s = fs[i].slot;
-            if (fs[i].start + fs[i].len < p->n) continue; /* prompt not complete yet: no token */
-            int64_t pos = p->n + p->n_out;
-            int tok = sampler_pick(logits + (size_t)i * V, V, &p->sp, (uint64_t)fs_req[i], (uint64_t)pos);
-            p->out[p->n_out++] = tok;
-            bool eos = tok == lm.cfg.eos_id;
-            if (eos || p->n_out >= p->max_new) {
-                p->finish = eos ? "stop" : "length";
-                slot_req[s] = -1;
-                done++;
-            }
-        }
-    }
-    free(fed);
-    char tmp[1100];
-    FILE *f = open_out(o.out, tmp, sizeof tmp);
+    struct prompt *ps = read_prompts(o.prompts, &o, d.lm.cfg.vocab_size, &np);
+    struct gen_request *rq = ds_calloc((size_t)np + 1, sizeof *rq);
     for (int i = 0; i < np; i++) {
-        cJSON *j = cJSON_CreateObject();
-        cJSON_AddItemToObject(j, "id", ps[i].id);
-        cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
-        for (int64_t k = 0; k < ps[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ps[i].out[k]));
-        cJSON_AddStringToObject(j, "finish_reason", ps[i].finish);
-        char *s = cJSON_PrintUnformatted(j);
-        fprintf(f, "%s\n", s);
-        free(s);
-        cJSON_Delete(j);
-        free(ps[i].tokens);
-        free(ps[i].out);
+        rq[i] = (struct gen_request){.tokens = ps[i].tokens, .n = ps[i].n, .max_new = ps[i].max_new, .sp = ps[i].sp};
+        rq[i].out = ds_malloc(sizeof(int32_t) * (size_t)(ps[i].max_new + 1));
     }
-    close_out(f, tmp, o.out);
+    if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
+    if (d.topo.world_rank == 0) {
+        char tmp[1100];
+        FILE *f = open_out(o.out, tmp, sizeof tmp);
+        for (int i = 0; i < np; i++) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddItemToObject(j, "id", ps[i].id);
+            ps[i].id = NULL;
+            cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
+            for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].out[k]));
+            cJSON_AddStringToObject(j, "finish_reason", rq[i].finish ? "stop" : "length");
+            char *s = cJSON_PrintUnformatted(j);
+            fprintf(f, "%s\n", s);
+            free(s);
+            cJSON_Delete(j);
+        }
+        close_out(f, tmp, o.out);
+    }
+    for (int i = 0; i < np; i++) {
+        cJSON_Delete(ps[i].id);
+        free(ps[i].tokens);
+        free(rq[i].out);
+    }
     free(ps);
-    free(slot_req);
-    free(fs);
-    free(fs_req);
-    free(logits);
-    engine_close(m, &lm, &be);
+    free(rq);
+    dist_close(&d);
     return 0;
 }
 

@@ -158,6 +158,8 @@ int64_t model_slot_len(const struct model *m, int slot) { return m->slots[slot].
 
 int64_t model_max_seq_len(const struct model *m) { return m->opt.max_seq_len; }
 
+int model_max_seqs(const struct model *m) { return m->opt.max_seqs; }
+
 void model_free(struct model *m) {
     if (!m) return;
     const struct model_config *c = m->cfg;

@@ -71,6 +71,7 @@ void model_reset_slot(struct model *m, int slot);
 int64_t model_slot_len(const struct model *m, int slot);
 /* Positions per sequence slot this engine was built for. */
 int64_t model_max_seq_len(const struct model *m);
+int model_max_seqs(const struct model *m);
 
 /* Run one forward over n chunks. logits (host, fp32) receives, in chunk order, either every row
  * (all_logits) or the last row of each chunk: [n_rows_out, vocab]. Returns 0 or -1 (ds_err_set:

@@ -1,0 +1,409 @@
+/* The engine as one MPI job (see dist.h). Wire protocol along a PP pair (stage s -> s+1), one
+ * micro-batch at a time: a header (sequences, rows, terminate flag, key-sync bytes), the per-sequence
+ * descriptors, the token ids, the stream X and mix P, and the accumulated key sync. The last stage
+ * answers stage 0 with one sampled token per sequence (-1 while its prompt is still being
+ * prefilled) and the key sync. Everything here is driver code: it talks to other ranks only
+ * through the comm table. */
+#include "dist.h"
+
+#include <mpi.h>
+#include <omp.h>
+#include <unistd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_KEY,
+       TAG_RESULT };
+
+struct wire_seq {
+    int32_t slot, len, req, top_k, all_logits, sample; /* sample: this chunk ends the prompt or decodes */
+    int64_t start;
+    uint64_t seed;
+    float temperature, top_p;
+};
+
+int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!v) return 0;
+    if (!strcmp(a, "--tp")) o->tp = atoi(v);
+    else if (!strcmp(a, "--pp")) o->pp = atoi(v);
+    else if (!strcmp(a, "--watchdog")) o->deadline_s = atof(v);
+    else if (!strcmp(a, "--pp-layers")) {
+        memset(o->pp_counts, 0, sizeof o->pp_counts);
+        int n = 0;
+        for (const char *p = v; *p && n < TOPO_MAX_PP; n++) {
+            char *e;
+            long c = strtol(p, &e, 10);
+            if (e == p || c <= 0) ds_die("--pp-layers '%s': expected positive layer counts like 20,20", v);
+            o->pp_counts[n] = (int)c;
+            p = *e == ',' ? e + 1 : e;
+        }
+        if (o->pp && o->pp != n) ds_die("--pp-layers '%s' has %d stages but --pp is %d", v, n, o->pp);
+        o->pp = n;
+    } else
+        return 0;
+    (*i)++;
+    return 1;
+}
+
+void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags *f, const struct dist_opts *o) {
+    memset(d, 0, sizeof *d);
+    int up = 0;
+    MPI_Initialized(&up);
+    if (!up) {
+        CHECK_MPI(MPI_Init(NULL, NULL));
+        d->mpi_owner = true;
+    }
+    comm_set_deadline(o->deadline_s > 0 ? o->deadline_s : 300);
+    if (loader_open_config(&d->lm, dir)) ds_die_err();
+    const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
+    if (topo_init(&d->topo, &d->lm.cfg, o->tp, o->pp, counts)) ds_die_err();
+    struct topo *t = &d->topo;
+    t->device = -1; /* CPU backend */
+    /* The CPU backend's threads share the node's cores with the other ranks on it: more threads
+     * than cores would leave collectives waiting on ranks that are not scheduled. */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = (int)(cores / t->node_size);
+    omp_set_num_threads(threads > 0 ? threads : 1);
+    const struct model_config *c = &d->lm.cfg;
+    bool stale = !f->no_stale_keys;
+    if (stale && t->pp > 1)
+        for (int l = 0; l < c->n_layers; l++)
+            if (c->role[l].is_index_source && c->role[l].ratio > 1 && l >= t->layer_end[0])
+                ds_die("%s: layer %d scores stale index keys (MODEL.md 3.12) but sits on pipeline stage > 0; "
+                       "choose a split that keeps it on stage 0 or pass --no-stale-index-keys",
+                       c->source, l);
+    struct bind_opts bo = {.tp_rank = t->tp_rank, .tp_size = t->tp, .layer_begin = t->layer_begin[t->pp_rank],
+                           .layer_end = t->layer_end[t->pp_rank], .first_stage = t->pp_rank == 0,
+                           .last_stage = t->pp_rank == t->pp - 1};
+    if (loader_bind(&d->lm, &bo)) ds_die_err();
+    if (backend_cpu_init(&d->be)) ds_die("cannot initialise the CPU backend");
+    struct engine_opts eo = engine_opts_default(c);
+    if (o->max_seq_len > 0) {
+        if (o->max_seq_len > c->max_pos)
+            ds_die("--max-seq-len %lld exceeds the model's max_position_embeddings %lld", (long long)o->max_seq_len,
+                   (long long)c->max_pos);
+        eo.max_seq_len = o->max_seq_len;
+    } else if (eo.max_seq_len < o->min_len) {
+        eo.max_seq_len = o->min_len;
+    }
+    eo.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
+    eo.stale_index_keys = stale;
+    eo.window_layout = f->layout;
+    eo.tp = t->tp > 1 ? t->tp_comm : NULL;
+    d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);
+    /* the layout and rank table of a multi-rank job (a one-rank run has nothing to report) */
+    char *table = t->world_size > 1 ? topo_rank_table(t) : NULL;
+    if (table) {
+        log_info("layout: tp %d x pp %d x dp %d", t->tp, t->pp, t->dp);
+        for (int s = 0; s < t->pp; s++)
+            log_info("stage %d: layers %d-%d", s, t->layer_begin[s], t->layer_end[s] - 1);
+        fputs(table, stderr);
+    }
+    free(table);
+}
+
+void dist_close(struct dist_engine *d) {
+    model_free(d->m);
+    backend_cpu_free(&d->be);
+    loader_close(&d->lm);
+    topo_free(&d->topo);
+    if (d->mpi_owner) MPI_Finalize();
+}
+
+/* ---- one micro-batch through this rank's stage ---- */
+
+struct mb {
+    int n;
+    int64_t T;
+    struct fwd_seq *seqs;
+    struct wire_seq *ws;
+    int32_t *tok;
+    bf16_t *X;
+    float *P;
+    uint8_t *key;
+    size_t key_len;
+};
+
+static void mb_alloc_rows(struct mb *b, const struct model_config *c) {
+    b->tok = ds_realloc(b->tok, sizeof(int32_t) * (size_t)(b->T + 1));
+    b->X = ds_realloc(b->X, (size_t)(b->T * c->hc_mult * c->dim + 1) * 2);
+    b->P = ds_realloc(b->P, sizeof(float) * (size_t)(b->T * c->hc_mult + 1));
+}
+
+static void mb_bind_seqs(struct mb *b) {
+    b->seqs = ds_realloc(b->seqs, sizeof *b->seqs * (size_t)(b->n + 1));
+    int64_t r = 0;
+    for (int i = 0; i < b->n; i++) {
+        b->seqs[i] = (struct fwd_seq){.slot = b->ws[i].slot, .start = b->ws[i].start, .len = b->ws[i].len,
+                                      .tokens = b->tok + r, .all_logits = b->ws[i].all_logits};
+        r += b->ws[i].len;
+    }
+}
+
+static void mb_send(struct comm *pp, int dst, struct mb *b, const struct model_config *c, bool terminate) {
+    int64_t hdr[4] = {b->n, b->T, terminate, (int64_t)b->key_len};
+    pp->ops->send(pp, hdr, sizeof hdr, dst, TAG_HDR, "pipeline header");
+    if (terminate) return;
+    pp->ops->send(pp, b->ws, sizeof *b->ws * (size_t)b->n, dst, TAG_SEQ, "pipeline sequences");
+    pp->ops->send(pp, b->tok, sizeof(int32_t) * (size_t)b->T, dst, TAG_TOK, "pipeline tokens");
+    pp->ops->send(pp, b->X, (size_t)(b->T * c->hc_mult * c->dim) * 2, dst, TAG_X, "pipeline stream X");
+    pp->ops->send(pp, b->P, sizeof(float) * (size_t)(b->T * c->hc_mult), dst, TAG_P, "pipeline mix P");
+    if (b->key_len) pp->ops->send(pp, b->key, b->key_len, dst, TAG_KEY, "pipeline key sync");
+}
+
+/* Returns false on the terminate message. */
+static bool mb_recv(struct comm *pp, int src, struct mb *b, const struct model_config *c) {
+    int64_t hdr[4];
+    pp->ops->recv(pp, hdr, sizeof hdr, src, TAG_HDR, "pipeline header");
+    if (hdr[2]) return false;
+    b->n = (int)hdr[0];
+    b->T = hdr[1];
+    b->ws = ds_realloc(b->ws, sizeof *b->ws * (size_t)(b->n + 1));
+    mb_alloc_rows(b, c);
+    pp->ops->recv(pp, b->ws, sizeof *b->ws * (size_t)b->n, src, TAG_SEQ, "pipeline sequences");
+    pp->ops->recv(pp, b->tok, sizeof(int32_t) * (size_t)b->T, src, TAG_TOK, "pipeline tokens");
+    pp->ops->recv(pp, b->X, (size_t)(b->T * c->hc_mult * c->dim) * 2, src, TAG_X, "pipeline stream X");
+    pp->ops->recv(pp, b->P, sizeof(float) * (size_t)(b->T * c->hc_mult), src, TAG_P, "pipeline mix P");
+    b->key_len = (size_t)hdr[3];
+    free(b->key);
+    b->key = NULL;
+    if (b->key_len) {
+        b->key = ds_malloc(b->key_len);
+        pp->ops->recv(pp, b->key, b->key_len, src, TAG_KEY, "pipeline key sync");
+    }
+    mb_bind_seqs(b);
+    return true;
+}
+
+static void mb_free(struct mb *b) {
+    free(b->seqs);
+    free(b->ws);
+    free(b->tok);
+    free(b->X);
+    free(b->P);
+    free(b->key);
+}
+
+/* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1). */
+static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, float *logits) {
+    struct topo *t = &d->topo;
+    const struct model_config *c = &d->lm.cfg;
+    bool first = t->pp_rank == 0, last = t->pp_rank == t->pp - 1;
+    for (int i = 0; i < b->n; i++)
+        if (b->seqs[i].start == 0) model_reset_slot(d->m, b->seqs[i].slot);
+    struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
+    if (model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL)) return -1;
+    if (!first) model_key_sync_append(d->m, b->seqs, b->n, &b->key, &b->key_len);
+    if (!last) return 0;
+    int V = c->vocab_size;
+    for (int i = 0; i < b->n; i++) {
+        const struct wire_seq *w = &b->ws[i];
+        struct sample_params sp = {.temperature = w->temperature, .top_k = w->top_k, .top_p = w->top_p, .seed = w->seed};
+        out[i] = w->sample ? sampler_pick(logits + (size_t)i * V, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len))
+                        : -1;
+    }
+    return 0;
+}
+
+/* ---- stage 0: the scheduler ---- */
+
+struct slot_run {
+    int req; /* -1 free */
+    int64_t fed;
+};
+
+static void collect_results(struct dist_engine *d, struct gen_request *reqs, int n) {
+    struct topo *t = &d->topo;
+    if (t->dp == 1 || t->pp_rank != 0 || t->tp_rank != 0) return;
+    /* every replica's stage-0 TP-0 rank sends its share to world rank 0 (replica 0's) */
+    struct comm *w = t->world;
+    if (t->dp_rank != 0) {
+        for (int i = t->dp_rank; i < n; i += t->dp) {
+            int64_t h[2] = {reqs[i].n_out, reqs[i].finish};
+            w->ops->send(w, h, sizeof h, 0, TAG_RESULT, "results");
+            w->ops->send(w, reqs[i].out, sizeof(int32_t) * (size_t)reqs[i].n_out, 0, TAG_RESULT, "results");
+        }
+        return;
+    }
+    for (int r = 1; r < t->dp; r++) {
+        int src = r * t->pp * t->tp; /* world rank of replica r's stage 0, tp 0 */
+        for (int i = r; i < n; i += t->dp) {
+            int64_t h[2];
+            w->ops->recv(w, h, sizeof h, src, TAG_RESULT, "results");
+            reqs[i].n_out = h[0];
+            reqs[i].finish = (int)h[1];
+            w->ops->recv(w, reqs[i].out, sizeof(int32_t) * (size_t)h[0], src, TAG_RESULT, "results");
+        }
+    }
+}
+
+static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
+    struct topo *t = &d->topo;
+    const struct model_config *c = &d->lm.cfg;
+    struct comm *pp = t->pp_comm;
+    int S = model_max_seqs(d->m), G = t->pp < S ? t->pp : S, V = c->vocab_size;
+    struct slot_run *sr = ds_calloc((size_t)S, sizeof *sr);
+    for (int s = 0; s < S; s++) sr[s].req = -1;
+    struct mb *mbs = ds_calloc((size_t)G, sizeof *mbs);
+    bool *inflight = ds_calloc((size_t)G, sizeof(bool));
+    int32_t *tok_out = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    float *logits = t->pp == 1 ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
+    int next = t->dp_rank, done = 0, mine = 0;
+    for (int i = t->dp_rank; i < n; i += t->dp) mine++;
+    for (int i = 0; i < n; i++) reqs[i].n_out = 0;
+    int rc = 0;
+    for (int g = 0; done < mine && rc == 0; g = (g + 1) % G) {
+        struct mb *b = &mbs[g];
+        if (inflight[g]) { /* the tokens of this micro-batch's previous step */
+            int64_t h[2];
+            pp->ops->recv(pp, h, sizeof h, t->pp - 1, TAG_REPLY_HDR, "pipeline reply");
+            pp->ops->recv(pp, tok_out, sizeof(int32_t) * (size_t)h[0], t->pp - 1, TAG_REPLY_TOK, "pipeline reply");
+            if (h[1]) {
+                uint8_t *key = ds_malloc((size_t)h[1]);
+                pp->ops->recv(pp, key, (size_t)h[1], t->pp - 1, TAG_REPLY_KEY, "pipeline key sync");
+                if (model_key_sync_apply(d->m, key, (size_t)h[1])) rc = -1;
+                free(key);
+            }
+            inflight[g] = false;
+        }
+        /* tok_out holds this group's tokens: received just now, or sampled inline (pp == 1) */
+        for (int i = 0; i < b->n; i++) {
+            if (tok_out[i] < 0) continue;
+            struct gen_request *q = &reqs[b->ws[i].req];
+            q->out[q->n_out++] = tok_out[i];
+            if (tok_out[i] == c->eos_id || q->n_out >= q->max_new) {
+                q->finish = tok_out[i] == c->eos_id;
+                sr[b->ws[i].slot].req = -1;
+                done++;
+            }
+        }
+        b->n = 0;
+        b->T = 0;
+        /* build this group's next step: admissions, prefill chunks, one decode token each */
+        b->ws = ds_realloc(b->ws, sizeof *b->ws * (size_t)(S + 1));
+        for (int s = g; s < S; s += G) {
+            if (sr[s].req < 0) {
+                while (next < n && reqs[next].max_new == 0) {
+                    reqs[next].finish = 0;
+                    done++;
+                    next += t->dp;
+                }
+                if (next >= n) continue;
+                sr[s].req = next;
+                sr[s].fed = 0;
+                next += t->dp;
+            }
+            struct gen_request *q = &reqs[sr[s].req];
+            struct wire_seq *w = &b->ws[b->n++];
+            memset(w, 0, sizeof *w);
+            w->slot = s;
+            w->req = sr[s].req;
+            w->top_k = q->sp.top_k;
+            w->seed = q->sp.seed;
+            w->temperature = q->sp.temperature;
+            w->top_p = q->sp.top_p;
+            if (sr[s].fed < q->n) {
+                int64_t len = q->n - sr[s].fed < chunk ? q->n - sr[s].fed : chunk;
+                w->start = sr[s].fed;
+                w->len = (int32_t)len;
+                sr[s].fed += len;
+            } else {
+                w->start = q->n + q->n_out - 1;
+                w->len = 1;
+            }
+            w->sample = w->start + w->len >= q->n;
+            b->T += w->len;
+        }
+        if (!b->n) continue;
+        mb_alloc_rows(b, c);
+        int64_t r = 0;
+        for (int i = 0; i < b->n; i++) {
+            const struct wire_seq *w = &b->ws[i];
+            const struct gen_request *q = &reqs[w->req];
+            for (int64_t k = 0; k < w->len; k++) {
+                int64_t p = w->start + k;
+                b->tok[r++] = p < q->n ? q->tokens[p] : q->out[p - q->n];
+            }
+        }
+        mb_bind_seqs(b);
+        free(b->key);
+        b->key = NULL;
+        b->key_len = 0;
+        comm_set_context(0, g);
+        if (mb_forward(d, b, tok_out, logits)) rc = -1;
+        else if (t->pp > 1) {
+            mb_send(pp, 1, b, c, false);
+            inflight[g] = true;
+        }
+    }
+    if (t->pp > 1) {
+        struct mb end = {0};
+        mb_send(pp, 1, &end, c, true);
+    }
+    for (int g = 0; g < G; g++) mb_free(&mbs[g]);
+    free(mbs);
+    free(inflight);
+    free(tok_out);
+    free(logits);
+    free(sr);
+    return rc;
+}
+
+static int run_later_stage(struct dist_engine *d) {
+    struct topo *t = &d->topo;
+    const struct model_config *c = &d->lm.cfg;
+    struct comm *pp = t->pp_comm;
+    bool last = t->pp_rank == t->pp - 1;
+    struct mb b = {0};
+    int S = model_max_seqs(d->m), V = c->vocab_size;
+    int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    float *logits = last ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
+    /* the previous answer to stage 0, in flight while the next micro-batch is received */
+    int64_t rh[2];
+    int32_t *rtok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    uint8_t *rkey = NULL;
+    struct comm_req *rq[3] = {NULL, NULL, NULL};
+    int rc = 0, step = 0;
+    while (rc == 0 && mb_recv(pp, t->pp_rank - 1, &b, c)) {
+        comm_set_context(t->pp_rank, step++);
+        if (mb_forward(d, &b, tok, logits)) {
+            rc = -1;
+            break;
+        }
+        if (!last) {
+            mb_send(pp, t->pp_rank + 1, &b, c, false);
+            continue;
+        }
+        for (int k = 0; k < 3; k++) pp->ops->wait(pp, rq[k]), rq[k] = NULL;
+        rh[0] = b.n;
+        rh[1] = (int64_t)b.key_len;
+        memcpy(rtok, tok, sizeof(int32_t) * (size_t)b.n);
+        free(rkey);
+        rkey = b.key; /* handed over: mb_recv allocates a fresh one */
+        b.key = NULL;
+        rq[0] = pp->ops->isend(pp, rh, sizeof rh, 0, TAG_REPLY_HDR, "pipeline reply");
+        rq[1] = pp->ops->isend(pp, rtok, sizeof(int32_t) * (size_t)b.n, 0, TAG_REPLY_TOK, "pipeline reply");
+        if (rh[1]) rq[2] = pp->ops->isend(pp, rkey, (size_t)rh[1], 0, TAG_REPLY_KEY, "pipeline key sync");
+    }
+    for (int k = 0; k < 3; k++) pp->ops->wait(pp, rq[k]);
+    free(rtok);
+    free(rkey);
+    if (rc == 0 && !last) {
+        struct mb end = {0};
+        mb_send(pp, t->pp_rank + 1, &end, c, true);
+    }
+    mb_free(&b);
+    free(tok);
+    free(logits);
+    return rc;
+}
+
+int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
+    int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk) : run_later_stage(d);
+    if (rc == 0) collect_results(d, reqs, n);
+    return rc;
+}

@@ -1,0 +1,55 @@
+/* The engine as one MPI job: the topology (TP x PP x DP), each rank's slice of the model, and the
+ * pipelined generation loop. Stage 0 runs the scheduler (continuous batching, identical on every TP
+ * rank of the stage), keeps pp micro-batches in flight so every stage works while the others do,
+ * and hands the stream down the pipeline; the last stage samples and returns the tokens (and the
+ * index keys the stale-key quirk needs) to stage 0. DP replicas take prompts i with i % dp == their
+ * replica. A run on one rank is the same code with TP = PP = DP = 1. */
+#ifndef DS_DIST_H
+#define DS_DIST_H
+
+#include <stdint.h>
+
+#include "engine_cli.h"
+#include "model.h"
+#include "sampler.h"
+#include "topo.h"
+
+struct dist_opts {
+    int tp, pp;                /* 0 = defaults (topo_init) */
+    int pp_counts[TOPO_MAX_PP]; /* --pp-layers, or all 0 */
+    double deadline_s;         /* watchdog */
+    int64_t max_seq_len, min_len;
+    int max_seqs;              /* sequence slots per DP replica */
+};
+
+struct dist_engine {
+    struct topo topo;
+    struct loaded_model lm;
+    struct backend be;
+    struct model *m;
+    bool mpi_owner;
+};
+
+/* Parse --tp, --pp, --pp-layers a,b,..., --watchdog S; returns 1 when argv[*i] was one. */
+int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o);
+
+/* MPI_Init (if needed), topology, this rank's slice, engine. Dies with one error line on every rank
+ * on bad input. Rank 0 prints the rank table. */
+void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags *f, const struct dist_opts *o);
+void dist_close(struct dist_engine *d);
+
+/* One prompt of a generation job and its result. */
+struct gen_request {
+    const int32_t *tokens;
+    int64_t n, max_new;
+    struct sample_params sp;
+    int32_t *out; /* [max_new], filled on world rank 0 after dist_generate */
+    int64_t n_out;
+    int finish;   /* 0 length, 1 stop (EOS) */
+};
+
+/* Generate every request (all ranks pass the same list); results land on world rank 0.
+ * chunk: prefill chunk size. Returns 0 or -1 (ds_err_set). */
+int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk);
+
+#endif /* DS_DIST_H */
