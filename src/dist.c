@@ -15,8 +15,8 @@
 
 #include "log.h"
 
-enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_KEY,
-       TAG_RESULT };
+enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_LP,
+       TAG_REPLY_KEY, TAG_RESULT };
 
 struct wire_seq {
     int32_t slot, len, req, top_k, all_logits, sample; /* sample: this chunk ends the prompt or decodes */
@@ -188,8 +188,9 @@ static void mb_free(struct mb *b) {
     free(b->key);
 }
 
-/* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1). */
-static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, float *logits) {
+/* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1,
+ * lp[i] its log-probability). */
+static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double *lp, float *logits) {
     struct topo *t = &d->topo;
     const struct model_config *c = &d->lm.cfg;
     bool first = t->pp_rank == 0, last = t->pp_rank == t->pp - 1;
@@ -203,8 +204,9 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, float *
     for (int i = 0; i < b->n; i++) {
         const struct wire_seq *w = &b->ws[i];
         struct sample_params sp = {.temperature = w->temperature, .top_k = w->top_k, .top_p = w->top_p, .seed = w->seed};
-        out[i] = w->sample ? sampler_pick(logits + (size_t)i * V, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len))
-                        : -1;
+        const float *row = logits + (size_t)i * V;
+        out[i] = w->sample ? sampler_pick(row, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len)) : -1;
+        lp[i] = out[i] >= 0 ? sampler_logprob(row, V, out[i]) : 0.0;
     }
     return 0;
 }
@@ -226,6 +228,7 @@ static void collect_results(struct dist_engine *d, struct gen_request *reqs, int
             int64_t h[2] = {reqs[i].n_out, reqs[i].finish};
             w->ops->send(w, h, sizeof h, 0, TAG_RESULT, "results");
             w->ops->send(w, reqs[i].out, sizeof(int32_t) * (size_t)reqs[i].n_out, 0, TAG_RESULT, "results");
+            w->ops->send(w, reqs[i].lp, sizeof(double) * (size_t)reqs[i].n_out, 0, TAG_RESULT, "results");
         }
         return;
     }
@@ -237,6 +240,7 @@ static void collect_results(struct dist_engine *d, struct gen_request *reqs, int
             reqs[i].n_out = h[0];
             reqs[i].finish = (int)h[1];
             w->ops->recv(w, reqs[i].out, sizeof(int32_t) * (size_t)h[0], src, TAG_RESULT, "results");
+            w->ops->recv(w, reqs[i].lp, sizeof(double) * (size_t)h[0], src, TAG_RESULT, "results");
         }
     }
 }
@@ -251,6 +255,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     struct mb *mbs = ds_calloc((size_t)G, sizeof *mbs);
     bool *inflight = ds_calloc((size_t)G, sizeof(bool));
     int32_t *tok_out = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    double *lp_out = ds_malloc(sizeof(double) * (size_t)(S + 1));
     float *logits = t->pp == 1 ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
     int next = t->dp_rank, done = 0, mine = 0;
     for (int i = t->dp_rank; i < n; i += t->dp) mine++;
@@ -262,6 +267,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
             int64_t h[2];
             pp->ops->recv(pp, h, sizeof h, t->pp - 1, TAG_REPLY_HDR, "pipeline reply");
             pp->ops->recv(pp, tok_out, sizeof(int32_t) * (size_t)h[0], t->pp - 1, TAG_REPLY_TOK, "pipeline reply");
+            pp->ops->recv(pp, lp_out, sizeof(double) * (size_t)h[0], t->pp - 1, TAG_REPLY_LP, "pipeline reply");
             if (h[1]) {
                 uint8_t *key = ds_malloc((size_t)h[1]);
                 pp->ops->recv(pp, key, (size_t)h[1], t->pp - 1, TAG_REPLY_KEY, "pipeline key sync");
@@ -274,6 +280,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         for (int i = 0; i < b->n; i++) {
             if (tok_out[i] < 0) continue;
             struct gen_request *q = &reqs[b->ws[i].req];
+            q->lp[q->n_out] = lp_out[i];
             q->out[q->n_out++] = tok_out[i];
             if (tok_out[i] == c->eos_id || q->n_out >= q->max_new) {
                 q->finish = tok_out[i] == c->eos_id;
@@ -334,7 +341,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         b->key = NULL;
         b->key_len = 0;
         comm_set_context(0, g);
-        if (mb_forward(d, b, tok_out, logits)) rc = -1;
+        if (mb_forward(d, b, tok_out, lp_out, logits)) rc = -1;
         else if (t->pp > 1) {
             mb_send(pp, 1, b, c, false);
             inflight[g] = true;
@@ -348,6 +355,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     free(mbs);
     free(inflight);
     free(tok_out);
+    free(lp_out);
     free(logits);
     free(sr);
     return rc;
@@ -361,16 +369,18 @@ static int run_later_stage(struct dist_engine *d) {
     struct mb b = {0};
     int S = model_max_seqs(d->m), V = c->vocab_size;
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    double *lp = ds_malloc(sizeof(double) * (size_t)(S + 1));
     float *logits = last ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
     /* the previous answer to stage 0, in flight while the next micro-batch is received */
     int64_t rh[2];
     int32_t *rtok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
+    double *rlp = ds_malloc(sizeof(double) * (size_t)(S + 1));
     uint8_t *rkey = NULL;
-    struct comm_req *rq[3] = {NULL, NULL, NULL};
+    struct comm_req *rq[4] = {NULL, NULL, NULL, NULL};
     int rc = 0, step = 0;
     while (rc == 0 && mb_recv(pp, t->pp_rank - 1, &b, c)) {
         comm_set_context(t->pp_rank, step++);
-        if (mb_forward(d, &b, tok, logits)) {
+        if (mb_forward(d, &b, tok, lp, logits)) {
             rc = -1;
             break;
         }
@@ -378,19 +388,22 @@ static int run_later_stage(struct dist_engine *d) {
             mb_send(pp, t->pp_rank + 1, &b, c, false);
             continue;
         }
-        for (int k = 0; k < 3; k++) pp->ops->wait(pp, rq[k]), rq[k] = NULL;
+        for (int k = 0; k < 4; k++) pp->ops->wait(pp, rq[k]), rq[k] = NULL;
         rh[0] = b.n;
         rh[1] = (int64_t)b.key_len;
         memcpy(rtok, tok, sizeof(int32_t) * (size_t)b.n);
+        memcpy(rlp, lp, sizeof(double) * (size_t)b.n);
         free(rkey);
         rkey = b.key; /* handed over: mb_recv allocates a fresh one */
         b.key = NULL;
         rq[0] = pp->ops->isend(pp, rh, sizeof rh, 0, TAG_REPLY_HDR, "pipeline reply");
         rq[1] = pp->ops->isend(pp, rtok, sizeof(int32_t) * (size_t)b.n, 0, TAG_REPLY_TOK, "pipeline reply");
-        if (rh[1]) rq[2] = pp->ops->isend(pp, rkey, (size_t)rh[1], 0, TAG_REPLY_KEY, "pipeline key sync");
+        rq[2] = pp->ops->isend(pp, rlp, sizeof(double) * (size_t)b.n, 0, TAG_REPLY_LP, "pipeline reply");
+        if (rh[1]) rq[3] = pp->ops->isend(pp, rkey, (size_t)rh[1], 0, TAG_REPLY_KEY, "pipeline key sync");
     }
-    for (int k = 0; k < 3; k++) pp->ops->wait(pp, rq[k]);
+    for (int k = 0; k < 4; k++) pp->ops->wait(pp, rq[k]);
     free(rtok);
+    free(rlp);
     free(rkey);
     if (rc == 0 && !last) {
         struct mb end = {0};
@@ -398,6 +411,7 @@ static int run_later_stage(struct dist_engine *d) {
     }
     mb_free(&b);
     free(tok);
+    free(lp);
     free(logits);
     return rc;
 }

@@ -44,6 +44,7 @@ struct gen_request {
     int64_t n, max_new;
     struct sample_params sp;
     int32_t *out; /* [max_new], filled on world rank 0 after dist_generate */
+    double *lp;   /* [max_new] log-probability of each generated token under the model (temperature 1) */
     int64_t n_out;
     int finish;   /* 0 length, 1 stop (EOS) */
 };

@@ -35,6 +35,7 @@ struct gen_opts {
     int max_seqs;
     struct sample_params sp;
     struct engine_flags ef;
+    bool logprobs;
     struct dist_opts dist;
 };
 
@@ -117,11 +118,12 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--top-k")) o->sp.top_k = atoi(v);
         else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
         else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--logprobs")) o->logprobs = true;
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
         else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
-                   "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+                   "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--logprobs]\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS]   (generate under mpirun)\n",
                    score ? "score" : "generate");
@@ -162,6 +164,7 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 0; i < np; i++) {
         rq[i] = (struct gen_request){.tokens = ps[i].tokens, .n = ps[i].n, .max_new = ps[i].max_new, .sp = ps[i].sp};
         rq[i].out = ds_malloc(sizeof(int32_t) * (size_t)(ps[i].max_new + 1));
+        rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].max_new + 1));
     }
     if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
     if (d.topo.world_rank == 0) {
@@ -174,6 +177,10 @@ int cmd_generate(int argc, char **argv) {
             cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
             for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].out[k]));
             cJSON_AddStringToObject(j, "finish_reason", rq[i].finish ? "stop" : "length");
+            if (o.logprobs) {
+                cJSON *l = cJSON_AddArrayToObject(j, "logprobs");
+                for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(l, cJSON_CreateNumber(rq[i].lp[k]));
+            }
             char *s = cJSON_PrintUnformatted(j);
             fprintf(f, "%s\n", s);
             free(s);
@@ -185,6 +192,7 @@ int cmd_generate(int argc, char **argv) {
         cJSON_Delete(ps[i].id);
         free(ps[i].tokens);
         free(rq[i].out);
+        free(rq[i].lp);
     }
     free(ps);
     free(rq);

@@ -3,6 +3,7 @@
 #include "log.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,7 +57,12 @@ void ds_err_set(const char *fmt, ...) {
 
 const char *ds_err_get(void) { return g_err[0] ? g_err : "unknown error"; }
 
-static void __attribute__((noreturn)) end_job(int code) {
+/* abort: a library failure or a stuck peer (one rank knows, the job must end now).
+ * Otherwise bad input, which every rank finds the same way (they all read the same files and
+ * validate before talking to each other): each prints its own line and leaves through
+ * MPI_Finalize, so no rank's message is cut off by another's abort. A rank left waiting in a
+ * collective instead is ended by its watchdog. */
+static void __attribute__((noreturn)) end_job(int code, bool abort_job) {
     int up = 0, down = 0;
     MPI_Initialized(&up);
     MPI_Finalized(&down);
@@ -65,7 +71,7 @@ static void __attribute__((noreturn)) end_job(int code) {
     if (up && !down) {
         int size = 1;
         MPI_Comm_size(MPI_COMM_WORLD, &size);
-        if (size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+        if (size > 1 && abort_job) MPI_Abort(MPI_COMM_WORLD, code);
         MPI_Finalize();
     }
     exit(code);
@@ -74,7 +80,7 @@ static void __attribute__((noreturn)) end_job(int code) {
 void ds_die_err(void) {
     prefix(stderr, "error: ");
     fprintf(stderr, "%s\n", ds_err_get());
-    end_job(1);
+    end_job(1, false);
 }
 
 void ds_die(const char *fmt, ...) {
@@ -91,7 +97,7 @@ void ds_fatal(const char *file, int line, const char *func, const char *lib, con
     gethostname(host, sizeof host - 1);
     fprintf(stderr, "dsbatch: FATAL rank %d (pp %d, tp %d) host %s: %s:%d %s(): %s call `%s` failed: %s\n",
             g_rank, g_stage, g_tp, host, file, line, func, lib, call, msg ? msg : "");
-    end_job(2);
+    end_job(2, true);
 }
 
 const char *ds_errno_str(void) { return strerror(errno); }

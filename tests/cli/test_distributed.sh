@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Sixteen ranks on CPU (issue #4): layout invariance — TP8xPP2, TP4xPP2, TP2xPP1, TP1xPP2 and
+# TP2xPP2xDP2 give tokens and log-probabilities bit-identical to one rank, on the golden tp8pp2
+# model and on a synthetic model of the same shape with another seed; a killed rank ends the job;
+# bad layouts are one error line per rank. TAP lines.
+set -u
+DSBATCH=${DSBATCH:-build/dsbatch}
+GOLDEN=${GOLDEN:-../shared/golden}
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --timeout 300"
+ok() { echo "ok - $1"; }
+nok() { echo "not ok - $1"; }
+
+python3 -c "
+import json,random
+r=random.Random(11)
+with open('$T/p.jsonl','w') as f:
+    for i in range(6): f.write(json.dumps({'id':i,'tokens':[r.randrange(3,496) for _ in range(r.randrange(3,40))],'max_new_tokens':10})+'\n')
+"
+"$DSBATCH" mkmodel --preset tp8pp2 --seed 7 --out "$T/seed7" >/dev/null 2>&1 || nok "mkmodel tp8pp2 seed 7"
+
+for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
+  name=$(basename "$model")
+  for mode in greedy sampled; do
+    S=""; [ $mode = sampled ] && S="--temperature 0.9 --top-p 0.95 --seed 3"
+    "$DSBATCH" generate --model "$model" --prompts "$T/p.jsonl" --out "$T/ref.jsonl" --max-seqs 4 --logprobs $S 2>"$T/err" \
+      || { nok "$name $mode: one-rank reference: $(tail -1 "$T/err")"; continue; }
+    for lay in "16 8 2" "8 4 2" "2 2 1" "2 1 2" "8 2 2"; do
+      set -- $lay
+      dp=$(( $1 / ($2 * $3) ))
+      start=$(date +%s.%N)
+      $MPIRUN -np $1 "$DSBATCH" generate --model "$model" --prompts "$T/p.jsonl" --out "$T/out.jsonl" --max-seqs 4 \
+        --logprobs --tp $2 --pp $3 --watchdog 120 $S >"$T/log" 2>&1
+      rc=$?
+      secs=$(python3 -c "import time; print('%.1f' % (time.time() - $start))")
+      if [ $rc -eq 0 ] && cmp -s "$T/ref.jsonl" "$T/out.jsonl"; then
+        ok "$name $mode: TP$2 x PP$3 x DP$dp ($1 ranks, ${secs} s) tokens and logprobs bit-identical to one rank"
+      else
+        nok "$name $mode: TP$2 x PP$3 x DP$dp ($1 ranks) rc=$rc differs from one rank: $(grep -m1 error "$T/log")"
+      fi
+    done
+  done
+done
+
+# a bad layout: one error line on every rank, before any loading
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/bad.jsonl" --tp 3 >"$T/log" 2>&1
+rc=$?
+n=$(grep -c "does not divide" "$T/log")
+if [ $rc -ne 0 ] && [ "$n" -eq 16 ] && [ ! -e "$T/bad.jsonl" ]; then ok "tp 3: one error per rank ($n), exit $rc, no output"; else nok "tp 3: rc=$rc, $n error lines"; fi
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/bad.jsonl" --tp 8 --pp 2 \
+  --pp-layers 3,5 >"$T/log" 2>&1
+rc=$?
+n=$(grep -c "cuts the KV-sharing group" "$T/log")
+if [ $rc -ne 0 ] && [ "$n" -eq 16 ]; then ok "--pp-layers 3,5 cutting a KV-sharing group: one error per rank"; else nok "--pp-layers 3,5: rc=$rc, $n error lines"; fi
+
+# kill one rank mid-run: every rank must end, well within the watchdog deadline (10 s)
+python3 -c "
+import json,random
+r=random.Random(5)
+with open('$T/long.jsonl','w') as f:
+    for i in range(8): f.write(json.dumps({'id':i,'tokens':[r.randrange(3,496) for _ in range(60)],'max_new_tokens':150})+'\n')
+"
+start=$(date +%s.%N)
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/long.jsonl" --out "$T/k.jsonl" --watchdog 10 \
+  --max-seqs 8 --max-seq-len 256 >"$T/klog" 2>&1 &
+mp=$!
+victim=""
+for _ in $(seq 1 100); do
+  sleep 0.2
+  victim=$(pgrep -f "long.jsonl" | while read -r p; do [ "$(cat /proc/$p/comm 2>/dev/null)" = dsbatch ] && echo $p; done | sed -n 6p)
+  [ -n "$victim" ] && grep -q "rank  dp" "$T/klog" && break
+done
+sleep 1
+kill -9 "$victim" 2>/dev/null
+wait $mp
+rc=$?
+secs=$(python3 -c "import time; print('%.1f' % (time.time() - $start))")
+left=$(pgrep -f "long.jsonl" | while read -r p; do [ "$(cat /proc/$p/comm 2>/dev/null)" = dsbatch ] && echo $p; done | wc -l)
+if [ -n "$victim" ] && [ $rc -ne 0 ] && [ "$left" -eq 0 ] && [ ! -e "$T/k.jsonl" ]; then
+  ok "SIGKILL of one rank ends all 16 (exit $rc, ${secs} s from start, no output file)"
+else
+  nok "SIGKILL of one rank: victim='$victim' rc=$rc ranks left=$left"
+fi
