@@ -9,5 +9,6 @@ int cmd_replay(int argc, char **argv);   /* src/cmd_replay.c */
 int cmd_verify(int argc, char **argv);   /* src/cmd_replay.c */
 int cmd_generate(int argc, char **argv); /* src/generate.c */
 int cmd_score(int argc, char **argv);    /* src/generate.c */
+int cmd_plan(int argc, char **argv);     /* src/plan.c */
 
 #endif /* DS_CLI_H */

@@ -416,6 +416,59 @@ static int run_later_stage(struct dist_engine *d) {
     return rc;
 }
 
+int dist_forward_sync(void *ctx, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks) {
+    struct dist_engine *d = ctx;
+    struct topo *t = &d->topo;
+    const struct model_config *c = &d->lm.cfg;
+    struct comm *pp = t->pp_comm;
+    if (t->pp == 1) return model_forward(d->m, seqs, n, logits, hooks);
+    int64_t T = 0;
+    for (int i = 0; i < n; i++) T += seqs[i].len;
+    size_t xb = (size_t)(T * c->hc_mult * c->dim) * 2, pb = sizeof(float) * (size_t)(T * c->hc_mult);
+    bf16_t *X = ds_malloc(xb);
+    float *P = ds_malloc(pb);
+    int s = t->pp_rank, rc;
+    bool last = s == t->pp - 1;
+    if (s > 0) {
+        pp->ops->recv(pp, X, xb, s - 1, TAG_X, "stage stream X");
+        pp->ops->recv(pp, P, pb, s - 1, TAG_P, "stage mix P");
+    }
+    struct stage_io io = {.X_in = X, .P_in = P, .X_out = X, .P_out = P};
+    rc = model_forward_stage(d->m, seqs, n, &io, last ? logits : NULL, hooks);
+    /* the stale-key sync travels down with the stream and back from the last stage to stage 0 */
+    uint8_t *key = NULL;
+    size_t key_len = 0;
+    int64_t kl = 0;
+    if (s > 0) {
+        pp->ops->recv(pp, &kl, sizeof kl, s - 1, TAG_KEY, "stage key sync");
+        key_len = (size_t)kl;
+        key = ds_malloc(key_len + 1);
+        if (kl) pp->ops->recv(pp, key, key_len, s - 1, TAG_KEY, "stage key sync");
+        if (rc == 0) model_key_sync_append(d->m, seqs, n, &key, &key_len);
+    }
+    int dst = last ? 0 : s + 1;
+    if (!last) {
+        pp->ops->send(pp, X, xb, dst, TAG_X, "stage stream X");
+        pp->ops->send(pp, P, pb, dst, TAG_P, "stage mix P");
+    }
+    if (s > 0) {
+        kl = (int64_t)key_len;
+        pp->ops->send(pp, &kl, sizeof kl, dst, TAG_KEY, "stage key sync");
+        if (kl) pp->ops->send(pp, key, key_len, dst, TAG_KEY, "stage key sync");
+    } else {
+        kl = 0; /* stage 0 starts an empty sync and receives the accumulated one from the last stage */
+        pp->ops->send(pp, &kl, sizeof kl, 1, TAG_KEY, "stage key sync");
+        pp->ops->recv(pp, &kl, sizeof kl, t->pp - 1, TAG_KEY, "stage key sync");
+        key = ds_malloc((size_t)kl + 1);
+        if (kl) pp->ops->recv(pp, key, (size_t)kl, t->pp - 1, TAG_KEY, "stage key sync");
+        if (rc == 0 && model_key_sync_apply(d->m, key, (size_t)kl)) rc = -1;
+    }
+    free(key);
+    free(X);
+    free(P);
+    return rc;
+}
+
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
     int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk) : run_later_stage(d);
     if (rc == 0) collect_results(d, reqs, n);

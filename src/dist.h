@@ -53,4 +53,9 @@ struct gen_request {
  * chunk: prefill chunk size. Returns 0 or -1 (ds_err_set). */
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk);
 
+/* One forward of the same batch on every rank, stage after stage (no micro-batch overlap): what
+ * replay and verify use, since every rank knows the fixture's inputs. Only the last stage's
+ * `logits` are written. Matches replay_fwd's signature (ctx = the dist_engine). */
+int dist_forward_sync(void *ctx, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks);
+
 #endif /* DS_DIST_H */

@@ -17,6 +17,7 @@ static const struct command commands[] = {
     {"replay", cmd_replay, "run a golden fixture through the engine, write its results"},
     {"verify", cmd_verify, "replay every fixture of a golden folder and judge it layer by layer"},
     {"inspect", cmd_inspect, "validate a model folder and print parameters and bytes by role/rank"},
+    {"plan", cmd_plan, "per-rank weight, Engram, KV cache and workspace bytes of a TP x PP layout"},
     {"mkmodel", cmd_mkmodel, "write a synthetic checkpoint in the official format"},
 };
 

@@ -130,7 +130,13 @@ static int argmax_row(const float *x, int64_t n) {
     return (int)b;
 }
 
-int replay_run(struct model *m, struct st_model *fx, enum replay_force force, struct replay_result *res) {
+static int forward(struct model *m, const struct replay_fwd *fwd, const struct fwd_seq *s, float *logits,
+                   const struct fwd_hooks *hk) {
+    return fwd ? fwd->fn(fwd->ctx, s, 1, logits, hk) : model_forward(m, s, 1, logits, hk);
+}
+
+int replay_run(struct model *m, struct st_model *fx, enum replay_force force, const struct replay_fwd *fwd,
+               struct replay_result *res) {
     memset(res, 0, sizeof *res);
     const struct st_tensor *ids = st_find(fx, "prompt_ids"), *greedy = st_find(fx, "greedy_tokens");
     if (!ids || ids->dtype != ST_I32 || ids->ndim != 1 || !greedy || greedy->dtype != ST_I32) {
@@ -154,7 +160,7 @@ int replay_run(struct model *m, struct st_model *fx, enum replay_force force, st
     struct replay_tensor *gr = res_get(res, "greedy_tokens", ST_I32, 1, c.N + 1, 0, 0);
     c.force = res->prefill_forced;
     struct fwd_seq s = {.slot = 0, .start = 0, .len = c.S, .tokens = prompt, .all_logits = true};
-    if (model_forward(m, &s, 1, pl->data, &hk)) return -1;
+    if (forward(m, fwd, &s, pl->data, &hk)) return -1;
     ((int32_t *)gr->data)[0] = argmax_row((float *)pl->data + (c.S - 1) * V, V);
     struct replay_tensor *dl = res_get(res, "decode_logits", ST_F32, 2, c.N, V, 0);
     c.decode = true;
@@ -164,7 +170,7 @@ int replay_run(struct model *m, struct st_model *fx, enum replay_force force, st
         /* the fixture's greedy token is fed whatever our argmax said (teacher forcing) */
         struct fwd_seq d = {.slot = 0, .start = c.S + k, .len = 1, .tokens = gt + k, .all_logits = false};
         float *row = (float *)dl->data + k * V;
-        if (model_forward(m, &d, 1, row, &hk)) return -1;
+        if (forward(m, fwd, &d, row, &hk)) return -1;
         ((int32_t *)gr->data)[k + 1] = argmax_row(row, V);
     }
     return 0;

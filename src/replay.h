@@ -28,8 +28,15 @@ struct replay_result {
     bool prefill_forced, decode_forced;
 };
 
+/* How a forward runs: on one engine (NULL: model_forward) or across pipeline stages. */
+struct replay_fwd {
+    int (*fn)(void *ctx, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks);
+    void *ctx;
+};
+
 /* Run the fixture through a freshly reset slot 0 of m. */
-int replay_run(struct model *m, struct st_model *fixture, enum replay_force force, struct replay_result *res);
+int replay_run(struct model *m, struct st_model *fixture, enum replay_force force, const struct replay_fwd *fwd,
+               struct replay_result *res);
 struct replay_tensor *replay_find(struct replay_result *res, const char *name);
 int replay_write(const struct replay_result *res, const char *path);
 void replay_free(struct replay_result *res);

@@ -75,16 +75,15 @@ static int set_diff(const int32_t *a, const int32_t *b, int64_t k) {
     return d;
 }
 
-int verify_fixture(struct model *m, struct st_model *fx, const char *label, FILE *out, struct verify_summary *sum) {
+int verify_fixture(struct model *m, struct st_model *fx, const char *label, FILE *out, struct verify_summary *sum,
+                   const struct replay_fwd *fwd, bool have_logits) {
     const struct model_config *cfg = m->cfg;
     struct replay_result res;
-    if (replay_run(m, fx, REPLAY_FORCE_STREAM, &res)) return -1;
+    if (replay_run(m, fx, REPLAY_FORCE_STREAM, fwd, &res)) return -1;
     cJSON *meta = NULL, *ties = NULL;
     const char *ms = st_metadata(fx, "meta");
     if (ms && (meta = cJSON_Parse(ms))) ties = cJSON_GetObjectItem(meta, "topk_ties");
     int fails = 0;
-    double *rels = ds_malloc(sizeof(double) * (size_t)(4 * cfg->n_layers + 4));
-    int nrel = 0;
 
     for (int phase = 0; phase < 2; phase++) {
         bool dec = phase == 1;
@@ -105,7 +104,7 @@ int verify_fixture(struct model *m, struct st_model *fx, const char *label, FILE
                 fails += !ok;
                 sum->checks++;
                 if (w == 0) {
-                    rels[nrel++] = rel;
+                    if (sum->n_rels < VERIFY_MAX_RELS) sum->layer_rels[sum->n_rels++] = rel;
                     if (rel > sum->worst_layer_rel) sum->worst_layer_rel = rel;
                 }
                 fprintf(out, "%-8s %-24s rel_rms %.3e  max_abs %.3e  %s\n", label, n, rel, mx, ok ? "PASS" : "FAIL");
@@ -152,7 +151,7 @@ int verify_fixture(struct model *m, struct st_model *fx, const char *label, FILE
     /* logits of the forced last layer */
     const char *lg[2] = {"prefill_logits", "decode_logits"};
     bool forced[2] = {res.prefill_forced, res.decode_forced};
-    for (int w = 0; w < 2; w++) {
+    for (int w = 0; w < 2 && have_logits; w++) {
         const struct st_tensor *g = st_find(fx, lg[w]);
         struct replay_tensor *r = replay_find(&res, lg[w]);
         if (!g || !r) continue;
@@ -169,18 +168,31 @@ int verify_fixture(struct model *m, struct st_model *fx, const char *label, FILE
                     lg[w], mx);
         }
     }
-    if (nrel) {
-        qsort(rels, (size_t)nrel, sizeof *rels, cmp_d);
-        double med = rels[nrel / 2];
-        if (med > sum->median_layer_rel) sum->median_layer_rel = med;
-        bool ok = med <= TOL_LAYER_REL_RMS_MEDIAN;
-        fails += !ok;
-        sum->checks++;
-        fprintf(out, "%-8s median layer rel_rms %.3e  %s\n", label, med, ok ? "PASS" : "FAIL");
-    }
-    free(rels);
     cJSON_Delete(meta);
     replay_free(&res);
     sum->failures += fails;
     return 0;
+}
+
+void verify_median(struct verify_summary *sum, const char *label, FILE *out) {
+    if (!sum->n_rels) return;
+    qsort(sum->layer_rels, (size_t)sum->n_rels, sizeof *sum->layer_rels, cmp_d);
+    double med = sum->layer_rels[sum->n_rels / 2];
+    if (med > sum->median_layer_rel) sum->median_layer_rel = med;
+    bool ok = med <= TOL_LAYER_REL_RMS_MEDIAN;
+    sum->failures += !ok;
+    sum->checks++;
+    fprintf(out, "%-8s median layer rel_rms %.3e  %s\n", label, med, ok ? "PASS" : "FAIL");
+    sum->n_rels = 0;
+}
+
+void verify_merge(struct verify_summary *sum, const struct verify_summary *part) {
+    sum->checks += part->checks;
+    sum->failures += part->failures;
+    sum->topk_rows_diff_unexcused += part->topk_rows_diff_unexcused;
+    sum->hash_mismatches += part->hash_mismatches;
+    if (part->worst_layer_rel > sum->worst_layer_rel) sum->worst_layer_rel = part->worst_layer_rel;
+    if (part->worst_forced_logits > sum->worst_forced_logits) sum->worst_forced_logits = part->worst_forced_logits;
+    for (int i = 0; i < part->n_rels && sum->n_rels < VERIFY_MAX_RELS; i++)
+        sum->layer_rels[sum->n_rels++] = part->layer_rels[i];
 }

@@ -43,6 +43,16 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
   done
 done
 
+# the golden per-layer verification on 16 ranks (TP8 x PP2): same verdict and numbers as one rank
+"$DSBATCH" verify --golden "$GOLDEN/tp8pp2" 2>/dev/null | tail -1 > "$T/v1"
+$MPIRUN -np 16 "$DSBATCH" verify --golden "$GOLDEN/tp8pp2" --tp 8 --pp 2 --watchdog 120 2>"$T/verr" | tail -1 > "$T/v16"
+rc=${PIPESTATUS[0]}
+if [ $rc -eq 0 ] && grep -q " 0 failed" "$T/v16" && cmp -s "$T/v1" "$T/v16"; then
+  ok "verify tp8pp2 on TP8 x PP2: $(cut -c1-120 "$T/v16")"
+else
+  nok "verify tp8pp2 on TP8 x PP2: rc=$rc $(cat "$T/v16") $(grep -m1 error "$T/verr")"
+fi
+
 # a bad layout: one error line on every rank, before any loading
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/bad.jsonl" --tp 3 >"$T/log" 2>&1
 rc=$?
