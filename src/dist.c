@@ -95,6 +95,8 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     eo.window_layout = f->layout;
     eo.tp = t->tp > 1 ? t->tp_comm : NULL;
     d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);
+    t->world->ops->barrier(t->world, "start");
+    d->t0 = MPI_Wtime();
     /* the layout and rank table of a multi-rank job (a one-rank run has nothing to report) */
     char *table = t->world_size > 1 ? topo_rank_table(t) : NULL;
     if (table) {
@@ -106,7 +108,43 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     free(table);
 }
 
+int dist_trace_write(struct dist_engine *d, const char *path) {
+    struct topo *t = &d->topo;
+    struct comm *w = t->world;
+    int64_t n = d->n_trace;
+    int64_t *counts = ds_malloc(sizeof(int64_t) * (size_t)t->world_size);
+    w->ops->allgather(w, &n, counts, sizeof n, "trace counts");
+    int rc = 0;
+    if (t->world_rank == 0) {
+        char tmp[1100];
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE *f = fopen(tmp, "w");
+        if (!f) {
+            ds_err_set("%s: cannot write: %s", path, ds_errno_str());
+            rc = -1;
+        }
+        if (f) fprintf(f, "rank,stage,tp,step,seqs,rows,start_s,end_s,compute_s\n");
+        for (int r = 0; r < t->world_size; r++) {
+            struct trace_event *ev = r == 0 ? d->trace : ds_malloc(sizeof *ev * (size_t)(counts[r] + 1));
+            if (r) w->ops->recv(w, ev, sizeof *ev * (size_t)counts[r], r, 92, "trace");
+            for (int64_t i = 0; f && i < counts[r]; i++)
+                fprintf(f, "%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f\n", ev[i].rank, ev[i].stage, ev[i].tp, ev[i].step,
+                        ev[i].seqs, ev[i].rows, ev[i].start, ev[i].end, ev[i].end - ev[i].start);
+            if (r) free(ev);
+        }
+        if (f && (fclose(f) != 0 || rename(tmp, path) != 0)) {
+            ds_err_set("%s: cannot write: %s", path, ds_errno_str());
+            rc = -1;
+        }
+    } else if (n) {
+        w->ops->send(w, d->trace, sizeof *d->trace * (size_t)n, 0, 92, "trace");
+    }
+    free(counts);
+    return rc;
+}
+
 void dist_close(struct dist_engine *d) {
+    free(d->trace);
     model_free(d->m);
     backend_cpu_free(&d->be);
     loader_close(&d->lm);
@@ -188,10 +226,22 @@ static void mb_free(struct mb *b) {
     free(b->key);
 }
 
+static void trace_add(struct dist_engine *d, int step, const struct mb *b, double start, double end) {
+    if (d->n_trace == d->cap_trace) {
+        d->cap_trace = d->cap_trace ? 2 * d->cap_trace : 256;
+        d->trace = ds_realloc(d->trace, sizeof *d->trace * (size_t)d->cap_trace);
+    }
+    struct topo *t = &d->topo;
+    d->trace[d->n_trace++] = (struct trace_event){.rank = t->world_rank, .stage = t->pp_rank, .tp = t->tp_rank,
+                                                  .step = step, .seqs = b->n, .rows = (int32_t)b->T,
+                                                  .start = start - d->t0, .end = end - d->t0};
+}
+
 /* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1,
  * lp[i] its log-probability). */
 static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double *lp, float *logits) {
     struct topo *t = &d->topo;
+    double start = MPI_Wtime();
     const struct model_config *c = &d->lm.cfg;
     bool first = t->pp_rank == 0, last = t->pp_rank == t->pp - 1;
     for (int i = 0; i < b->n; i++)
@@ -199,7 +249,10 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
     if (model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL)) return -1;
     if (!first) model_key_sync_append(d->m, b->seqs, b->n, &b->key, &b->key_len);
-    if (!last) return 0;
+    if (!last) {
+        trace_add(d, d->n_trace, b, start, MPI_Wtime());
+        return 0;
+    }
     int V = c->vocab_size;
     for (int i = 0; i < b->n; i++) {
         const struct wire_seq *w = &b->ws[i];
@@ -208,6 +261,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         out[i] = w->sample ? sampler_pick(row, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len)) : -1;
         lp[i] = out[i] >= 0 ? sampler_logprob(row, V, out[i]) : 0.0;
     }
+    trace_add(d, d->n_trace, b, start, MPI_Wtime());
     return 0;
 }
 

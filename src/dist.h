@@ -22,13 +22,25 @@ struct dist_opts {
     int max_seqs;              /* sequence slots per DP replica */
 };
 
+/* One forward of one micro-batch on one rank, for the step trace. */
+struct trace_event {
+    int32_t rank, stage, tp, step, seqs, rows;
+    double start, end; /* seconds since the job's common start */
+};
+
 struct dist_engine {
     struct topo topo;
     struct loaded_model lm;
     struct backend be;
     struct model *m;
     bool mpi_owner;
+    double t0; /* common time origin (after a barrier) */
+    struct trace_event *trace;
+    int n_trace, cap_trace;
 };
+
+/* Gather every rank's step trace to world rank 0 and write it as CSV (path on rank 0). */
+int dist_trace_write(struct dist_engine *d, const char *path);
 
 /* Parse --tp, --pp, --pp-layers a,b,..., --watchdog S; returns 1 when argv[*i] was one. */
 int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o);

@@ -5,6 +5,7 @@
  * chunk by chunk so no logits buffer larger than a chunk is ever held. Output lines keep the
  * order of the input. */
 #include <cJSON.h>
+#include <mpi.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,7 @@ struct gen_opts {
     struct sample_params sp;
     struct engine_flags ef;
     bool logprobs;
+    const char *trace;
     struct dist_opts dist;
 };
 
@@ -119,11 +121,13 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
         else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--logprobs")) o->logprobs = true;
+        else if (OPT("--trace")) o->trace = v;
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
         else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
                    "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--logprobs]\n"
+                   "       [--trace STEPS.csv]\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS]   (generate under mpirun)\n",
                    score ? "score" : "generate");
@@ -166,7 +170,16 @@ int cmd_generate(int argc, char **argv) {
         rq[i].out = ds_malloc(sizeof(int32_t) * (size_t)(ps[i].max_new + 1));
         rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].max_new + 1));
     }
+    double t_start = MPI_Wtime();
     if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
+    double t_gen = MPI_Wtime() - t_start;
+    if (o.trace && dist_trace_write(&d, o.trace)) ds_die_err();
+    if (d.topo.world_rank == 0) {
+        int64_t gen = 0, pin = 0;
+        for (int i = 0; i < np; i++) gen += rq[i].n_out, pin += rq[i].n;
+        log_info("generated %lld tokens for %d prompts (%lld prompt tokens) in %.2f s: %.1f tok/s", (long long)gen, np,
+                 (long long)pin, t_gen, (double)gen / t_gen);
+    }
     if (d.topo.world_rank == 0) {
         char tmp[1100];
         FILE *f = open_out(o.out, tmp, sizeof tmp);

@@ -1,5 +1,5 @@
 /* build/dsbatch: subcommand dispatch. Commands that run the engine start MPI themselves; the
- * file tools (inspect, mkmodel) do not need it. */
+ * file tools (inspect, plan, mkmodel) do not need it. */
 #include <stdio.h>
 #include <string.h>
 

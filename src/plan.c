@@ -183,7 +183,6 @@ static void layer_ids(const struct model_config *c, uint64_t mask, char *buf, si
     buf[0] = 0;
     for (int i = 0; i < c->n_engram && off < n; i++)
         if (mask >> i & 1) off += (size_t)snprintf(buf + off, n - off, "%s%d", off ? "," : "", c->engram_layer_ids[i]);
-    if (!buf[0]) snprintf(buf, n, "none");
 }
 
 static void usage(FILE *f) {
@@ -261,15 +260,19 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
     printf("engram   tables held once per node in host memory by the Engram service, not per rank:\n");
     for (int k = 0; k < n_nodes; k++) {
         layer_ids(c, np[k].mask, ids, sizeof ids);
-        printf("  node %d (ranks %d-%d): layers %s, %s (%llu bytes)\n", k, np[k].first_rank, np[k].last_rank, ids,
-               human((double)np[k].host_bytes, h[0], sizeof h[0]), (unsigned long long)np[k].host_bytes);
+        if (np[k].mask)
+            printf("  node %d (ranks %d-%d): layers %s, %s (%llu bytes)\n", k, np[k].first_rank, np[k].last_rank, ids,
+                   human((double)np[k].host_bytes, h[0], sizeof h[0]), (unsigned long long)np[k].host_bytes);
+        else
+            printf("  node %d (ranks %d-%d): no Engram layer\n", k, np[k].first_rank, np[k].last_rank);
     }
-    printf("kv       the CPU/bf16 cache layout the engine uses today (model_new), whole caches on every TP rank:\n"
-           "         per sequence %lld-slot window rings x head_dim x 2 B per layer (+ fp32 open compressor groups);\n"
-           "         per token head_dim x 2 B compressed KV and index_head_dim x 2 B index keys per `ratio` tokens on\n"
-           "         KV sources / key owners%s; %d sequences (--max-seqs) of %lld positions (--max-seq-len)\n",
-           (long long)c->window, o->eng.no_stale_keys ? "" : " (+ stage 0's mirrors of later index keys)", o->max_seqs,
-           (long long)o->max_seq_len);
+    printf("kv       KV cache in the CPU/bf16 layout the engine uses today (model_new); every TP rank holds whole\n"
+           "         caches. KV/seq: %lld-slot window rings x head_dim x 2 B per layer, + fp32 open compressor groups.\n"
+           "         KV/token: compressed KV (head_dim x 2 B) and index keys (index_head_dim x 2 B), one entry per\n"
+           "         `ratio` tokens, on KV sources / key owners%s.\n"
+           "         %d sequences (--max-seqs) of %lld positions (--max-seq-len)\n",
+           (long long)c->window, o->eng.no_stale_keys ? "" : " (+ stage 0's mirrors of later stages' index keys)",
+           o->max_seqs, (long long)o->max_seq_len);
     printf("work     workspace = peak activations of one forward of %lld rows (--max-batch-tokens): residual stream +\n"
            "         the largest per-layer temporaries (attention with gathered window/compressed KV and index\n"
            "         scores, MoE expert gather, Engram rows) or the head's fp32 logits for every row\n",
@@ -438,7 +441,12 @@ int cmd_plan(int argc, char **argv) {
                        r->rank, r->stage, r->tp_rank, (unsigned long long)r->weights, (unsigned long long)r->workspace,
                        (unsigned long long)r->kv_fixed, (unsigned long long)need, o.gpu_mem_text,
                        (unsigned long long)o.gpu_mem);
-            if (r->kv_per_token > 0) r->capacity = (int64_t)floor((double)(o.gpu_mem - need) / r->kv_per_token);
+            /* whole bytes per token (every ratio divides its entry size here) divide exactly */
+            uint64_t left = o.gpu_mem - need;
+            if (r->kv_per_token > 0)
+                r->capacity = r->kv_per_token == floor(r->kv_per_token)
+                                  ? (int64_t)(left / (uint64_t)r->kv_per_token)
+                                  : (int64_t)floor((double)left / r->kv_per_token);
         }
     }
     if (o.json)
