@@ -297,11 +297,15 @@ int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
 }
 
 /* Engram (§3.3) before block l: hash ids from the token history, gather, project, gate. */
-static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, const struct fwd_hooks *hooks) {
+/* Engram rows of layer l for the whole batch: hash ids from the token history (known as soon as
+ * the tokens are), then the rows from this rank's slice of the table (zeros elsewhere, summed over
+ * the TP group) or from the whole table when the node's Engram service holds it. Called for every
+ * Engram layer of the stage before the first layer runs, so the lookups are done ahead of use. */
+static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct engram_weights *ew = &m->w->layers[l].engram;
     int li = c->role[l].engram_idx;
-    int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim, D = c->dim, hc = c->hc_mult;
+    int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim;
     int64_t *ids = ds_malloc(sizeof(int64_t) * (size_t)(T * C));
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
@@ -314,14 +318,21 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     bf16_t *rows = balloc(m, (size_t)(T * C * hd) * 2);
     OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
     /* row-split table: exactly one rank holds each row, the others add zeros (exact) */
-    if (m->tp_size > 1)
+    if (m->tp_size > 1 && ew->rows_local < ew->rows)
         m->opt.tp->ops->allreduce_sum(m->opt.tp, rows, (size_t)(T * C * hd), COMM_BF16, "engram rows");
+    free(ids);
+    bfree(m, ids_d);
+    return rows;
+}
+
+/* Engram (§3.3) before block l: project the prefetched rows, gate and inject into X. */
+static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, const bf16_t *rows) {
+    const struct model_config *c = m->cfg;
+    const struct engram_weights *ew = &m->w->layers[l].engram;
+    int64_t T = b->T, D = c->dim, hc = c->hc_mult;
     bf16_t *kv = balloc(m, (size_t)(T * (hc + 1) * D) * 2);
     OPS->linear(m->be, kv, rows, T, &ew->wkv);
     OPS->engram_gate(m->be, X, kv, m->engram_w[l], T, hc, D, (float)c->norm_eps);
-    free(ids);
-    bfree(m, ids_d);
-    bfree(m, rows);
     bfree(m, kv);
 }
 
@@ -474,11 +485,14 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         OPS->upload(m->be, P, io->P_in, sizeof(float) * (size_t)(T * hc));
     }
 
+    bf16_t **erows = ds_calloc((size_t)c->n_layers, sizeof *erows);
+    for (int l = 0; l < c->n_layers; l++)
+        if (m->w->layers[l].present && c->role[l].engram_idx >= 0) erows[l] = engram_prefetch(m, l, &b, hooks);
     int rc = 0;
     for (int l = 0; l < c->n_layers && rc == 0; l++) {
         if (!m->w->layers[l].present) continue;
         if (hooks && hooks->pre_engram) hooks->pre_engram(hooks->ctx, l, X, P, T);
-        if (c->role[l].engram_idx >= 0) engram_forward(m, l, &b, X, hooks);
+        if (erows[l]) engram_forward(m, l, &b, X, erows[l]);
         if (hooks && hooks->pre_block) hooks->pre_block(hooks->ctx, l, X, P, T);
         rc = block_forward(m, l, &b, &X, &X1, P, hooks);
         if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
@@ -514,7 +528,11 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     }
     if (rc == 0)
         for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
-    for (int l = 0; l < c->n_layers; l++) free(b.topk[l]);
+    for (int l = 0; l < c->n_layers; l++) {
+        free(b.topk[l]);
+        bfree(m, erows[l]);
+    }
+    free(erows);
     free(b.topk);
     free(b.topk_w);
     free(b.cand);
