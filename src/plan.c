@@ -45,6 +45,7 @@ struct rank_plan {
     uint64_t weights;        /* bytes mapped except the Engram tables (GPU resident) */
     uint64_t engram_slice;   /* the Engram row slice weights_bind maps (inspect's "engram" column) */
     uint64_t experts;        /* of weights: routed experts */
+    uint64_t prepared;       /* copies the backend makes at load: bf16 wo_a, RoPE tables, Engram gate */
     uint64_t kv_per_seq;     /* window rings + open compressor groups of one sequence */
     uint64_t kv_fixed;       /* max_seqs x kv_per_seq + one guard row per compressed cache */
     double kv_per_token;     /* compressed KV + index keys (+ mirrors) per token of one sequence */
@@ -95,6 +96,19 @@ static void kv_of_stage(const struct model_config *c, int b, int e, bool first, 
 }
 
 static uint64_t u64max(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+/* What model_new adds to the mapped weights: wo_a dequantized to bf16 as the reference holds it
+ * (MODEL.md §3.5), the fp32 RoPE table of every layer, and q_weight * k_weight in fp32 per Engram
+ * layer. */
+static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp) {
+    uint64_t bytes = (uint64_t)config_total_layers(c) * (uint64_t)(c->rope_dim / 2) * 4;
+    for (int l = b; l < e; l++) {
+        bytes += (uint64_t)(c->o_groups / tp) * (uint64_t)c->o_lora_rank *
+                 (uint64_t)((int64_t)c->n_heads * c->head_dim / c->o_groups) * 2;
+        if (c->role[l].engram_idx >= 0) bytes += (uint64_t)c->hc_mult * (uint64_t)c->dim * 4;
+    }
+    return bytes;
+}
 
 /* Peak activations of one forward of T rows: the residual stream lives through the whole forward;
  * each layer's temporaries are freed before the next, so the peak is the stream plus the largest
@@ -256,7 +270,9 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
     for (int s = 0; s < o->pp; s++)
         printf("  stage %d: layers %d-%d%s%s\n", s, begin[s], end[s] - 1, s == 0 ? " + embed" : "",
                s == o->pp - 1 ? (c->n_mtp ? " + norm, head, DSpark" : " + norm, head") : "");
-    printf("weights  bytes each rank maps (weights_bind, as inspect --tp --pp) without the Engram tables\n");
+    printf("weights  bytes each rank maps (weights_bind, as inspect --tp --pp) without the Engram tables;\n"
+           "         prepared: what the backend adds at load (wo_a in bf16 as the reference holds it, RoPE tables,\n"
+           "         fp32 Engram gate weights)\n");
     printf("engram   tables held once per node in host memory by the Engram service, not per rank:\n");
     for (int k = 0; k < n_nodes; k++) {
         layer_ids(c, np[k].mask, ids, sizeof ids);
@@ -278,11 +294,11 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
            "         scores, MoE expert gather, Engram rows) or the head's fp32 logits for every row\n",
            (long long)o->max_batch_tokens);
     if (o->gpu_mem)
-        printf("gpu      --gpu-mem %s = %llu bytes; KV capacity = (gpu-mem - weights - workspace - %d x KV/seq) / "
-               "KV/token\n",
+        printf("gpu      --gpu-mem %s = %llu bytes; KV capacity = (gpu-mem - weights - prepared - workspace\n"
+               "         - %d x KV/seq) / KV/token\n",
                o->gpu_mem_text, (unsigned long long)o->gpu_mem, o->max_seqs);
-    printf("  %4s  %2s  %2s  %4s  %-9s %11s %12s %10s %10s %11s", "rank", "pp", "tp", "node", "layers", "weights",
-           "engram/node", "KV/seq", "KV/token", "workspace");
+    printf("  %4s  %2s  %2s  %4s  %-9s %11s %10s %12s %10s %10s %11s", "rank", "pp", "tp", "node", "layers", "weights",
+           "prepared", "engram/node", "KV/seq", "KV/token", "workspace");
     printf(o->gpu_mem ? "  %s\n" : "\n", "KV capacity");
     uint64_t wsum = 0;
     for (int i = 0; i < n; i++) {
@@ -291,8 +307,9 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
         snprintf(layers, sizeof layers, "%d-%d", begin[r->stage], end[r->stage] - 1);
         char tok[32];
         snprintf(tok, sizeof tok, r->kv_per_token == floor(r->kv_per_token) ? "%.0f B" : "%.1f B", r->kv_per_token);
-        printf("  %4d  %2d  %2d  %4d  %-9s %11s %12s %10s %10s %11s", r->rank, r->stage, r->tp_rank, r->node, layers,
-               human((double)r->weights, h[0], sizeof h[0]), human((double)np[r->node].host_bytes, h[1], sizeof h[1]),
+        printf("  %4d  %2d  %2d  %4d  %-9s %11s %10s %12s %10s %10s %11s", r->rank, r->stage, r->tp_rank, r->node,
+               layers, human((double)r->weights, h[0], sizeof h[0]), human((double)r->prepared, h[4], sizeof h[4]),
+               human((double)np[r->node].host_bytes, h[1], sizeof h[1]),
                human((double)r->kv_per_seq, h[2], sizeof h[2]), tok, human((double)r->workspace, h[3], sizeof h[3]));
         if (o->gpu_mem && r->capacity < 0)
             printf("  unbounded (no per-token KV)");
@@ -358,6 +375,7 @@ static void print_json(const struct loaded_model *lm, const struct plan_opts *o,
         cJSON_AddNumberToObject(x, "node", r->node);
         cJSON_AddNumberToObject(x, "weight_bytes", (double)r->weights);
         cJSON_AddNumberToObject(x, "expert_bytes", (double)r->experts);
+        cJSON_AddNumberToObject(x, "prepared_bytes", (double)r->prepared);
         cJSON_AddNumberToObject(x, "engram_row_slice_bytes", (double)r->engram_slice);
         cJSON_AddNumberToObject(x, "engram_host_bytes_node", (double)np[r->node].host_bytes);
         cJSON_AddNumberToObject(x, "kv_bytes_per_seq", (double)r->kv_per_seq);
@@ -413,6 +431,7 @@ int cmd_plan(int argc, char **argv) {
                                     .experts = mw.bytes_experts, .capacity = -1};
             weights_free(&mw);
             kv_of_stage(c, begin[s], end[s], s == 0, !o.eng.no_stale_keys, &o, r);
+            r->prepared = prepared_of(c, begin[s], end[s], o.tp);
             r->workspace = workspace_of(c, begin[s], end[s], s == 0, s == o.pp - 1, o.tp, &o);
             np[r->node].mask |= engram_service_layer_mask(c, begin[s], end[s]);
         }
@@ -434,11 +453,12 @@ int cmd_plan(int argc, char **argv) {
                        "%s = %llu bytes",
                        r->rank, r->stage, r->tp_rank, (unsigned long long)r->weights, (double)r->weights / 1e9,
                        o.gpu_mem_text, (unsigned long long)o.gpu_mem);
-            uint64_t need = r->weights + r->workspace + r->kv_fixed;
+            uint64_t need = r->weights + r->prepared + r->workspace + r->kv_fixed;
             if (need > o.gpu_mem)
-                ds_die("plan: rank %d (pp %d, tp %d): weights %llu + workspace %llu + per-sequence KV %llu = %llu bytes "
-                       "exceed --gpu-mem %s = %llu bytes",
-                       r->rank, r->stage, r->tp_rank, (unsigned long long)r->weights, (unsigned long long)r->workspace,
+                ds_die("plan: rank %d (pp %d, tp %d): weights %llu + prepared %llu + workspace %llu + per-sequence KV %llu "
+                       "= %llu bytes exceed --gpu-mem %s = %llu bytes",
+                       r->rank, r->stage, r->tp_rank, (unsigned long long)r->weights, (unsigned long long)r->prepared,
+                       (unsigned long long)r->workspace,
                        (unsigned long long)r->kv_fixed, (unsigned long long)need, o.gpu_mem_text,
                        (unsigned long long)o.gpu_mem);
             /* whole bytes per token (every ratio divides its entry size here) divide exactly */

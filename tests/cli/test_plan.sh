@@ -155,7 +155,7 @@ for r in p['ranks']:
     st = p['stages'][r['pp']]
     want = kv_per_token(sys.argv[2], st['layer_begin'], st['layer_end'], r['pp'] == 0)
     assert r['kv_bytes_per_token'] == want, (r, want)
-    left = g - r['weight_bytes'] - r['workspace_bytes'] - r['kv_fixed_bytes']
+    left = g - r['weight_bytes'] - r['prepared_bytes'] - r['workspace_bytes'] - r['kv_fixed_bytes']
     assert left > 0 and r['kv_capacity_tokens'] == int(left // r['kv_bytes_per_token']), r
     assert r['kv_fixed_bytes'] >= p['max_seqs'] * r['kv_bytes_per_seq']
     out.append(f"rank {r['rank']}: {r['kv_bytes_per_token']:g} B/token, {r['kv_capacity_tokens']} tokens")
@@ -165,15 +165,15 @@ assert p['nodes'][0]['engram_layers'] == [1] and p['nodes'][0]['engram_host_byte
 print('; '.join(out))
 EOF
   if msg=$(python3 "$TMP/check_v41.py" "$TMP/v41.json" "$TMP/v41/config.json" "$TMP" 2>&1); then
-    ok "v41 capacity = (gpu-mem - weights - workspace - per-sequence KV) / KV per token: $msg"
+    ok "v41 capacity = (gpu-mem - weights - prepared - workspace - per-sequence KV) / KV per token: $msg"
   else
-    not_ok "v41 capacity = (gpu-mem - weights - workspace - per-sequence KV) / KV per token" "$msg"
+    not_ok "v41 capacity = (gpu-mem - weights - prepared - workspace - per-sequence KV) / KV per token" "$msg"
   fi
   expect_error "--gpu-mem below one rank's weights" \
     '^dsbatch: error: plan: rank 0 \(pp 0, tp 0\): its weights alone are [0-9]+ bytes .*--gpu-mem 100M = 104857600 bytes$' \
     "$DSBATCH" plan --model "$TMP/v41" --tp 2 --pp 2 --gpu-mem 100M
   expect_error "--gpu-mem that holds the weights but not the workspace" \
-    '^dsbatch: error: plan: rank 0 \(pp 0, tp 0\): weights [0-9]+ \+ workspace [0-9]+ \+ per-sequence KV [0-9]+ = [0-9]+ bytes exceed --gpu-mem 500M = 524288000 bytes$' \
+    '^dsbatch: error: plan: rank 0 \(pp 0, tp 0\): weights [0-9]+ \+ prepared [0-9]+ \+ workspace [0-9]+ \+ per-sequence KV [0-9]+ = [0-9]+ bytes exceed --gpu-mem 500M = 524288000 bytes$' \
     "$DSBATCH" plan --model "$TMP/v41" --tp 2 --pp 2 --gpu-mem 500M
   rm -rf "$TMP/v41"
 else
