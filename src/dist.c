@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engram_service.h"
 #include "log.h"
 
 enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_LP,
@@ -31,6 +32,10 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
     if (!strcmp(a, "--tp")) o->tp = atoi(v);
     else if (!strcmp(a, "--pp")) o->pp = atoi(v);
     else if (!strcmp(a, "--watchdog")) o->deadline_s = atof(v);
+    else if (!strcmp(a, "--engram")) {
+        if (strcmp(v, "service") && strcmp(v, "per-rank")) ds_die("--engram: '%s' is not one of service, per-rank", v);
+        o->engram_per_rank = !strcmp(v, "per-rank");
+    }
     else if (!strcmp(a, "--pp-layers")) {
         memset(o->pp_counts, 0, sizeof o->pp_counts);
         int n = 0;
@@ -80,6 +85,23 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
                            .layer_end = t->layer_end[t->pp_rank], .first_stage = t->pp_rank == 0,
                            .last_stage = t->pp_rank == t->pp - 1};
     if (loader_bind(&d->lm, &bo)) ds_die_err();
+    /* Engram tables: held once per node by the node's service (every rank then reads whole rows,
+     * no sum over the TP group); --engram per-rank keeps each rank's row slice of the mmap */
+    if (c->n_engram > 0 && t->world_size > 1 && !o->engram_per_rank) {
+        d->engram = engram_service_new(t, &d->lm);
+        if (!d->engram) ds_die_err();
+        for (int l = 0; l < c->n_layers; l++) {
+            struct layer_weights *lw = &d->lm.w.layers[l];
+            if (!lw->present || !lw->has_engram) continue;
+            int64_t rows = 0;
+            const uint8_t *scale = NULL, *table = engram_service_table(d->engram, l, &scale, &rows);
+            if (!table) ds_die("layer %d: the node's Engram service holds no table for it", l);
+            lw->engram.table = table;
+            lw->engram.scale = scale;
+            lw->engram.row0 = 0;
+            lw->engram.rows_local = rows;
+        }
+    }
     if (backend_cpu_init(&d->be)) ds_die("cannot initialise the CPU backend");
     struct engine_opts eo = engine_opts_default(c);
     if (o->max_seq_len > 0) {
@@ -148,6 +170,7 @@ void dist_close(struct dist_engine *d) {
     model_free(d->m);
     backend_cpu_free(&d->be);
     loader_close(&d->lm);
+    engram_service_free(d->engram); /* collective over the node, after the last read */
     topo_free(&d->topo);
     if (d->mpi_owner) MPI_Finalize();
 }

@@ -18,6 +18,7 @@ struct dist_opts {
     int tp, pp;                /* 0 = defaults (topo_init) */
     int pp_counts[TOPO_MAX_PP]; /* --pp-layers, or all 0 */
     double deadline_s;         /* watchdog */
+    int engram_per_rank;       /* --engram per-rank: TP row slices + sum instead of the node's service */
     int64_t max_seq_len, min_len;
     int max_seqs;              /* sequence slots per DP replica */
 };
@@ -34,6 +35,7 @@ struct dist_engine {
     struct backend be;
     struct model *m;
     bool mpi_owner;
+    struct engram_service *engram; /* the node's Engram tables (NULL: per-rank slices) */
     double t0; /* common time origin (after a barrier) */
     struct trace_event *trace;
     int n_trace, cap_trace;

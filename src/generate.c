@@ -129,7 +129,8 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
                    "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--logprobs]\n"
                    "       [--trace STEPS.csv]\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode]\n"
-                   "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS]   (generate under mpirun)\n",
+                   "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS] [--engram service|per-rank]\n"
+                   "       (the last line: under mpirun)\n",
                    score ? "score" : "generate");
             exit(0);
         } else

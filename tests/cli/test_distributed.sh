@@ -43,6 +43,18 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
   done
 done
 
+# Engram tables served once per node (the default on many ranks) vs each rank's row slice + sum
+for e in service per-rank; do
+  $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/e_$e.jsonl" --max-seqs 4 \
+    --logprobs --engram $e --watchdog 120 >"$T/log" 2>&1 || nok "--engram $e: $(grep -m1 error "$T/log")"
+done
+"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/e_one.jsonl" --max-seqs 4 --logprobs 2>/dev/null
+if cmp -s "$T/e_service.jsonl" "$T/e_per-rank.jsonl" && cmp -s "$T/e_one.jsonl" "$T/e_service.jsonl"; then
+  ok "Engram served by the node's service = per-rank table slices = one rank (TP8 x PP2)"
+else
+  nok "Engram service and per-rank slices differ"
+fi
+
 # the golden per-layer verification on 16 ranks (TP8 x PP2): same verdict and numbers as one rank
 "$DSBATCH" verify --golden "$GOLDEN/tp8pp2" 2>/dev/null | tail -1 > "$T/v1"
 $MPIRUN -np 16 "$DSBATCH" verify --golden "$GOLDEN/tp8pp2" --tp 8 --pp 2 --watchdog 120 2>"$T/verr" | tail -1 > "$T/v16"
