@@ -119,15 +119,26 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);
     t->world->ops->barrier(t->world, "start");
     d->t0 = MPI_Wtime();
-    /* the layout and rank table of a multi-rank job (a one-rank run has nothing to report) */
-    char *table = t->world_size > 1 ? topo_rank_table(t) : NULL;
-    if (table) {
-        log_info("layout: tp %d x pp %d x dp %d", t->tp, t->pp, t->dp);
-        for (int s = 0; s < t->pp; s++)
-            log_info("stage %d: layers %d-%d", s, t->layer_begin[s], t->layer_end[s] - 1);
-        fputs(table, stderr);
+    /* the layout, the rank table and every rank's mapped weight bytes of a multi-rank job (a
+     * one-rank run has nothing to report) */
+    if (t->world_size > 1) {
+        char *table = topo_rank_table(t);
+        uint64_t mine[2] = {d->lm.w.bytes_total, d->engram ? engram_service_bytes(d->engram) : 0};
+        uint64_t *all = ds_malloc(sizeof mine * (size_t)t->world_size);
+        t->world->ops->allgather(t->world, mine, all, sizeof mine, "weight bytes");
+        if (table) {
+            log_info("layout: tp %d x pp %d x dp %d", t->tp, t->pp, t->dp);
+            for (int s = 0; s < t->pp; s++)
+                log_info("stage %d: layers %d-%d", s, t->layer_begin[s], t->layer_end[s] - 1);
+            fputs(table, stderr);
+            fprintf(stderr, "rank  weight bytes (this rank's slices)  engram bytes (node service)\n");
+            for (int r = 0; r < t->world_size; r++)
+                fprintf(stderr, "%4d  %30llu  %28llu\n", r, (unsigned long long)all[2 * r],
+                        (unsigned long long)all[2 * r + 1]);
+        }
+        free(table);
+        free(all);
     }
-    free(table);
 }
 
 int dist_trace_write(struct dist_engine *d, const char *path) {
