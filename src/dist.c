@@ -9,6 +9,7 @@
 #include <mpi.h>
 #include <omp.h>
 #include <unistd.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,19 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
     if (!strcmp(a, "--tp")) o->tp = atoi(v);
     else if (!strcmp(a, "--pp")) o->pp = atoi(v);
     else if (!strcmp(a, "--watchdog")) o->deadline_s = atof(v);
+    else if (!strcmp(a, "--max-batch-tokens")) {
+        o->max_batch_tokens = atoll(v);
+        if (o->max_batch_tokens < 1) ds_die("--max-batch-tokens: expected a positive number, got '%s'", v);
+    } else if (!strcmp(a, "--stop-ids")) {
+        o->n_stop_ids = 0;
+        for (const char *p = v; *p && o->n_stop_ids < 64;) {
+            char *e;
+            long id = strtol(p, &e, 10);
+            if (e == p) ds_die("--stop-ids '%s': expected token ids like 1,7", v);
+            o->stop_ids[o->n_stop_ids++] = (int)id;
+            p = *e == ',' ? e + 1 : e;
+        }
+    }
     else if (!strcmp(a, "--engram")) {
         if (strcmp(v, "service") && strcmp(v, "per-rank")) ds_die("--engram: '%s' is not one of service, per-rank", v);
         o->engram_per_rank = !strcmp(v, "per-rank");
@@ -63,6 +77,10 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
         d->mpi_owner = true;
     }
     comm_set_deadline(o->deadline_s > 0 ? o->deadline_s : 300);
+    d->max_batch_tokens = o->max_batch_tokens;
+    d->n_stop_ids = o->n_stop_ids;
+    memcpy(d->stop_ids, o->stop_ids, sizeof d->stop_ids);
+    d->quiet = o->quiet;
     if (loader_open_config(&d->lm, dir)) ds_die_err();
     const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
     if (topo_init(&d->topo, &d->lm.cfg, o->tp, o->pp, counts)) ds_die_err();
@@ -306,6 +324,21 @@ struct slot_run {
     int64_t fed;
 };
 
+/* Rank 0's progress: prompts done of its replica's share, tokens/s, ETA; one updating line on a
+ * terminal, a plain line every 10 s otherwise. */
+static void progress(struct dist_engine *d, int done, int total, int64_t generated, bool final) {
+    static double last;
+    if (d->quiet) return;
+    double now = MPI_Wtime(), el = now - d->t0;
+    bool tty = isatty(2);
+    if (!final && now - last < (tty ? 0.5 : 10.0)) return;
+    last = now;
+    double rate = el > 0 ? (double)generated / el : 0, eta = done > 0 ? el * (total - done) / done : 0;
+    fprintf(stderr, "%sdsbatch: %d/%d prompts%s, %lld tokens, %.1f tok/s, ETA %.0f s%s", tty ? "\r" : "", done, total,
+            d->topo.dp > 1 ? " (replica 0)" : "", (long long)generated, rate, eta, tty && !final ? "" : "\n");
+    fflush(stderr);
+}
+
 static void collect_results(struct dist_engine *d, struct gen_request *reqs, int n) {
     struct topo *t = &d->topo;
     if (t->dp == 1 || t->pp_rank != 0 || t->tp_rank != 0) return;
@@ -346,6 +379,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     double *lp_out = ds_malloc(sizeof(double) * (size_t)(S + 1));
     float *logits = t->pp == 1 ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
     int next = t->dp_rank, done = 0, mine = 0;
+    int64_t generated = 0;
     for (int i = t->dp_rank; i < n; i += t->dp) mine++;
     for (int i = 0; i < n; i++) reqs[i].n_out = 0;
     int rc = 0;
@@ -370,49 +404,58 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
             struct gen_request *q = &reqs[b->ws[i].req];
             q->lp[q->n_out] = lp_out[i];
             q->out[q->n_out++] = tok_out[i];
-            if (tok_out[i] == c->eos_id || q->n_out >= q->max_new) {
-                q->finish = tok_out[i] == c->eos_id;
+            int fin = tok_out[i] == c->eos_id ? GEN_FINISH_EOS : -1;
+            for (int k = 0; k < d->n_stop_ids && fin < 0; k++)
+                if (tok_out[i] == d->stop_ids[k]) fin = GEN_FINISH_STOP_ID;
+            if (fin < 0 && q->n_out >= q->max_new) fin = GEN_FINISH_LENGTH;
+            if (fin >= 0) {
+                q->finish = fin;
                 sr[b->ws[i].slot].req = -1;
                 done++;
             }
+            generated++;
         }
+        if (t->world_rank == 0) progress(d, done, mine, generated, false);
         b->n = 0;
         b->T = 0;
-        /* build this group's next step: admissions, prefill chunks, one decode token each */
+        /* build this group's next step under the token budget: first one decode token for every
+         * running sequence, then prefill chunks (admitting new prompts into free slots) while
+         * tokens are left; a prompt longer than what is left continues next step */
         b->ws = ds_realloc(b->ws, sizeof *b->ws * (size_t)(S + 1));
-        for (int s = g; s < S; s += G) {
-            if (sr[s].req < 0) {
-                while (next < n && reqs[next].max_new == 0) {
-                    reqs[next].finish = 0;
-                    done++;
+        int64_t left = d->max_batch_tokens > 0 ? d->max_batch_tokens : INT64_MAX;
+        for (int pass = 0; pass < 2; pass++)
+            for (int s = g; s < S; s += G) {
+                if (pass == 1 && sr[s].req < 0 && left > 0) {
+                    while (next < n && reqs[next].max_new == 0) {
+                        reqs[next].finish = GEN_FINISH_LENGTH;
+                        done++;
+                        next += t->dp;
+                    }
+                    if (next >= n) continue;
+                    sr[s].req = next;
+                    sr[s].fed = 0;
                     next += t->dp;
                 }
-                if (next >= n) continue;
-                sr[s].req = next;
-                sr[s].fed = 0;
-                next += t->dp;
+                if (sr[s].req < 0) continue;
+                struct gen_request *q = &reqs[sr[s].req];
+                bool decoding = sr[s].fed >= q->n;
+                if (decoding != (pass == 0) || (decoding && left < 1)) continue;
+                int64_t len = 1, start = q->n + q->n_out - 1;
+                if (!decoding) {
+                    len = q->n - sr[s].fed;
+                    if (len > chunk) len = chunk;
+                    if (len > left) len = left;
+                    if (len < 1) continue;
+                    start = sr[s].fed;
+                    sr[s].fed += len;
+                }
+                struct wire_seq *w = &b->ws[b->n++];
+                *w = (struct wire_seq){.slot = s, .req = sr[s].req, .top_k = q->sp.top_k, .seed = q->sp.seed,
+                                       .temperature = q->sp.temperature, .top_p = q->sp.top_p, .start = start,
+                                       .len = (int32_t)len, .sample = start + len >= q->n};
+                b->T += len;
+                left -= len;
             }
-            struct gen_request *q = &reqs[sr[s].req];
-            struct wire_seq *w = &b->ws[b->n++];
-            memset(w, 0, sizeof *w);
-            w->slot = s;
-            w->req = sr[s].req;
-            w->top_k = q->sp.top_k;
-            w->seed = q->sp.seed;
-            w->temperature = q->sp.temperature;
-            w->top_p = q->sp.top_p;
-            if (sr[s].fed < q->n) {
-                int64_t len = q->n - sr[s].fed < chunk ? q->n - sr[s].fed : chunk;
-                w->start = sr[s].fed;
-                w->len = (int32_t)len;
-                sr[s].fed += len;
-            } else {
-                w->start = q->n + q->n_out - 1;
-                w->len = 1;
-            }
-            w->sample = w->start + w->len >= q->n;
-            b->T += w->len;
-        }
         if (!b->n) continue;
         mb_alloc_rows(b, c);
         int64_t r = 0;
@@ -439,6 +482,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         struct mb end = {0};
         mb_send(pp, 1, &end, c, true);
     }
+    if (t->world_rank == 0) progress(d, done, mine, generated, true);
     for (int g = 0; g < G; g++) mb_free(&mbs[g]);
     free(mbs);
     free(inflight);

@@ -19,6 +19,9 @@ struct dist_opts {
     int pp_counts[TOPO_MAX_PP]; /* --pp-layers, or all 0 */
     double deadline_s;         /* watchdog */
     int engram_per_rank;       /* --engram per-rank: TP row slices + sum instead of the node's service */
+    int64_t max_batch_tokens;  /* --max-batch-tokens: tokens per step and micro-batch (0 = no limit) */
+    int n_stop_ids, stop_ids[64]; /* --stop-ids a,b,...: end a sequence besides EOS */
+    bool quiet;                /* --quiet: no progress line */
     int64_t max_seq_len, min_len;
     int max_seqs;              /* sequence slots per DP replica */
 };
@@ -37,6 +40,9 @@ struct dist_engine {
     bool mpi_owner;
     struct engram_service *engram; /* the node's Engram tables (NULL: per-rank slices) */
     double t0; /* common time origin (after a barrier) */
+    int64_t max_batch_tokens;
+    int n_stop_ids, stop_ids[64];
+    bool quiet;
     struct trace_event *trace;
     int n_trace, cap_trace;
 };
@@ -52,6 +58,8 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o);
 void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags *f, const struct dist_opts *o);
 void dist_close(struct dist_engine *d);
 
+enum gen_finish { GEN_FINISH_LENGTH = 0, GEN_FINISH_EOS = 1, GEN_FINISH_STOP_ID = 2 };
+
 /* One prompt of a generation job and its result. */
 struct gen_request {
     const int32_t *tokens;
@@ -60,7 +68,7 @@ struct gen_request {
     int32_t *out; /* [max_new], filled on world rank 0 after dist_generate */
     double *lp;   /* [max_new] log-probability of each generated token under the model (temperature 1) */
     int64_t n_out;
-    int finish;   /* 0 length, 1 stop (EOS) */
+    int finish;   /* enum gen_finish */
 };
 
 /* Generate every request (all ranks pass the same list); results land on world rank 0.
