@@ -29,6 +29,10 @@ struct wire_seq {
 
 int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(a, "--quiet")) {
+        o->quiet = true;
+        return 1;
+    }
     if (!v) return 0;
     if (!strcmp(a, "--tp")) o->tp = atoi(v);
     else if (!strcmp(a, "--pp")) o->pp = atoi(v);
