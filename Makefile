@@ -15,8 +15,8 @@ HDF5_PC   ?= hdf5-openmpi
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g -Wall -Wextra -Wno-unused-parameter -ffp-contract=off -fno-fast-math -fopenmp
 OPT         ?= -O2
-CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null)
-LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp
+CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc)
+LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp $(shell pkg-config --libs libpcre2-8 libutf8proc)
 
 HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)
 HOST_OBJ  := $(patsubst %.c,$(BUILD_DIR)/obj/%.o,$(HOST_SRC))
@@ -33,7 +33,11 @@ WITH_CUDA := 1
 endif
 endif
 
+BENCH_SRC :=
+BENCH_BIN :=
 ifeq ($(WITH_CUDA),1)
+BENCH_SRC := $(wildcard tests/bench/*.c)
+BENCH_BIN := $(patsubst tests/bench/%.c,$(BUILD_DIR)/bench/%,$(BENCH_SRC))
 GENCODE   := -gencode arch=compute_$(SM),code=[sm_$(SM),compute_$(SM)]
 NVFLAGS   := -O3 -std=c++17 $(GENCODE) -Ikernels -Isrc -Xptxas -v -lineinfo
 CU_OBJ    := $(patsubst %.cu,$(BUILD_DIR)/obj/%.o,$(CU_SRC))
@@ -42,7 +46,7 @@ LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart_static -lnccl -ldl -lrt -lstdc++
 endif
 
 .PHONY: all cpu test test-cuda demo bench clean help
-all: $(BUILD_DIR)/dsbatch $(TEST_BIN) $(MPITEST_BIN)
+all: $(BUILD_DIR)/dsbatch $(TEST_BIN) $(MPITEST_BIN) $(BENCH_BIN)
 
 cpu:
 	$(MAKE) WITH_CUDA=0 NVCC= all
@@ -70,8 +74,20 @@ $(BUILD_DIR)/mpitests/%: tests/mpi/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
 
+$(BUILD_DIR)/bench/%: tests/bench/%.c $(BUILD_DIR)/libdsbatch.a
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
+
 test: all
 	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh
+
+# on the GPU machine: the CUDA kernels against the CPU backend, then the decode benchmark
+test-cuda: all
+	$(BUILD_DIR)/tests/test_cuda_linear
+
+bench: all
+	@mkdir -p results
+	$(BUILD_DIR)/bench/bench_linear_cuda results/cuda_linear_decode.csv
 
 demo: all
 	bash tests/demo.sh

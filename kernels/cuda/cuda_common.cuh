@@ -1,0 +1,46 @@
+/* Shared pieces of the SM80 suite: the CUDA check macro (which ends the whole job through the host
+ * runtime's ds_fatal, like every other library check), and exact number-format conversions that
+ * match src/formats.c bit for bit (RNE, no FMA contraction: every rounding point is an explicit
+ * __fadd_rn/__fmul_rn/__fdiv_rn so nvcc cannot fuse it). */
+#ifndef DS_CUDA_COMMON_CUH
+#define DS_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" void ds_fatal(const char *file, int line, const char *func, const char *lib, const char *call,
+                         const char *msg);
+
+#define CUDA_CHECK(call)                                                                          \
+    do {                                                                                          \
+        cudaError_t ds_ce_ = (call);                                                              \
+        if (ds_ce_ != cudaSuccess)                                                                \
+            ds_fatal(__FILE__, __LINE__, __func__, "CUDA", #call, cudaGetErrorString(ds_ce_));     \
+    } while (0)
+/* After every launch: a bad configuration is reported where it happened. */
+#define KERNEL_CHECK() CUDA_CHECK(cudaGetLastError())
+
+/* e8m0 byte -> 2^(b-127); 255 = NaN; 0 = 2^-127 (subnormal). */
+__device__ __forceinline__ float ds_e8m0(uint8_t b) {
+    if (b == 255) return __int_as_float(0x7fc00000);
+    if (b == 0) return __int_as_float(0x00400000);
+    return __int_as_float((int)b << 23);
+}
+
+/* e4m3fn byte -> float, exact. */
+__device__ __forceinline__ float ds_e4m3(uint8_t b) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+/* e2m1 code -> float: magnitude = 2^(e-1) * (1 + m/2) for e > 0, m/2 for e == 0 (arithmetic, so
+ * no table lands in local memory). */
+__device__ __forceinline__ float ds_e2m1(uint32_t code) {
+    uint32_t e = (code >> 1) & 3, m = code & 1;
+    float v = e ? __int_as_float((int)((126 + e) << 23) | (int)(m << 22)) : 0.5f * (float)m;
+    return (code & 8) ? -v : v;
+}
+
+#endif /* DS_CUDA_COMMON_CUH */

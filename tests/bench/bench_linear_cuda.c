@@ -1,0 +1,115 @@
+/* Decode-shape benchmark of the SM80 FP8/FP4 linear kernels (make bench, GPU machine).
+ * First the ceiling: device-to-device copy bandwidth (cudaMemcpyDeviceToDevice of 1 GiB, bytes
+ * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16: the
+ * kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
+ * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
+ * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda_linear.h"
+
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "bench: %s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static double copy_bandwidth(void) {
+    size_t bytes = (size_t)1 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMalloc(&b, bytes));
+    CK(cudaMemset(a, 1, bytes));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; i++) CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e0, 0));
+    int reps = 20;
+    for (int i = 0; i < reps; i++) CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0));
+    CK(cudaEventRecord(e1, 0));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    return 2.0 * (double)bytes * reps / (ms * 1e-3);
+}
+
+int main(int argc, char **argv) {
+    if (cuda_device_count() < 1) {
+        fprintf(stderr, "bench: no GPU\n");
+        return 2;
+    }
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    double bw = copy_bandwidth();
+    FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
+    if (!f) return 2;
+    fprintf(f, "device,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s\n");
+    printf("# %s, L2 %d MiB, device-to-device copy %.0f GB/s\n", prop.name, prop.l2CacheSize >> 20, bw / 1e9);
+    printf("# %-4s %6s %6s %3s %10s %10s %8s\n", "op", "n", "k", "T", "us/call", "GB/s", "of copy");
+    const struct {
+        const char *name;
+        int fp4;
+        int64_t n, k;
+    } shapes[] = {{"wq_a", 0, 1280, 5120},  {"wkv", 0, 512, 5120},   {"wq_b", 0, 4096, 1280},
+                  {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
+                  {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
+    const int64_t Ts[] = {1, 8, 16};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
+        for (size_t ti = 0; ti < 3; ti++) {
+            int fp4 = shapes[si].fp4;
+            int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
+            int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
+            size_t wb = (size_t)(n * ld), sb = (size_t)(s_rows * s_ld);
+            int copies = (int)(4.0 * prop.l2CacheSize / (double)(wb + sb)) + 2;
+            uint8_t *w, *s;
+            uint16_t *x, *y;
+            void *ws;
+            CK(cudaMalloc((void **)&w, wb * copies));
+            CK(cudaMalloc((void **)&s, sb * copies));
+            CK(cudaMemset(w, 0x38, wb * copies)); /* e4m3 1.0 / e2m1 pairs: finite values */
+            CK(cudaMemset(s, 127, sb * copies));
+            CK(cudaMalloc((void **)&x, sizeof(uint16_t) * T * k));
+            CK(cudaMemset(x, 0x3f, sizeof(uint16_t) * T * k));
+            CK(cudaMalloc((void **)&y, sizeof(uint16_t) * T * n));
+            CK(cudaMalloc(&ws, cuda_linear_workspace_bytes(T, k)));
+            for (int i = 0; i < copies; i++)
+                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
+            CK(cudaDeviceSynchronize());
+            int reps = copies * ((200 + copies - 1) / copies);
+            cudaEvent_t e0, e1;
+            CK(cudaEventCreate(&e0));
+            CK(cudaEventCreate(&e1));
+            CK(cudaEventRecord(e0, 0));
+            for (int i = 0; i < reps; i++) {
+                int c = i % copies;
+                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
+            }
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            double us = 1000.0 * ms / reps, bytes = (double)(wb + sb) + 2.0 * (double)(T * k + T * n);
+            double gbs = bytes / (us * 1e-6) / 1e9;
+            printf("  %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%%\n", shapes[si].name, (long long)n, (long long)k,
+                   (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw);
+            fprintf(f, "%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f\n", prop.name, shapes[si].name, (long long)n,
+                    (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9);
+            CK(cudaFree(w));
+            CK(cudaFree(s));
+            CK(cudaFree(x));
+            CK(cudaFree(y));
+            CK(cudaFree(ws));
+        }
+    fclose(f);
+    return 0;
+}
