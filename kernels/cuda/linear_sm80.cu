@@ -41,66 +41,77 @@ __global__ void act_quant_kernel(const __nv_bfloat16 *__restrict__ x, float *__r
     }
 }
 
-template <int FP4>
+/* Per round of 32 k-blocks (1024 k values) the CTA stages the quantized activations of the round
+ * in shared memory as fp16 (e4m3 values are exact in fp16) with a padded stride, coalesced from
+ * global memory and shared by its 8 warps (8 output rows). Lane j then reduces block 32r+j for all
+ * T rows (T independent chains the compiler interleaves) reading its block conflict-free from
+ * shared memory, stores the scaled partials, and after a warp sync lane t folds row t's 32
+ * partials in block order. T is a template parameter so every per-row value is a register. */
+#define XS_STRIDE 34 /* halves per staged block: 32 + 2, so lanes' rows start on different banks */
+template <int FP4, int T>
 __global__ void __launch_bounds__(WARPS_PER_CTA * 32)
-    gemv_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ qx, const float *__restrict__ sx, int T,
+    gemv_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ qx, const float *__restrict__ sx,
                 const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t n, int64_t k, int64_t ld,
                 int64_t s_ld) {
-    const int lane = threadIdx.x & 31;
+    __shared__ float sm_part[WARPS_PER_CTA][T][33]; /* +1: no bank conflicts on the row reads */
+    __shared__ __half sm_x[T][32][XS_STRIDE];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int64_t nb = k / 32;
-    const int64_t warp0 = (int64_t)blockIdx.x * WARPS_PER_CTA + (threadIdx.x >> 5);
-    const int64_t wstride = (int64_t)gridDim.x * WARPS_PER_CTA;
-    for (int64_t row = warp0; row < n; row += wstride) {
-        float acc[CUDA_LINEAR_MAX_T];
-#pragma unroll
-        for (int t = 0; t < CUDA_LINEAR_MAX_T; t++) acc[t] = 0.0f;
-        const uint8_t *wr = w + row * ld;
-        for (int64_t r0 = 0; r0 < nb; r0 += 32) {
-            const int64_t b = r0 + lane;
-            float part[CUDA_LINEAR_MAX_T];
-            float sw = 0.0f;
-            if (b < nb) {
-                float wv[32];
-                if (FP4) {
-                    uint4 raw = *reinterpret_cast<const uint4 *>(wr + b * 16);
-                    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                    for (int i = 0; i < 16; i++) {
-                        uint32_t byte = (words[i / 4] >> (8 * (i % 4))) & 0xff;
-                        wv[2 * i] = ds_e2m1(byte & 0xf); /* low nibble = even element */
-                        wv[2 * i + 1] = ds_e2m1(byte >> 4);
-                    }
-                    sw = ds_e8m0(s[row * s_ld + b]);
-                } else {
-                    uint4 r0w = *reinterpret_cast<const uint4 *>(wr + b * 32);
-                    uint4 r1w = *reinterpret_cast<const uint4 *>(wr + b * 32 + 16);
-                    const uint32_t words[8] = {r0w.x, r0w.y, r0w.z, r0w.w, r1w.x, r1w.y, r1w.z, r1w.w};
-#pragma unroll
-                    for (int i = 0; i < 32; i++) wv[i] = ds_e4m3((words[i / 4] >> (8 * (i % 4))) & 0xff);
-                    sw = ds_e8m0(s[(row / 32) * s_ld + b]);
-                }
-                for (int t = 0; t < T; t++) {
-                    const float *xq = qx + (int64_t)t * k + b * 32;
-                    float p = __fmul_rn(xq[0], wv[0]);
-#pragma unroll
-                    for (int i = 1; i < 32; i++) p = __fadd_rn(p, __fmul_rn(xq[i], wv[i]));
-                    part[t] = p;
-                }
-            }
-            /* fold this round's blocks in block order */
-            const int64_t nr = nb - r0 < 32 ? nb - r0 : 32;
-            for (int j = 0; j < nr; j++) {
-                float swj = __shfl_sync(0xffffffffu, sw, j);
-                for (int t = 0; t < T; t++) {
-                    float pj = __shfl_sync(0xffffffffu, part[t], j);
-                    float sxj = sx[(int64_t)t * nb + r0 + j];
-                    acc[t] = __fadd_rn(acc[t], __fmul_rn(__fmul_rn(pj, sxj), swj));
-                }
-            }
+    const int64_t row = (int64_t)blockIdx.x * WARPS_PER_CTA + wid;
+    const bool active = row < n;
+    float acc = 0.0f; /* lane t < T owns row t's accumulator */
+    const uint8_t *wr = w + (active ? row : 0) * ld;
+    for (int64_t r0 = 0; r0 < nb; r0 += 32) {
+        const int nr = (int)(nb - r0 < 32 ? nb - r0 : 32);
+        __syncthreads(); /* the previous round's readers are done */
+        for (int idx = threadIdx.x; idx < T * nr * 32; idx += WARPS_PER_CTA * 32) {
+            int t = idx / (nr * 32), rem = idx % (nr * 32);
+            sm_x[t][rem / 32][rem % 32] = __float2half_rn(qx[(int64_t)t * k + r0 * 32 + rem]);
         }
-        if (lane == 0)
-            for (int t = 0; t < T; t++) y[(int64_t)t * n + row] = __float2bfloat16_rn(acc[t]);
+        __syncthreads();
+        const int64_t b = r0 + lane;
+        if (active && lane < nr) {
+            float wv[32];
+            float sw;
+            if (FP4) {
+                uint4 raw = __ldg(reinterpret_cast<const uint4 *>(wr + b * 16));
+                const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    uint32_t byte = (words[i / 4] >> (8 * (i % 4))) & 0xff;
+                    wv[2 * i] = ds_e2m1(byte & 0xf); /* low nibble = even element */
+                    wv[2 * i + 1] = ds_e2m1(byte >> 4);
+                }
+                sw = ds_e8m0(__ldg(s + row * s_ld + b));
+            } else {
+                uint4 a0 = __ldg(reinterpret_cast<const uint4 *>(wr + b * 32));
+                uint4 a1 = __ldg(reinterpret_cast<const uint4 *>(wr + b * 32 + 16));
+                const uint32_t words[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+                for (int i = 0; i < 32; i++) wv[i] = ds_e4m3((words[i / 4] >> (8 * (i % 4))) & 0xff);
+                sw = ds_e8m0(__ldg(s + (row / 32) * s_ld + b));
+            }
+            float p[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) p[t] = __fmul_rn(__half2float(sm_x[t][lane][0]), wv[0]);
+#pragma unroll
+            for (int i = 1; i < 32; i++)
+#pragma unroll
+                for (int t = 0; t < T; t++) p[t] = __fadd_rn(p[t], __fmul_rn(__half2float(sm_x[t][lane][i]), wv[i]));
+            /* the scaled block partial does not depend on the running sum: form it here, in
+             * parallel, so the ordered fold below is nothing but adds */
+#pragma unroll
+            for (int t = 0; t < T; t++)
+                sm_part[wid][t][lane] = __fmul_rn(__fmul_rn(p[t], __ldg(sx + (int64_t)t * nb + b)), sw);
+        }
+        __syncwarp();
+        if (active && lane < T) {
+#pragma unroll
+            for (int j = 0; j < 32; j++)
+                if (j < nr) acc = __fadd_rn(acc, sm_part[wid][lane][j]);
+        }
     }
+    if (active && lane < T) y[(int64_t)lane * n + row] = __float2bfloat16_rn(acc);
 }
 
 extern "C" int cuda_device_count(void) {
@@ -128,14 +139,26 @@ static void linear(int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uin
     int dev = 0, sms = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    int64_t ctas = (n + WARPS_PER_CTA - 1) / WARPS_PER_CTA;
-    if (ctas > (int64_t)sms * 16) ctas = (int64_t)sms * 16;
-    if (fp4)
-        gemv_kernel<1><<<(unsigned)ctas, WARPS_PER_CTA * 32, 0, st>>>((__nv_bfloat16 *)y, qx, sx, (int)T, w, s, n, k,
-                                                                       ld, s_ld);
-    else
-        gemv_kernel<0><<<(unsigned)ctas, WARPS_PER_CTA * 32, 0, st>>>((__nv_bfloat16 *)y, qx, sx, (int)T, w, s, n, k,
-                                                                       ld, s_ld);
+    int64_t ctas = (n + WARPS_PER_CTA - 1) / WARPS_PER_CTA; /* one output row per warp */
+    (void)sms;
+    dim3 grid((unsigned)ctas), block(WARPS_PER_CTA * 32);
+    /* rows are independent: more than 8 go through in launches of at most 8, which keeps the
+     * staged activations and partials of one CTA within 48 KB of shared memory */
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        int64_t tt = T - t0 < 8 ? T - t0 : 8;
+        __nv_bfloat16 *yb = (__nv_bfloat16 *)y + t0 * n;
+        const float *qxb = qx + t0 * k, *sxb = sx + t0 * (k / 32);
+#define GEMV_CASE(TT)                                                                                     \
+    case TT:                                                                                             \
+        if (fp4)                                                                                         \
+            gemv_kernel<1, TT><<<grid, block, 0, st>>>(yb, qxb, sxb, w, s, n, k, ld, s_ld);              \
+        else                                                                                             \
+            gemv_kernel<0, TT><<<grid, block, 0, st>>>(yb, qxb, sxb, w, s, n, k, ld, s_ld);              \
+        break;
+        switch (tt) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8) }
+        KERNEL_CHECK();
+    }
+#undef GEMV_CASE
     KERNEL_CHECK();
 }
 
