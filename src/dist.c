@@ -85,6 +85,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     d->n_stop_ids = o->n_stop_ids;
     memcpy(d->stop_ids, o->stop_ids, sizeof d->stop_ids);
     d->quiet = o->quiet;
+    if (o->quiet) log_set_quiet(1);
     if (loader_open_config(&d->lm, dir)) ds_die_err();
     const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
     if (topo_init(&d->topo, &d->lm.cfg, o->tp, o->pp, counts)) ds_die_err();

@@ -4,6 +4,8 @@
 #include <string.h>
 
 #include "cli.h"
+#include "jobspec.h"
+#include "log.h"
 
 struct command {
     const char *name;
@@ -19,6 +21,7 @@ static const struct command commands[] = {
     {"inspect", cmd_inspect, "validate a model folder and print parameters and bytes by role/rank"},
     {"plan", cmd_plan, "per-rank weight, Engram, KV cache and workspace bytes of a TP x PP layout"},
     {"mkmodel", cmd_mkmodel, "write a synthetic checkpoint in the official format"},
+    {"prompts", cmd_prompts, "build an HDF5 prompt file from JSONL or token ids, or --check one"},
 };
 
 static void usage(FILE *f) {
@@ -33,7 +36,13 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
-        if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+        if (!strcmp(argv[1], commands[i].name)) {
+            /* a job spec (--job FILE.json) becomes the command's first options; flags override */
+            int n;
+            char **args;
+            if (jobspec_expand(argc - 1, argv + 1, &n, &args)) ds_die_err();
+            return commands[i].fn(n, args);
+        }
     fprintf(stderr, "dsbatch: error: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return 2;

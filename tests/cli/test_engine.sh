@@ -57,3 +57,17 @@ check "bad input: token id >= vocab is one error line naming the file and field,
 python3 -c "import json; print(json.dumps({'id':'long','tokens':[3]*200,'max_new_tokens':10}))" > "$T/long.jsonl"
 "$DSBATCH" generate --model "$M" --prompts "$T/long.jsonl" --out "$T/long.out" 2>"$T/long.err"; rc=$?
 check "bad input: prompt longer than the model's maximum is one error line, no output" '[ $rc -ne 0 ] && [ "$(wc -l < "$T/long.err")" -eq 1 ] && grep -q "exceeds" "$T/long.err" && [ ! -e "$T/long.out" ]'
+
+# job specs: the file's options, overridden by flags
+J=$T/job.json
+printf '{"model": "%s", "prompts": "%s", "out": "%s", "max-seqs": 2, "logprobs": true, "seed": 9, "temperature": 0.7}\n' \
+  "$M" "$P" "$T/job.jsonl" > "$J"
+"$DSBATCH" generate --job "$J" --quiet 2>"$T/joberr"
+"$DSBATCH" generate --model "$M" --prompts "$P" --out "$T/flags.jsonl" --max-seqs 2 --logprobs --seed 9 --temperature 0.7 --quiet 2>/dev/null
+check "job spec: the same options as flags give the same output" 'cmp -s "$T/job.jsonl" "$T/flags.jsonl"'
+"$DSBATCH" generate --job "$J" --temperature 0 --out "$T/over.jsonl" --quiet 2>/dev/null
+"$DSBATCH" generate --model "$M" --prompts "$P" --out "$T/greedy.jsonl" --max-seqs 2 --logprobs --quiet 2>/dev/null
+check "job spec: a flag overrides the file" 'cmp -s "$T/over.jsonl" "$T/greedy.jsonl"'
+echo '[1,2]' > "$T/badjob.json"
+"$DSBATCH" generate --job "$T/badjob.json" 2>"$T/badjob.err"; rc=$?
+check "job spec: not an object is one error line naming the file" '[ $rc -ne 0 ] && [ "$(wc -l < "$T/badjob.err")" -eq 1 ] && grep -q badjob.json "$T/badjob.err"'
