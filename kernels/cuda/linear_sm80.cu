@@ -4,7 +4,7 @@
  * inner sum runs over the 32 products of a k-block in k order and the outer sum over blocks in
  * block order: the reference's block-scaled GEMM (MODEL.md §3.0), in the CPU backend's order.
  *
- * Grid/CTA roles: act_quant_kernel — one thread per 32-value group of x (e4m3 value as float plus
+ * Grid/CTA roles: act_quant_kernel — one warp per 32-value group of x (e4m3 value as float plus
  * its power-of-two scale). gemv kernels — one warp per output row n (grid-stride over rows); per
  * round of 32 k-blocks, lane j reduces block 32r+j sequentially (its 32 weight bytes, or 16 bytes
  * of packed FP4, are one coalesced warp-wide load), then lane 0 folds the 32 block partials in
@@ -16,29 +16,26 @@
 
 #define WARPS_PER_CTA 8
 
+/* One warp per 32-value group: lane i quantizes element i; the group's amax is a warp max (max is
+ * exact in any order), so every lane derives the same power-of-two scale. */
 __global__ void act_quant_kernel(const __nv_bfloat16 *__restrict__ x, float *__restrict__ q, float *__restrict__ s,
                                  int64_t groups) {
-    int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
     if (g >= groups) return;
-    const __nv_bfloat16 *xg = x + g * 32;
-    float v[32], amax = 0.0f;
+    float v = __bfloat162float(x[g * 32 + lane]);
+    float amax = fabsf(v);
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        v[i] = __bfloat162float(xg[i]);
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     amax = fmaxf(amax, 1e-4f);
     /* 2^ceil(log2(amax / 448)) by the exponent bits, as the reference's fast_round_scale */
     float t = __fmul_rn(amax, 1.0f / 448.0f);
     int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
     float sc = __int_as_float((e + 127) << 23);
-    s[g] = sc;
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        float r = fminf(fmaxf(__fdiv_rn(v[i], sc), -448.0f), 448.0f);
-        __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
-        q[g * 32 + i] = ds_e4m3((uint8_t)c);
-    }
+    if (lane == 0) s[g] = sc;
+    float r = fminf(fmaxf(__fdiv_rn(v, sc), -448.0f), 448.0f);
+    __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
+    q[g * 32 + lane] = ds_e4m3((uint8_t)c);
 }
 
 /* Per round of 32 k-blocks (1024 k values) the CTA stages the quantized activations of the round
@@ -134,7 +131,7 @@ static void linear(int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uin
     cudaStream_t st = (cudaStream_t)stream;
     float *qx = (float *)workspace, *sx = qx + T * k;
     int64_t groups = T * (k / 32);
-    act_quant_kernel<<<(unsigned)((groups + 127) / 128), 128, 0, st>>>((const __nv_bfloat16 *)x, qx, sx, groups);
+    act_quant_kernel<<<(unsigned)((groups * 32 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x, qx, sx, groups);
     KERNEL_CHECK();
     int dev = 0, sms = 0;
     CUDA_CHECK(cudaGetDevice(&dev));

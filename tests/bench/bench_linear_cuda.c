@@ -3,7 +3,9 @@
  * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16: the
  * kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
  * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
- * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup. */
+ * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup,
+ * both as plain launches (host launch overhead included) and replayed from a CUDA graph of one
+ * pass over all copies (how decode steps run: the kernels' own time). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -53,9 +55,11 @@ int main(int argc, char **argv) {
     double bw = copy_bandwidth();
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
-    fprintf(f, "device,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s\n");
+    fprintf(f, "device,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
+               "graph_gb_per_s,graph_fraction_of_copy_bw\n");
     printf("# %s, L2 %d MiB, device-to-device copy %.0f GB/s\n", prop.name, prop.l2CacheSize >> 20, bw / 1e9);
-    printf("# %-4s %6s %6s %3s %10s %10s %8s\n", "op", "n", "k", "T", "us/call", "GB/s", "of copy");
+    printf("# %-4s %6s %6s %3s %10s %10s %8s %10s %10s %8s\n", "op", "n", "k", "T", "us/call", "GB/s", "of copy",
+           "graph us", "GB/s", "of copy");
     const struct {
         const char *name;
         int fp4;
@@ -100,10 +104,34 @@ int main(int argc, char **argv) {
             CK(cudaEventElapsedTime(&ms, e0, e1));
             double us = 1000.0 * ms / reps, bytes = (double)(wb + sb) + 2.0 * (double)(T * k + T * n);
             double gbs = bytes / (us * 1e-6) / 1e9;
-            printf("  %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%%\n", shapes[si].name, (long long)n, (long long)k,
-                   (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw);
-            fprintf(f, "%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f\n", prop.name, shapes[si].name, (long long)n,
-                    (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9);
+            /* the same calls replayed from a graph */
+            cudaStream_t st;
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CK(cudaStreamCreate(&st));
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            for (int c = 0; c < copies; c++)
+                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
+            CK(cudaStreamEndCapture(st, &graph));
+            CK(cudaGraphInstantiate(&exec, graph, 0));
+            CK(cudaGraphLaunch(exec, st));
+            CK(cudaStreamSynchronize(st));
+            int greps = (200 + copies - 1) / copies;
+            CK(cudaEventRecord(e0, st));
+            for (int i = 0; i < greps; i++) CK(cudaGraphLaunch(exec, st));
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            double gus = 1000.0 * ms / (greps * copies), ggbs = bytes / (gus * 1e-6) / 1e9;
+            CK(cudaGraphExecDestroy(exec));
+            CK(cudaGraphDestroy(graph));
+            CK(cudaStreamDestroy(st));
+            printf("  %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%% %10.2f %10.0f %7.1f%%\n", shapes[si].name,
+                   (long long)n, (long long)k, (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw, gus, ggbs,
+                   100.0 * ggbs * 1e9 / bw);
+            fprintf(f, "%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f,%.3f,%.1f,%.4f\n", prop.name, shapes[si].name,
+                    (long long)n, (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9, gus, ggbs,
+                    ggbs * 1e9 / bw);
             CK(cudaFree(w));
             CK(cudaFree(s));
             CK(cudaFree(x));
