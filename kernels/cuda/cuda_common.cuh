@@ -29,10 +29,14 @@ __device__ __forceinline__ float ds_e8m0(uint8_t b) {
     return __int_as_float((int)b << 23);
 }
 
-/* e4m3fn byte -> float, exact. */
-__device__ __forceinline__ float ds_e4m3(uint8_t b) {
-    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
-    return __half2float(__half(h));
+/* e4m3fn byte -> float, exact, by moving the fields into an fp32 (bias 7 -> 127); subnormals
+ * (exponent 0) are mantissa x 2^-9; 0x7F/0xFF are NaN. A handful of integer ops, where the
+ * conversion intrinsic goes through half precision. */
+__device__ __forceinline__ float ds_e4m3(uint32_t b) {
+    uint32_t sign = (b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
+    if ((b & 0x7fu) == 0x7fu) return __int_as_float(0x7fc00000);
+    if (e) return __int_as_float((int)(sign | ((e + 120u) << 23) | (m << 20)));
+    return __int_as_float((int)(sign | (uint32_t)__float_as_int((float)m * 0.001953125f)));
 }
 
 /* e2m1 code -> float: magnitude = 2^(e-1) * (1 + m/2) for e > 0, m/2 for e == 0 (arithmetic, so
