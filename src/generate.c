@@ -1,4 +1,9 @@
 /* Single-rank `dsbatch generate` and `dsbatch score` over JSONL prompt files (issue #3).
+ * A prompt line gives token ids ("tokens") or text ("text", issue #8): text goes through the model
+ * folder's tokenizer.json (or --tokenizer), framed by the tokenizer's BOS policy or, with --chat /
+ * --think, by the DeepSeek-V4.1 chat format; every rank encodes the same file the same way, so the
+ * ids agree without a broadcast. Outputs carry the decoded text next to the tokens whenever a
+ * tokenizer is available.
  * generate: continuous batching over `--max-seqs` slots — each step prefills newly admitted
  * prompts and decodes one token for every running sequence in one forward; a finished sequence's
  * slot is reused at once. score: per-token log-probabilities of each prompt's own tokens, computed
@@ -17,6 +22,7 @@
 #include "log.h"
 #include "model.h"
 #include "sampler.h"
+#include "tokenizer.h"
 
 struct prompt {
     cJSON *id;
@@ -39,7 +45,24 @@ struct gen_opts {
     bool logprobs;
     const char *trace;
     struct dist_opts dist;
+    /* text */
+    const char *tokenizer;       /* --tokenizer PATH (default: MODEL/tokenizer.json) */
+    struct tok_prompt_opts chat; /* --chat, --think N, --system TEXT */
+    bool keep_special;           /* --keep-special: special tokens stay in the output text */
 };
+
+/* The model's tokenizer, loaded on first need; NULL when there is none and `required` is false. */
+static struct tokenizer *gen_tokenizer(struct tokenizer **tk, const struct gen_opts *o, int32_t bos_id, bool required,
+                                       const char *why) {
+    if (*tk) return *tk;
+    bool missing;
+    *tk = tok_open_model(o->model, o->tokenizer, bos_id, &missing);
+    if (!*tk && !missing) ds_die_err();
+    if (!*tk && o->tokenizer) ds_die("%s needs a tokenizer: --tokenizer %s does not exist", why, o->tokenizer);
+    if (!*tk && required)
+        ds_die("%s needs a tokenizer: %s/tokenizer.json does not exist (give one with --tokenizer PATH)", why, o->model);
+    return *tk;
+}
 
 static char *read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
@@ -55,7 +78,9 @@ static char *read_file(const char *path, size_t *len) {
     return b;
 }
 
-static struct prompt *read_prompts(const char *path, const struct gen_opts *o, int vocab, int *count) {
+static struct prompt *read_prompts(const char *path, const struct gen_opts *o, const struct model_config *cfg,
+                                   struct tokenizer **tkz, int *count) {
+    int vocab = cfg->vocab_size;
     size_t len;
     char *text = read_file(path, &len);
     struct prompt *ps = NULL;
@@ -67,23 +92,44 @@ static struct prompt *read_prompts(const char *path, const struct gen_opts *o, i
         if (strspn(s, " \t\r") == strlen(s)) continue;
         cJSON *j = cJSON_Parse(s);
         if (!j || !cJSON_IsObject(j)) ds_die("%s:%d: not a JSON object", path, line);
-        cJSON *tk = cJSON_GetObjectItem(j, "tokens");
-        if (!cJSON_IsArray(tk) || cJSON_GetArraySize(tk) < 1)
-            ds_die("%s:%d: tokens: expected a non-empty array of token ids", path, line);
+        cJSON *tk = cJSON_GetObjectItem(j, "tokens"), *tx = cJSON_GetObjectItem(j, "text");
+        if (tk && tx) ds_die("%s:%d: give either tokens or text, not both", path, line);
+        if (tx && !cJSON_IsString(tx)) ds_die("%s:%d: text: expected a string", path, line);
+        if (!tx && (!cJSON_IsArray(tk) || cJSON_GetArraySize(tk) < 1))
+            ds_die("%s:%d: tokens: expected a non-empty array of token ids (or a \"text\" string)", path, line);
         ps = ds_realloc(ps, sizeof *ps * (size_t)(n + 1));
         struct prompt *p = &ps[n];
         memset(p, 0, sizeof *p);
         cJSON *id = cJSON_GetObjectItem(j, "id");
         p->id = id ? cJSON_Duplicate(id, 1) : cJSON_CreateNumber(n);
-        p->n = cJSON_GetArraySize(tk);
-        p->tokens = ds_malloc(sizeof(int32_t) * (size_t)p->n);
-        int64_t i = 0;
-        cJSON *v;
-        cJSON_ArrayForEach(v, tk) {
-            if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 ||
-                v->valuedouble >= vocab)
-                ds_die("%s:%d: tokens[%lld]: token id outside the vocabulary [0, %d)", path, line, (long long)i, vocab);
-            p->tokens[i++] = (int32_t)v->valuedouble;
+        if (tx) {
+            char why[600];
+            snprintf(why, sizeof why, "%s:%d: a text prompt", path, line);
+            struct tokenizer *t = gen_tokenizer(tkz, o, cfg->bos_id, true, why);
+            struct tok_prompt_opts po = o->chat;
+            cJSON *sys = cJSON_GetObjectItem(j, "system");
+            if (cJSON_IsString(sys)) po.system = sys->valuestring;
+            if (po.system && !po.chat) ds_die("%s:%d: system: needs --chat or --think", path, line);
+            struct tok_ids ids = {0};
+            if (tok_encode_prompt(t, tx->valuestring, strlen(tx->valuestring), &po, &ids))
+                ds_die("%s:%d: text: %s", path, line, ds_err_get());
+            if (!ids.n) ds_die("%s:%d: text: encodes to no tokens", path, line);
+            for (size_t k = 0; k < ids.n; k++)
+                if (ids.ids[k] >= vocab)
+                    ds_die("%s:%d: text: token %d (%s) is outside the model's vocabulary [0, %d)", path, line, ids.ids[k],
+                           tok_id_to_token(t, ids.ids[k]), vocab);
+            p->tokens = ids.ids, p->n = (int64_t)ids.n;
+        } else {
+            p->n = cJSON_GetArraySize(tk);
+            p->tokens = ds_malloc(sizeof(int32_t) * (size_t)p->n);
+            int64_t i = 0;
+            cJSON *v;
+            cJSON_ArrayForEach(v, tk) {
+                if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 ||
+                    v->valuedouble >= vocab)
+                    ds_die("%s:%d: tokens[%lld]: token id outside the vocabulary [0, %d)", path, line, (long long)i, vocab);
+                p->tokens[i++] = (int32_t)v->valuedouble;
+            }
         }
         cJSON *mn = cJSON_GetObjectItem(j, "max_new_tokens"), *t = cJSON_GetObjectItem(j, "temperature");
         cJSON *tkk = cJSON_GetObjectItem(j, "top_k"), *tp = cJSON_GetObjectItem(j, "top_p"), *sd = cJSON_GetObjectItem(j, "seed");
@@ -122,12 +168,20 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--logprobs")) o->logprobs = true;
         else if (OPT("--trace")) o->trace = v;
+        else if (OPT("--tokenizer")) o->tokenizer = v;
+        else if (!strcmp(a, "--chat")) o->chat.chat = o->chat.chat ? o->chat.chat : TOK_CHAT_PLAIN;
+        else if (OPT("--think")) o->chat.chat = TOK_CHAT_THINKING, o->chat.reasoning_effort = atoi(v);
+        else if (OPT("--system")) o->chat.system = v;
+        else if (!strcmp(a, "--keep-special")) o->keep_special = true;
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
         else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
                    "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--logprobs]\n"
                    "       [--trace STEPS.csv]\n"
+                   "       [--tokenizer PATH] [--chat | --think EFFORT] [--system TEXT] [--keep-special]\n"
+                   "       (prompt lines: {\"tokens\": [ids]} or {\"text\": \"...\"}; text uses MODEL/tokenizer.json;\n"
+                   "        --chat: DeepSeek-V4.1 chat format, --think EFFORT (1-100): its thinking mode)\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS] [--engram service|per-rank]\n"
                    "       (the last line: under mpirun)\n",
@@ -139,6 +193,9 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
     }
     if (!o->model || !o->prompts || !o->out) ds_die("--model, --prompts and --out are required");
     if (o->max_seqs < 1 || o->chunk < 1) ds_die("--max-seqs and --chunk must be positive");
+    if (o->chat.chat == TOK_CHAT_THINKING && (o->chat.reasoning_effort < 1 || o->chat.reasoning_effort > 100))
+        ds_die("--think: the reasoning effort must be an integer 1..100");
+    if (o->chat.system && !o->chat.chat) ds_die("--system needs --chat or --think");
     return 0;
 }
 
@@ -164,7 +221,9 @@ int cmd_generate(int argc, char **argv) {
     dist_open(&d, o.model, &o.ef, &dopt);
     o.max_seq_len = model_max_seq_len(d.m);
     int np;
-    struct prompt *ps = read_prompts(o.prompts, &o, d.lm.cfg.vocab_size, &np);
+    struct tokenizer *tk = NULL;
+    struct prompt *ps = read_prompts(o.prompts, &o, &d.lm.cfg, &tk, &np);
+    if (d.topo.world_rank == 0) gen_tokenizer(&tk, &o, d.lm.cfg.bos_id, false, "generate");
     struct gen_request *rq = ds_calloc((size_t)np + 1, sizeof *rq);
     for (int i = 0; i < np; i++) {
         rq[i] = (struct gen_request){.tokens = ps[i].tokens, .n = ps[i].n, .max_new = ps[i].max_new, .sp = ps[i].sp};
@@ -190,6 +249,11 @@ int cmd_generate(int argc, char **argv) {
             ps[i].id = NULL;
             cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
             for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].out[k]));
+            if (tk) {
+                char *txt = tok_decode(tk, rq[i].out, (size_t)rq[i].n_out, !o.keep_special, NULL);
+                cJSON_AddStringToObject(j, "text", txt);
+                free(txt);
+            }
             cJSON_AddStringToObject(j, "finish_reason", rq[i].finish ? "stop" : "length");
             if (o.logprobs) {
                 cJSON *l = cJSON_AddArrayToObject(j, "logprobs");
@@ -210,6 +274,7 @@ int cmd_generate(int argc, char **argv) {
     }
     free(ps);
     free(rq);
+    tok_free(tk);
     dist_close(&d);
     return 0;
 }
@@ -224,7 +289,9 @@ int cmd_score(int argc, char **argv) {
     struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
     o.max_seq_len = model_max_seq_len(m);
     int np;
-    struct prompt *ps = read_prompts(o.prompts, &o, lm.cfg.vocab_size, &np);
+    struct tokenizer *tk = NULL;
+    struct prompt *ps = read_prompts(o.prompts, &o, &lm.cfg, &tk, &np);
+    tok_free(tk);
     int V = lm.cfg.vocab_size;
     float *logits = ds_malloc(sizeof(float) * (size_t)o.chunk * V);
     char tmp[1100];

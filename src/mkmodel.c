@@ -32,6 +32,7 @@
 #include "formats.h"
 #include "log.h"
 #include "safetensors.h"
+#include "tokenizer.h"
 
 #define SHARD_LIMIT 2000000000ull /* bytes per shard before starting a new one (~2 GB) */
 
@@ -818,6 +819,291 @@ static void write_engram(const char *dir, const struct model_config *c) {
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * tokenizer.json: a small byte-level BPE in the release's layout, so text prompts run on every
+ * preset. Ids: the special tokens the config names (bos, eos, pad, image when inside the vocab)
+ * at their ids, the chat-format tokens at the lowest free ids, then the 256 byte symbols, then
+ * merges up to vocab_size. The merges are chosen so that the Engram map built from this file
+ * (MODEL.md §3.4) has exactly engram_compressed_vocab_size classes, as the loader demands when
+ * no sidecar overrides it: lowercase words each add a class (common English pieces first, then
+ * every 2-, 3-, 4-letter word in order), and whitespace-prefixed spellings of a word (" the",
+ * "\n the") share that word's class because the map's normalizer collapses and strips blanks. When
+ * no such choice exists (a class count below the byte symbols' own or above what the vocab can
+ * hold) no tokenizer.json is written and mkmodel says why. */
+
+#define MK_TOK_SPECIALS 9
+
+struct mk_tok {
+    int V;
+    char **raw;      /* [V] raw bytes of each token (NULL = free id) */
+    size_t *raw_len;
+    bool *special;
+    int n_merges;
+    int *merge_l, *merge_r; /* ids of each merge's halves (merged id = the next free id) */
+};
+
+static const char *const mk_common_words[] = {
+    "th", "he", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of", "ed", "is", "it", "al", "ar",
+    "st", "to", "nt", "ng", "se", "ha", "as", "ou", "io", "le", "ve", "co", "me", "de", "hi", "ri", "ro", "ic", "ne", "ea",
+    "ra", "ce", "the", "and", "ing", "ion", "tio", "ent", "ati", "her", "ter", "hat", "tha", "ere", "ate", "his", "con",
+    "res", "ver", "all", "ons", "nce", "men", "ith", "ted", "ers", "pro", "thi", "wit", "are", "ess", "not", "ive", "was",
+    "ect", "rea", "com", "eve", "per", "int", "est", "sta", "cti", "ica", "ist", "ear", "ain", "one", "our", "iti", "rat"};
+
+static int mk_tok_add(struct mk_tok *k, int *next_free, const char *s, size_t n) {
+    while (*next_free < k->V && k->raw[*next_free]) (*next_free)++;
+    if (*next_free >= k->V) return -1;
+    k->raw[*next_free] = ds_malloc(n + 1);
+    memcpy(k->raw[*next_free], s, n);
+    k->raw[*next_free][n] = 0;
+    k->raw_len[*next_free] = n;
+    return (*next_free)++;
+}
+
+/* Index of a lowercase word of up to 4 letters (base 27), to find a word's prefix token. */
+static int mk_word_code(const char *w, size_t n) {
+    int c = 0;
+    for (size_t i = 0; i < n; i++) c = 27 * c + (w[i] - 'a' + 1);
+    return c;
+}
+
+/* The tokenizer.json text of k (byte-level spelling of every token; specials as they are). */
+static char *mk_tok_json(const struct mk_tok *k, const struct model_config *c) {
+    cJSON *root = cJSON_CreateObject(), *added = NULL, *model, *vocab, *merges, *pre, *seq, *x;
+    char *bl = ds_malloc(64), *bl2 = ds_malloc(64);
+    size_t bl_cap = 64;
+    cJSON_AddStringToObject(root, "version", "1.0");
+    cJSON_AddNullToObject(root, "truncation");
+    cJSON_AddNullToObject(root, "padding");
+    added = cJSON_AddArrayToObject(root, "added_tokens");
+    for (int i = 0; i < k->V; i++)
+        if (k->special[i]) {
+            x = cJSON_CreateObject();
+            cJSON_AddNumberToObject(x, "id", i);
+            cJSON_AddStringToObject(x, "content", k->raw[i]);
+            cJSON_AddBoolToObject(x, "single_word", false);
+            cJSON_AddBoolToObject(x, "lstrip", false);
+            cJSON_AddBoolToObject(x, "rstrip", false);
+            cJSON_AddBoolToObject(x, "normalized", false);
+            cJSON_AddBoolToObject(x, "special", true);
+            cJSON_AddItemToArray(added, x);
+        }
+    cJSON_AddNullToObject(root, "normalizer");
+    /* the DeepSeek-V3/V4 pre-tokenizer: digit runs of up to 3, CJK/kana runs, the word/punctuation
+     * pattern (all isolated), then ByteLevel without its own regex */
+    static const char *splits[3] = {
+        "\\p{N}{1,3}", "[\xe4\xb8\x80-\xe9\xbe\xa5\xe3\x81\x80-\xe3\x82\x9f\xe3\x82\xa0-\xe3\x83\xbf]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|"
+        "\\s*[\r\n]+|\\s+(?!\\S)|\\s+"};
+    pre = cJSON_AddObjectToObject(root, "pre_tokenizer");
+    cJSON_AddStringToObject(pre, "type", "Sequence");
+    seq = cJSON_AddArrayToObject(pre, "pretokenizers");
+    for (int s = 0; s < 3; s++) {
+        x = cJSON_CreateObject();
+        cJSON_AddStringToObject(x, "type", "Split");
+        cJSON_AddStringToObject(cJSON_AddObjectToObject(x, "pattern"), "Regex", splits[s]);
+        cJSON_AddStringToObject(x, "behavior", "Isolated");
+        cJSON_AddBoolToObject(x, "invert", false);
+        cJSON_AddItemToArray(seq, x);
+    }
+    x = cJSON_CreateObject();
+    cJSON_AddStringToObject(x, "type", "ByteLevel");
+    cJSON_AddBoolToObject(x, "add_prefix_space", false);
+    cJSON_AddBoolToObject(x, "trim_offsets", true);
+    cJSON_AddBoolToObject(x, "use_regex", false);
+    cJSON_AddItemToArray(seq, x);
+    /* BOS in front of every plain prompt, as a TemplateProcessing post-processor */
+    cJSON *pp = cJSON_AddObjectToObject(root, "post_processor"), *one, *st;
+    cJSON_AddStringToObject(pp, "type", "TemplateProcessing");
+    cJSON *single = cJSON_AddArrayToObject(pp, "single");
+    one = cJSON_CreateObject();
+    st = cJSON_AddObjectToObject(one, "SpecialToken");
+    cJSON_AddStringToObject(st, "id", k->raw[c->bos_id]);
+    cJSON_AddNumberToObject(st, "type_id", 0);
+    cJSON_AddItemToArray(single, one);
+    one = cJSON_CreateObject();
+    st = cJSON_AddObjectToObject(one, "Sequence");
+    cJSON_AddStringToObject(st, "id", "A");
+    cJSON_AddNumberToObject(st, "type_id", 0);
+    cJSON_AddItemToArray(single, one);
+    cJSON_AddItemToObject(pp, "pair", cJSON_Duplicate(single, 1));
+    cJSON *spt = cJSON_AddObjectToObject(cJSON_AddObjectToObject(pp, "special_tokens"), k->raw[c->bos_id]);
+    cJSON_AddStringToObject(spt, "id", k->raw[c->bos_id]);
+    cJSON_AddItemToObject(spt, "ids", cJSON_CreateIntArray(&c->bos_id, 1));
+    const char *bos_s = k->raw[c->bos_id];
+    cJSON_AddItemToObject(spt, "tokens", cJSON_CreateStringArray(&bos_s, 1));
+    x = cJSON_AddObjectToObject(root, "decoder");
+    cJSON_AddStringToObject(x, "type", "ByteLevel");
+    cJSON_AddBoolToObject(x, "add_prefix_space", true);
+    cJSON_AddBoolToObject(x, "trim_offsets", true);
+    cJSON_AddBoolToObject(x, "use_regex", true);
+    model = cJSON_AddObjectToObject(root, "model");
+    cJSON_AddStringToObject(model, "type", "BPE");
+    cJSON_AddNullToObject(model, "dropout");
+    cJSON_AddNullToObject(model, "unk_token");
+    cJSON_AddNullToObject(model, "continuing_subword_prefix");
+    cJSON_AddNullToObject(model, "end_of_word_suffix");
+    cJSON_AddBoolToObject(model, "fuse_unk", false);
+    cJSON_AddBoolToObject(model, "byte_fallback", false);
+    cJSON_AddBoolToObject(model, "ignore_merges", false);
+    vocab = cJSON_AddObjectToObject(model, "vocab");
+    for (int i = 0; i < k->V; i++) {
+        if (!k->raw[i]) continue;
+        if (2 * k->raw_len[i] + 1 > bl_cap) bl_cap = 2 * k->raw_len[i] + 1, bl = ds_realloc(bl, bl_cap), bl2 = ds_realloc(bl2, bl_cap);
+        if (k->special[i]) snprintf(bl, bl_cap, "%s", k->raw[i]);
+        else tok_byte_level_encode(k->raw[i], k->raw_len[i], bl);
+        cJSON_AddNumberToObject(vocab, bl, i);
+    }
+    merges = cJSON_AddArrayToObject(model, "merges");
+    for (int m = 0; m < k->n_merges; m++) {
+        size_t la = k->raw_len[k->merge_l[m]], lb = k->raw_len[k->merge_r[m]];
+        if (2 * (la > lb ? la : lb) + 1 > bl_cap) bl_cap = 2 * (la + lb) + 1, bl = ds_realloc(bl, bl_cap), bl2 = ds_realloc(bl2, bl_cap);
+        tok_byte_level_encode(k->raw[k->merge_l[m]], la, bl);
+        tok_byte_level_encode(k->raw[k->merge_r[m]], lb, bl2);
+        const char *pair[2] = {bl, bl2};
+        cJSON_AddItemToArray(merges, cJSON_CreateStringArray(pair, 2));
+    }
+    char *json = cJSON_Print(root);
+    cJSON_Delete(root);
+    free(bl), free(bl2);
+    return json;
+}
+
+static void mk_tok_free(struct mk_tok *k) {
+    for (int i = 0; i < k->V; i++) free(k->raw[i]);
+    free(k->raw), free(k->raw_len), free(k->special), free(k->merge_l), free(k->merge_r);
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Engram classes of the tokens placed so far (free ids ignored). */
+static int mk_tok_classes(const struct mk_tok *k, const struct model_config *c) {
+    char *json = mk_tok_json(k, c);
+    struct tokenizer *t = tok_load_text(json, strlen(json), "mkmodel tokenizer.json");
+    free(json);
+    if (!t) fail_out();
+    char **keys = ds_malloc(sizeof *keys * (size_t)k->V);
+    int n = 0, classes = 0;
+    for (int i = 0; i < k->V; i++)
+        if (k->raw[i]) keys[n++] = tok_engram_key(t, i, NULL);
+    qsort(keys, (size_t)n, sizeof *keys, cmp_str);
+    for (int i = 0; i < n; i++) classes += !i || strcmp(keys[i], keys[i - 1]);
+    for (int i = 0; i < n; i++) free(keys[i]);
+    free(keys);
+    tok_free(t);
+    return classes;
+}
+
+/* Next lowercase word in the order: the common pieces, then every word of length 2, 3, 4, 5. */
+static bool mk_next_word(int *state, char *w) {
+    for (;;) {
+        int s = (*state)++;
+        int nc = (int)(sizeof mk_common_words / sizeof *mk_common_words);
+        if (s < nc) {
+            strcpy(w, mk_common_words[s]);
+            return true;
+        }
+        s -= nc;
+        int len = 2, count = 26 * 26;
+        while (s >= count && len < 5) s -= count, len++, count *= 26;
+        if (s >= count) return false;
+        for (int i = len - 1; i >= 0; i--) w[i] = (char)('a' + s % 26), s /= 26;
+        w[len] = 0;
+        bool common = false;
+        for (int i = 0; i < nc && !common; i++) common = !strcmp(w, mk_common_words[i]);
+        if (!common) return true;
+    }
+}
+
+static void write_tokenizer(const char *dir, const struct model_config *c) {
+    struct mk_tok k = {.V = c->vocab_size};
+    const char *why = NULL;
+    k.raw = ds_calloc((size_t)k.V, sizeof *k.raw);
+    k.raw_len = ds_calloc((size_t)k.V, sizeof *k.raw_len);
+    k.special = ds_calloc((size_t)k.V, sizeof *k.special);
+    k.merge_l = ds_malloc(sizeof(int) * (size_t)k.V);
+    k.merge_r = ds_malloc(sizeof(int) * (size_t)k.V);
+    const struct { int id; const char *s; } fixed[4] = {
+        {c->bos_id, "<｜begin▁of▁sentence｜>"}, {c->eos_id, "<｜end▁of▁sentence｜>"}, {c->pad_id, "<｜▁pad▁｜>"},
+        {c->image_token_id < c->vocab_size ? c->image_token_id : -1, "<｜deepseek_image｜>"}};
+    static const char *chat[5] = {"<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<think>", "</think>"};
+    int nf = 0;
+    for (int i = 0; i < 4 && !why; i++) {
+        if (fixed[i].id < 0 && i == 3) continue;
+        if (fixed[i].id < 0 || fixed[i].id >= k.V) why = "a special token id of the config is outside the vocabulary";
+        else if (!k.raw[fixed[i].id]) mk_tok_add(&k, &(int){fixed[i].id}, fixed[i].s, strlen(fixed[i].s)), k.special[fixed[i].id] = true;
+    }
+    for (int i = 0; i < 5 && !why; i++) {
+        int id = mk_tok_add(&k, &nf, chat[i], strlen(chat[i]));
+        if (id < 0) why = "the vocabulary is too small";
+        else k.special[id] = true;
+    }
+    int byte_tok[256];
+    for (int b = 0; b < 256 && !why; b++)
+        if ((byte_tok[b] = mk_tok_add(&k, &nf, (const char *)&(unsigned char){(unsigned char)b}, 1)) < 0)
+            why = "the vocabulary is too small";
+    int need = why ? 0 : (int)c->engram_compressed_vocab - mk_tok_classes(&k, c), free_ids = 0;
+    for (int i = 0; i < k.V; i++) free_ids += !k.raw[i];
+    if (!why && need < 0) why = "engram_compressed_vocab_size is below the class count of the byte and special tokens alone";
+    if (!why && need > free_ids) why = "engram_compressed_vocab_size needs more tokens than the vocabulary has left";
+    /* words that add a class each, then whitespace-prefixed spellings of words and letters */
+    int state = 0, n_words = 0, *base = ds_malloc(sizeof(int) * (size_t)(k.V + 26));
+    int *word_id = ds_malloc(sizeof(int) * 27 * 27 * 27 * 27);
+    memset(word_id, 0xFF, sizeof(int) * 27 * 27 * 27 * 27);
+    char w[8];
+    while (!why && n_words < need && mk_next_word(&state, w)) {
+        size_t l = strlen(w);
+        int left = l == 2 ? byte_tok[(unsigned char)w[0]] : word_id[mk_word_code(w, l - 1)];
+        if (left < 0) continue; /* its prefix is not a token yet: later */
+        int id = mk_tok_add(&k, &nf, w, l);
+        k.merge_l[k.n_merges] = left, k.merge_r[k.n_merges++] = byte_tok[(unsigned char)w[l - 1]];
+        if (l <= 4) word_id[mk_word_code(w, l)] = id;
+        base[n_words++] = id;
+    }
+    free(word_id);
+    if (!why && n_words < need) why = "not enough distinct words";
+    int n_base = n_words;
+    for (int ch = 'a'; ch <= 'z' && !why; ch++) base[n_base++] = byte_tok[ch];
+    static const char ws[4] = {' ', '\n', '\t', '\r'};
+    int lo = 0, hi = n_base; /* variants of base[lo..hi) get one more blank in front */
+    while (!why && k.n_merges < free_ids) {
+        int before = k.n_merges;
+        for (int p = 0; p < 4 && k.n_merges < free_ids; p++)
+            for (int i = lo; i < hi && k.n_merges < free_ids; i++) {
+                int b = base[i];
+                char *s = ds_malloc(k.raw_len[b] + 2);
+                s[0] = ws[p];
+                memcpy(s + 1, k.raw[b], k.raw_len[b]);
+                int id = mk_tok_add(&k, &nf, s, k.raw_len[b] + 1);
+                free(s);
+                k.merge_l[k.n_merges] = byte_tok[(unsigned char)ws[p]], k.merge_r[k.n_merges++] = b;
+                base[n_base++] = id;
+            }
+        lo = hi, hi = n_base;
+        if (k.n_merges == before) why = "no variant left";
+    }
+    free(base);
+    if (why) {
+        printf("mkmodel: no tokenizer.json: %s (vocab %d, engram_compressed_vocab_size %lld)\n", why, c->vocab_size,
+               (long long)c->engram_compressed_vocab);
+        mk_tok_free(&k);
+        return;
+    }
+    char *json = mk_tok_json(&k, c);
+    struct tokenizer *t = tok_load_text(json, strlen(json), "mkmodel tokenizer.json");
+    if (!t) fail_out();
+    int32_t n, classes;
+    free(tok_engram_map(t, c->vocab_size, c->engram_pad_id, &n, &classes));
+    tok_free(t);
+    if (classes != c->engram_compressed_vocab) {
+        ds_err_set("mkmodel: internal error: the tokenizer.json written has %d Engram classes, not %lld", classes,
+                   (long long)c->engram_compressed_vocab);
+        fail_out();
+    }
+    write_text(dir, "tokenizer.json", json);
+    free(json);
+    mk_tok_free(&k);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Command */
 
 static void usage(FILE *f) {
@@ -971,6 +1257,7 @@ int cmd_mkmodel(int argc, char **argv) {
     for (int s = 0; s < n_shards; s++) write_shard(g_tmpdir, &inv, s, n_shards, a.seed);
     write_index(g_tmpdir, &inv, n_shards);
     if (cfg.n_engram > 0) write_engram(g_tmpdir, &cfg);
+    write_tokenizer(g_tmpdir, &cfg);
     write_text(g_tmpdir, "config.json", cfg_json);
     chmod(g_tmpdir, 0755); /* mkdtemp makes it 0700; a model folder is ordinary shared data */
 
