@@ -10,5 +10,6 @@ int cmd_verify(int argc, char **argv);   /* src/cmd_replay.c */
 int cmd_generate(int argc, char **argv); /* src/generate.c */
 int cmd_score(int argc, char **argv);    /* src/generate.c */
 int cmd_plan(int argc, char **argv);     /* src/plan.c */
+int cmd_prompts(int argc, char **argv);  /* src/cmd_prompts.c */
 
 #endif /* DS_CLI_H */

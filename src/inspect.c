@@ -17,6 +17,7 @@
 
 #include "cli.h"
 #include "config.h"
+#include "h5io.h"
 #include "loader.h"
 #include "log.h"
 #include "safetensors.h"
@@ -331,8 +332,10 @@ int cmd_inspect(int argc, char **argv) {
         return 2;
     }
     size_t dl = strlen(dir);
-    if (dl >= 3 && !strcmp(dir + dl - 3, ".h5"))
-        ds_die("%s: HDF5 outputs are not supported by inspect yet (give a model folder)", dir);
+    if (dl >= 3 && !strcmp(dir + dl - 3, ".h5")) { /* output or prompt file: src/h5inspect.c */
+        if (h5_inspect(dir, stdout)) ds_die_err();
+        return 0;
+    }
 
     struct loaded_model *lm = ds_calloc(1, sizeof *lm);
     if (loader_open(lm, dir, NULL)) ds_die_err();

@@ -21,6 +21,7 @@ static const struct command commands[] = {
     {"inspect", cmd_inspect, "validate a model folder and print parameters and bytes by role/rank"},
     {"plan", cmd_plan, "per-rank weight, Engram, KV cache and workspace bytes of a TP x PP layout"},
     {"mkmodel", cmd_mkmodel, "write a synthetic checkpoint in the official format"},
+    {"prompts", cmd_prompts, "build an HDF5 prompt file from JSONL or token ids, or --check one"},
 };
 
 static void usage(FILE *f) {
