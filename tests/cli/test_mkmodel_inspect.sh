@@ -208,6 +208,6 @@ EOF
 expect_error "damaged (g) config.json missing hidden_size" "$d/config\.json.*hidden_size" "$DSBATCH" inspect "$d"
 
 expect_error "inspect of a missing folder" "$TMP/nowhere" "$DSBATCH" inspect "$TMP/nowhere"
-expect_error "inspect FILE.h5 is not supported yet" "HDF5" "$DSBATCH" inspect "$TMP/out.h5"
+expect_error "inspect of a .h5 path that does not exist: one error line" "HDF5" "$DSBATCH" inspect "$TMP/out.h5"
 expect_error "inspect --tp that does not divide the model" "not divisible by the tensor-parallel size 3" "$DSBATCH" inspect "$GOLDEN/small6" --tp 3
 exit 0
