@@ -15,7 +15,7 @@ HDF5_PC   ?= hdf5-openmpi
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g -Wall -Wextra -Wno-unused-parameter -ffp-contract=off -fno-fast-math -fopenmp
 OPT         ?= -O2
-CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc)
+CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc) -DDS_GIT_COMMIT='"$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)"'
 LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp $(shell pkg-config --libs libpcre2-8 libutf8proc)
 
 HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)

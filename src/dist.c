@@ -2,12 +2,17 @@
  * micro-batch at a time: a header (sequences, rows, terminate flag, key-sync bytes), the per-sequence
  * descriptors, the token ids, the stream X and mix P, and the accumulated key sync. The last stage
  * answers stage 0 with one sampled token per sequence (-1 while its prompt is still being
- * prefilled) and the key sync. Everything here is driver code: it talks to other ranks only
- * through the comm table. */
+ * prefilled) and the key sync. Everything here is driver code: it talks to other ranks through the
+ * comm table, except for finished requests, which another replica's stage 0 sends to world rank 0
+ * on a communicator of their own the moment they finish (MPI_Isend there, MPI_Iprobe between
+ * steps on rank 0): the comm table has no probe, and rank 0 cannot know in advance which replica
+ * finishes next. */
 #include "dist.h"
 
+#include <math.h>
 #include <mpi.h>
 #include <omp.h>
+#include <time.h>
 #include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,7 +23,7 @@
 #include "log.h"
 
 enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_LP,
-       TAG_REPLY_KEY, TAG_RESULT };
+       TAG_REPLY_KEY, TAG_RESULT, TAG_RESULT_TOK, TAG_RESULT_LP };
 
 struct wire_seq {
     int32_t slot, len, req, top_k, all_logits, sample; /* sample: this chunk ends the prompt or decodes */
@@ -74,6 +79,7 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
 
 void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags *f, const struct dist_opts *o) {
     memset(d, 0, sizeof *d);
+    d->results_comm = MPI_COMM_NULL;
     int up = 0;
     MPI_Initialized(&up);
     if (!up) {
@@ -140,6 +146,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     eo.window_layout = f->layout;
     eo.tp = t->tp > 1 ? t->tp_comm : NULL;
     d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);
+    CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &d->results_comm));
     t->world->ops->barrier(t->world, "start");
     d->t0 = MPI_Wtime();
     /* the layout, the rank table and every rank's mapped weight bytes of a multi-rank job (a
@@ -164,43 +171,60 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     }
 }
 
-int dist_trace_write(struct dist_engine *d, const char *path) {
+void dist_trace_gather(struct dist_engine *d, struct trace_event **all, int64_t *n_all) {
     struct topo *t = &d->topo;
     struct comm *w = t->world;
     int64_t n = d->n_trace;
     int64_t *counts = ds_malloc(sizeof(int64_t) * (size_t)t->world_size);
     w->ops->allgather(w, &n, counts, sizeof n, "trace counts");
-    int rc = 0;
+    *all = NULL;
+    *n_all = 0;
     if (t->world_rank == 0) {
-        char tmp[1100];
-        snprintf(tmp, sizeof tmp, "%s.tmp", path);
-        FILE *f = fopen(tmp, "w");
-        if (!f) {
-            ds_err_set("%s: cannot write: %s", path, ds_errno_str());
-            rc = -1;
+        int64_t total = 0;
+        for (int r = 0; r < t->world_size; r++) total += counts[r];
+        struct trace_event *ev = ds_malloc(sizeof *ev * (size_t)(total + 1));
+        if (n) memcpy(ev, d->trace, sizeof *ev * (size_t)n);
+        int64_t at = n;
+        for (int r = 1; r < t->world_size; r++) {
+            if (counts[r]) w->ops->recv(w, ev + at, sizeof *ev * (size_t)counts[r], r, 92, "trace");
+            at += counts[r];
         }
-        if (f) fprintf(f, "rank,stage,tp,step,seqs,rows,start_s,end_s,compute_s\n");
-        for (int r = 0; r < t->world_size; r++) {
-            struct trace_event *ev = r == 0 ? d->trace : ds_malloc(sizeof *ev * (size_t)(counts[r] + 1));
-            if (r) w->ops->recv(w, ev, sizeof *ev * (size_t)counts[r], r, 92, "trace");
-            for (int64_t i = 0; f && i < counts[r]; i++)
-                fprintf(f, "%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f\n", ev[i].rank, ev[i].stage, ev[i].tp, ev[i].step,
-                        ev[i].seqs, ev[i].rows, ev[i].start, ev[i].end, ev[i].end - ev[i].start);
-            if (r) free(ev);
-        }
-        if (f && (fclose(f) != 0 || rename(tmp, path) != 0)) {
-            ds_err_set("%s: cannot write: %s", path, ds_errno_str());
-            rc = -1;
-        }
+        *all = ev;
+        *n_all = total;
     } else if (n) {
         w->ops->send(w, d->trace, sizeof *d->trace * (size_t)n, 0, 92, "trace");
     }
     free(counts);
-    return rc;
+}
+
+int dist_trace_write(struct dist_engine *d, const char *path) {
+    struct trace_event *ev;
+    int64_t n;
+    dist_trace_gather(d, &ev, &n);
+    if (d->topo.world_rank != 0) return 0;
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        ds_err_set("%s: cannot write: %s", path, ds_errno_str());
+        free(ev);
+        return -1;
+    }
+    fprintf(f, "rank,stage,tp,step,seqs,rows,start_s,end_s,compute_s\n");
+    for (int64_t i = 0; i < n; i++)
+        fprintf(f, "%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f\n", ev[i].rank, ev[i].stage, ev[i].tp, ev[i].step, ev[i].seqs,
+                ev[i].rows, ev[i].start, ev[i].end, ev[i].end - ev[i].start);
+    free(ev);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        ds_err_set("%s: cannot write: %s", path, ds_errno_str());
+        return -1;
+    }
+    return 0;
 }
 
 void dist_close(struct dist_engine *d) {
     free(d->trace);
+    if (d->results_comm != MPI_COMM_NULL) CHECK_MPI(MPI_Comm_free(&d->results_comm));
     model_free(d->m);
     backend_cpu_free(&d->be);
     loader_close(&d->lm);
@@ -291,7 +315,13 @@ static void trace_add(struct dist_engine *d, int step, const struct mb *b, doubl
     struct topo *t = &d->topo;
     d->trace[d->n_trace++] = (struct trace_event){.rank = t->world_rank, .stage = t->pp_rank, .tp = t->tp_rank,
                                                   .step = step, .seqs = b->n, .rows = (int32_t)b->T,
-                                                  .start = start - d->t0, .end = end - d->t0};
+                                                  .start = start - d->t0, .end = end - d->t0, .wait = d->pend_wait};
+    d->pend_wait = 0;
+}
+
+/* Time spent handing the last traced step on (sends) belongs to that step. */
+static void trace_comm(struct dist_engine *d, double seconds) {
+    if (d->n_trace > 0) d->trace[d->n_trace - 1].comm += seconds;
 }
 
 /* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1,
@@ -317,6 +347,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         const float *row = logits + (size_t)i * V;
         out[i] = w->sample ? sampler_pick(row, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len)) : -1;
         lp[i] = out[i] >= 0 ? sampler_logprob(row, V, out[i]) : 0.0;
+        if (out[i] >= 0 && d->on_logits) d->on_logits(d->on_logits_ctx, w->req, row, V);
     }
     trace_add(d, d->n_trace, b, start, MPI_Wtime());
     return 0;
@@ -344,34 +375,97 @@ static void progress(struct dist_engine *d, int done, int total, int64_t generat
     fflush(stderr);
 }
 
-static void collect_results(struct dist_engine *d, struct gen_request *reqs, int n) {
+/* ---- finished requests: replica stage 0 -> world rank 0 ---- */
+
+struct result_hdr {
+    int64_t index, n_out, finish;
+    double admit_s, first_s, last_s;
+};
+
+/* What one rank does with finished requests: world rank 0 reports them (on_done); the TP-0 rank of
+ * another replica's stage 0 sends them to rank 0 (buffers live until dist_generate returns). */
+struct results {
+    bool report, send;
+    struct result_hdr *hdr; /* [n] send side: one per request, alive until its sends complete */
+    MPI_Request *rq;
+    int n_rq, cap_rq;
+    int expected, received; /* rank 0: results due from other replicas */
+};
+
+static void results_init(struct dist_engine *d, struct results *rs, const struct gen_request *reqs, int n) {
     struct topo *t = &d->topo;
-    if (t->dp == 1 || t->pp_rank != 0 || t->tp_rank != 0) return;
-    /* every replica's stage-0 TP-0 rank sends its share to world rank 0 (replica 0's) */
-    struct comm *w = t->world;
-    if (t->dp_rank != 0) {
-        for (int i = t->dp_rank; i < n; i += t->dp) {
-            int64_t h[2] = {reqs[i].n_out, reqs[i].finish};
-            w->ops->send(w, h, sizeof h, 0, TAG_RESULT, "results");
-            w->ops->send(w, reqs[i].out, sizeof(int32_t) * (size_t)reqs[i].n_out, 0, TAG_RESULT, "results");
-            w->ops->send(w, reqs[i].lp, sizeof(double) * (size_t)reqs[i].n_out, 0, TAG_RESULT, "results");
-        }
-        return;
+    memset(rs, 0, sizeof *rs);
+    rs->report = t->world_rank == 0;
+    rs->send = t->dp_rank != 0 && t->pp_rank == 0 && t->tp_rank == 0;
+    if (rs->send) rs->hdr = ds_calloc((size_t)n + 1, sizeof *rs->hdr);
+    if (rs->report)
+        for (int i = 0; i < n; i++)
+            if (i % t->dp != 0 && !reqs[i].skip) rs->expected++;
+}
+
+static void results_isend(struct dist_engine *d, struct results *rs, const void *buf, size_t bytes, int tag) {
+    if (rs->n_rq == rs->cap_rq) {
+        rs->cap_rq = rs->cap_rq ? 2 * rs->cap_rq : 64;
+        rs->rq = ds_realloc(rs->rq, sizeof *rs->rq * (size_t)rs->cap_rq);
     }
-    for (int r = 1; r < t->dp; r++) {
-        int src = r * t->pp * t->tp; /* world rank of replica r's stage 0, tp 0 */
-        for (int i = r; i < n; i += t->dp) {
-            int64_t h[2];
-            w->ops->recv(w, h, sizeof h, src, TAG_RESULT, "results");
-            reqs[i].n_out = h[0];
-            reqs[i].finish = (int)h[1];
-            w->ops->recv(w, reqs[i].out, sizeof(int32_t) * (size_t)h[0], src, TAG_RESULT, "results");
-            w->ops->recv(w, reqs[i].lp, sizeof(double) * (size_t)h[0], src, TAG_RESULT, "results");
+    CHECK_MPI(MPI_Isend(buf, (int)bytes, MPI_BYTE, 0, tag, d->results_comm, &rs->rq[rs->n_rq++]));
+}
+
+/* Request i has finished on this replica's stage 0. */
+static void request_finished(struct dist_engine *d, struct results *rs, struct gen_request *reqs, int i) {
+    struct gen_request *q = &reqs[i];
+    if (rs->report && d->on_done) d->on_done(d->on_done_ctx, i, q);
+    if (!rs->send) return;
+    struct result_hdr *h = &rs->hdr[i];
+    *h = (struct result_hdr){.index = i, .n_out = q->n_out, .finish = q->finish, .admit_s = q->admit_s,
+                             .first_s = q->first_s, .last_s = q->last_s};
+    results_isend(d, rs, h, sizeof *h, TAG_RESULT);
+    results_isend(d, rs, q->out, sizeof(int32_t) * (size_t)q->n_out, TAG_RESULT_TOK);
+    results_isend(d, rs, q->lp, sizeof(double) * (size_t)q->n_out, TAG_RESULT_LP);
+}
+
+/* Rank 0: take in the results other replicas have sent; with `all`, wait for every one still due.
+ * Waiting polls with short sleeps, so rank 0 leaves the cores it shares to the ranks still working. */
+static void results_poll(struct dist_engine *d, struct results *rs, struct gen_request *reqs, int n, bool all) {
+    struct topo *t = &d->topo;
+    while (rs->received < rs->expected) {
+        int flag = 0;
+        MPI_Status st;
+        CHECK_MPI(MPI_Iprobe(MPI_ANY_SOURCE, TAG_RESULT, d->results_comm, &flag, &st));
+        if (!flag) {
+            if (!all) return;
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+            continue;
         }
+        int src = st.MPI_SOURCE;
+        struct result_hdr h;
+        CHECK_MPI(MPI_Recv(&h, (int)sizeof h, MPI_BYTE, src, TAG_RESULT, d->results_comm, MPI_STATUS_IGNORE));
+        int replica = src / (t->pp * t->tp);
+        if (h.index < 0 || h.index >= n || h.index % t->dp != replica || reqs[h.index].skip || h.n_out < 0 ||
+            h.n_out > reqs[h.index].max_new)
+            ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "result from another replica",
+                     "a result that replica does not own (index, size or duplicate)");
+        struct gen_request *q = &reqs[h.index];
+        CHECK_MPI(MPI_Recv(q->out, (int)(sizeof(int32_t) * (size_t)h.n_out), MPI_BYTE, src, TAG_RESULT_TOK,
+                           d->results_comm, MPI_STATUS_IGNORE));
+        CHECK_MPI(MPI_Recv(q->lp, (int)(sizeof(double) * (size_t)h.n_out), MPI_BYTE, src, TAG_RESULT_LP,
+                           d->results_comm, MPI_STATUS_IGNORE));
+        q->n_out = h.n_out;
+        q->finish = (int)h.finish;
+        q->admit_s = h.admit_s, q->first_s = h.first_s, q->last_s = h.last_s;
+        rs->received++;
+        if (d->on_done) d->on_done(d->on_done_ctx, (int)h.index, q);
     }
 }
 
-static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
+static void results_free(struct results *rs) {
+    if (rs->n_rq) CHECK_MPI(MPI_Waitall(rs->n_rq, rs->rq, MPI_STATUSES_IGNORE));
+    free(rs->rq);
+    free(rs->hdr);
+}
+
+static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk, struct results *rs) {
     struct topo *t = &d->topo;
     const struct model_config *c = &d->lm.cfg;
     struct comm *pp = t->pp_comm;
@@ -385,12 +479,14 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     float *logits = t->pp == 1 ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
     int next = t->dp_rank, done = 0, mine = 0;
     int64_t generated = 0;
-    for (int i = t->dp_rank; i < n; i += t->dp) mine++;
+    for (int i = t->dp_rank; i < n; i += t->dp)
+        if (!reqs[i].skip) mine++;
     for (int i = 0; i < n; i++) reqs[i].n_out = 0;
     int rc = 0;
     for (int g = 0; done < mine && rc == 0; g = (g + 1) % G) {
         struct mb *b = &mbs[g];
         if (inflight[g]) { /* the tokens of this micro-batch's previous step */
+            double w0 = MPI_Wtime();
             int64_t h[2];
             pp->ops->recv(pp, h, sizeof h, t->pp - 1, TAG_REPLY_HDR, "pipeline reply");
             pp->ops->recv(pp, tok_out, sizeof(int32_t) * (size_t)h[0], t->pp - 1, TAG_REPLY_TOK, "pipeline reply");
@@ -402,13 +498,17 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
                 free(key);
             }
             inflight[g] = false;
+            d->pend_wait += MPI_Wtime() - w0;
         }
         /* tok_out holds this group's tokens: received just now, or sampled inline (pp == 1) */
+        double now = MPI_Wtime() - d->t0;
         for (int i = 0; i < b->n; i++) {
             if (tok_out[i] < 0) continue;
             struct gen_request *q = &reqs[b->ws[i].req];
             q->lp[q->n_out] = lp_out[i];
             q->out[q->n_out++] = tok_out[i];
+            if (q->n_out == 1) q->first_s = now;
+            q->last_s = now;
             int fin = tok_out[i] == c->eos_id ? GEN_FINISH_EOS : -1;
             for (int k = 0; k < d->n_stop_ids && fin < 0; k++)
                 if (tok_out[i] == d->stop_ids[k]) fin = GEN_FINISH_STOP_ID;
@@ -417,9 +517,11 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
                 q->finish = fin;
                 sr[b->ws[i].slot].req = -1;
                 done++;
+                request_finished(d, rs, reqs, b->ws[i].req);
             }
             generated++;
         }
+        if (rs->report && t->dp > 1) results_poll(d, rs, reqs, n, false);
         if (t->world_rank == 0) progress(d, done, mine, generated, false);
         b->n = 0;
         b->T = 0;
@@ -431,14 +533,23 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         for (int pass = 0; pass < 2; pass++)
             for (int s = g; s < S; s += G) {
                 if (pass == 1 && sr[s].req < 0 && left > 0) {
-                    while (next < n && reqs[next].max_new == 0) {
-                        reqs[next].finish = GEN_FINISH_LENGTH;
-                        done++;
+                    /* skipped (recorded by an earlier run) and zero-length requests take no slot */
+                    while (next < n && (reqs[next].skip || reqs[next].max_new == 0)) {
+                        struct gen_request *z = &reqs[next];
+                        if (!z->skip) {
+                            z->finish = GEN_FINISH_LENGTH;
+                            z->admit_s = MPI_Wtime() - d->t0;
+                            z->first_s = z->last_s = NAN;
+                            done++;
+                            request_finished(d, rs, reqs, next);
+                        }
                         next += t->dp;
                     }
                     if (next >= n) continue;
                     sr[s].req = next;
                     sr[s].fed = 0;
+                    reqs[next].admit_s = MPI_Wtime() - d->t0;
+                    reqs[next].first_s = reqs[next].last_s = NAN;
                     next += t->dp;
                 }
                 if (sr[s].req < 0) continue;
@@ -479,7 +590,9 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         comm_set_context(0, g);
         if (mb_forward(d, b, tok_out, lp_out, logits)) rc = -1;
         else if (t->pp > 1) {
+            double c0 = MPI_Wtime();
             mb_send(pp, 1, b, c, false);
+            trace_comm(d, MPI_Wtime() - c0);
             inflight[g] = true;
         }
     }
@@ -515,14 +628,17 @@ static int run_later_stage(struct dist_engine *d) {
     uint8_t *rkey = NULL;
     struct comm_req *rq[4] = {NULL, NULL, NULL, NULL};
     int rc = 0, step = 0;
-    while (rc == 0 && mb_recv(pp, t->pp_rank - 1, &b, c)) {
+    for (double w0 = MPI_Wtime(); rc == 0 && mb_recv(pp, t->pp_rank - 1, &b, c); w0 = MPI_Wtime()) {
+        d->pend_wait += MPI_Wtime() - w0;
         comm_set_context(t->pp_rank, step++);
         if (mb_forward(d, &b, tok, lp, logits)) {
             rc = -1;
             break;
         }
+        double c0 = MPI_Wtime();
         if (!last) {
             mb_send(pp, t->pp_rank + 1, &b, c, false);
+            trace_comm(d, MPI_Wtime() - c0);
             continue;
         }
         for (int k = 0; k < 4; k++) pp->ops->wait(pp, rq[k]), rq[k] = NULL;
@@ -537,6 +653,7 @@ static int run_later_stage(struct dist_engine *d) {
         rq[1] = pp->ops->isend(pp, rtok, sizeof(int32_t) * (size_t)b.n, 0, TAG_REPLY_TOK, "pipeline reply");
         rq[2] = pp->ops->isend(pp, rlp, sizeof(double) * (size_t)b.n, 0, TAG_REPLY_LP, "pipeline reply");
         if (rh[1]) rq[3] = pp->ops->isend(pp, rkey, (size_t)rh[1], 0, TAG_REPLY_KEY, "pipeline key sync");
+        trace_comm(d, MPI_Wtime() - c0);
     }
     for (int k = 0; k < 4; k++) pp->ops->wait(pp, rq[k]);
     free(rtok);
@@ -607,7 +724,10 @@ int dist_forward_sync(void *ctx, const struct fwd_seq *seqs, int n, float *logit
 }
 
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
-    int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk) : run_later_stage(d);
-    if (rc == 0) collect_results(d, reqs, n);
+    struct results rs;
+    results_init(d, &rs, reqs, n);
+    int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk, &rs) : run_later_stage(d);
+    if (rc == 0 && rs.report) results_poll(d, &rs, reqs, n, true);
+    results_free(&rs);
     return rc;
 }

@@ -9,6 +9,8 @@
 
 #include <stdint.h>
 
+#include <mpi.h>
+
 #include "engine_cli.h"
 #include "model.h"
 #include "sampler.h"
@@ -29,8 +31,19 @@ struct dist_opts {
 /* One forward of one micro-batch on one rank, for the step trace. */
 struct trace_event {
     int32_t rank, stage, tp, step, seqs, rows;
-    double start, end; /* seconds since the job's common start */
+    double start, end; /* seconds since the job's common start: the forward (TP collectives included) */
+    double comm;       /* seconds handing the micro-batch (or the sampled tokens) on along the pipeline */
+    double wait;       /* seconds blocked receiving this step's input (stream or tokens) before it */
 };
+
+struct gen_request;
+/* Called on world rank 0 once per finished request: its own replica's as they finish, other
+ * replicas' as their results arrive (each replica's stage 0 sends a request the moment it
+ * finishes), so a writer can make each one durable at once. index: position in the request list. */
+typedef void (*gen_done_fn)(void *ctx, int index, const struct gen_request *q);
+/* Called on a last-stage rank for every sampled logits row ([vocab], whole rows), in the order a
+ * request's tokens are sampled: row k is the one its k-th output token was drawn from. */
+typedef void (*gen_logits_fn)(void *ctx, int index, const float *row, int vocab);
 
 struct dist_engine {
     struct topo topo;
@@ -45,10 +58,19 @@ struct dist_engine {
     bool quiet;
     struct trace_event *trace;
     int n_trace, cap_trace;
+    double pend_wait;         /* wait time of the step being prepared (goes into its trace event) */
+    MPI_Comm results_comm;    /* finished requests, replica stage 0 -> world rank 0 (own context) */
+    gen_done_fn on_done;      /* world rank 0; NULL: none */
+    void *on_done_ctx;
+    gen_logits_fn on_logits;  /* last-stage ranks that want the rows; NULL: none */
+    void *on_logits_ctx;
 };
 
 /* Gather every rank's step trace to world rank 0 and write it as CSV (path on rank 0). */
 int dist_trace_write(struct dist_engine *d, const char *path);
+/* Collective: every rank's step trace, concatenated in world-rank order, on world rank 0 (*all,
+ * *n; caller frees); other ranks get NULL and 0. */
+void dist_trace_gather(struct dist_engine *d, struct trace_event **all, int64_t *n);
 
 /* Parse --tp, --pp, --pp-layers a,b,..., --watchdog S; returns 1 when argv[*i] was one. */
 int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o);
@@ -69,10 +91,16 @@ struct gen_request {
     double *lp;   /* [max_new] log-probability of each generated token under the model (temperature 1) */
     int64_t n_out;
     int finish;   /* enum gen_finish */
+    bool skip;    /* already recorded by an earlier run (resume): neither generated nor reported */
+    /* seconds since the common start, on the replica's stage-0 clock (world rank 0 gets them for
+     * every request): admitted into a slot, first and last token back at stage 0 (NaN: none) */
+    double admit_s, first_s, last_s;
 };
 
 /* Generate every request (all ranks pass the same list); results land on world rank 0.
- * chunk: prefill chunk size. Returns 0 or -1 (ds_err_set). */
+ * chunk: prefill chunk size. A request's sampling stream is keyed by its index in the list, so
+ * pass every prompt of a job (skipped ones too) to keep its tokens whatever else runs.
+ * Returns 0 or -1 (ds_err_set). */
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk);
 
 /* One forward of the same batch on every rank, stage after stage (no micro-batch overlap): what

@@ -1,17 +1,23 @@
-/* Single-rank `dsbatch generate` and `dsbatch score` over JSONL prompt files (issue #3).
- * A prompt line gives token ids ("tokens") or text ("text", issue #8): text goes through the model
- * folder's tokenizer.json (or --tokenizer), framed by the tokenizer's BOS policy or, with --chat /
- * --think, by the DeepSeek-V4.1 chat format; every rank encodes the same file the same way, so the
- * ids agree without a broadcast. Outputs carry the decoded text next to the tokens whenever a
- * tokenizer is available.
- * generate: continuous batching over `--max-seqs` slots — each step prefills newly admitted
- * prompts and decodes one token for every running sequence in one forward; a finished sequence's
- * slot is reused at once. score: per-token log-probabilities of each prompt's own tokens, computed
- * chunk by chunk so no logits buffer larger than a chunk is ever held. Output lines keep the
- * order of the input. */
+/* `dsbatch generate` and `dsbatch score` (issues #3, #5): prompts from JSONL or an HDF5 prompt
+ * file, results to JSONL or an HDF5 output file.
+ * A JSONL prompt line gives token ids ("tokens") or text ("text", issue #8): text goes through the
+ * model folder's tokenizer.json (or --tokenizer), framed by the tokenizer's BOS policy or, with
+ * --chat / --think, by the DeepSeek-V4.1 chat format; every rank encodes the same file the same
+ * way, so the ids agree without a broadcast. An HDF5 prompt file (src/h5io.h) is read by every
+ * rank of the job in one collective read per dataset, each rank taking the whole prompt set
+ * (dist_generate wants the same request list everywhere, and rank 0 every prompt's length and id).
+ * Outputs carry the decoded text next to the tokens whenever a tokenizer is available.
+ * generate: continuous batching over `--max-seqs` slots (src/dist.c). A JSONL output is written at
+ * the end in input order; an HDF5 output (--out NAME.h5, src/jobout.c) gets each request the moment
+ * it finishes, durably, so `--resume` after a kill skips what was recorded and produces the same
+ * tokens as an uninterrupted run (a request's sampling stream is keyed by its prompt index).
+ * score: per-token log-probabilities of each prompt's own tokens, computed chunk by chunk so no
+ * logits buffer larger than a chunk is ever held; one rank. */
 #include <cJSON.h>
+#include <limits.h>
 #include <mpi.h>
 #include <math.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +25,8 @@
 #include "cli.h"
 #include "dist.h"
 #include "engine_cli.h"
+#include "h5io.h"
+#include "jobout.h"
 #include "log.h"
 #include "model.h"
 #include "sampler.h"
@@ -49,7 +57,14 @@ struct gen_opts {
     const char *tokenizer;       /* --tokenizer PATH (default: MODEL/tokenizer.json) */
     struct tok_prompt_opts chat; /* --chat, --think N, --system TEXT */
     bool keep_special;           /* --keep-special: special tokens stay in the output text */
+    /* jobs (issue #5) */
+    bool resume;                 /* --resume: continue an HDF5 output, skipping recorded prompts */
+    bool save_logits;            /* --save-logits: every sampled logits row into the output (debug) */
+    bool report_logits_rows;     /* score --report-logits-rows: the logits path's largest buffer */
 };
+
+/* --save-logits keeps every row in memory until the end: a debug option for small jobs. */
+#define SAVE_LOGITS_MAX_BYTES (256.0 * 1024 * 1024)
 
 /* The model's tokenizer, loaded on first need; NULL when there is none and `required` is false. */
 static struct tokenizer *gen_tokenizer(struct tokenizer **tk, const struct gen_opts *o, int32_t bos_id, bool required,
@@ -150,6 +165,54 @@ static struct prompt *read_prompts(const char *path, const struct gen_opts *o, c
     return ps;
 }
 
+/* An HDF5 prompt file: every rank of comm reads the whole prompt set (dp_rank 0 of 1), with one
+ * collective read per dataset; 4 bytes per prompt token per rank. Validation (token ids below the
+ * vocabulary, prompt + max_new_tokens within the maximum sequence length, sampling fields) is the
+ * reader's, agreed over comm, so every rank dies with the same line naming file and dataset. */
+static struct prompt *read_prompts_h5(const char *path, MPI_Comm comm, const struct gen_opts *o,
+                                      const struct model_config *cfg, bool score, int *count) {
+    struct h5_prompts hp;
+    if (h5_prompts_open(&hp, path, comm)) ds_die_err();
+    /* score needs no room for new tokens: its own length check follows */
+    struct h5_prompt_limits lim = {.vocab = cfg->vocab_size, .max_len = score ? 0 : o->max_seq_len,
+                                   .default_max_new = score ? 0 : o->max_new, .default_sp = o->sp};
+    struct h5_prompt_batch b;
+    bool too_many = hp.n_prompts > INT_MAX / 2;
+    int rc = too_many ? -1 : h5_prompts_read(&hp, 0, hp.n_prompts, 0, 1, &lim, &b);
+    char why[1200];
+    if (too_many)
+        snprintf(why, sizeof why, "%s: /prompts/offsets: %lld prompts, more than one job takes (%d)", path,
+                 (long long)hp.n_prompts, INT_MAX / 2);
+    else
+        snprintf(why, sizeof why, "%s", ds_err_get());
+    h5_prompts_close(&hp);
+    if (rc) ds_die("%s", why);
+    struct prompt *ps = ds_calloc((size_t)b.n + 1, sizeof *ps);
+    for (int64_t j = 0; j < b.n; j++) {
+        struct prompt *p = &ps[j];
+        p->n = b.offsets[j + 1] - b.offsets[j];
+        if (score && p->n > o->max_seq_len)
+            ds_die("%s: /prompts/offsets: prompt %lld has %lld tokens, above the maximum sequence length %lld", path,
+                   (long long)b.index[j], (long long)p->n, (long long)o->max_seq_len);
+        p->tokens = ds_malloc(sizeof(int32_t) * (size_t)p->n);
+        memcpy(p->tokens, b.tokens + b.offsets[j], sizeof(int32_t) * (size_t)p->n);
+        p->id = b.id_kind == 1   ? cJSON_CreateNumber((double)b.int_id[j])
+                : b.id_kind == 2 ? cJSON_CreateString(b.id[j])
+                                 : cJSON_CreateNumber((double)b.index[j]);
+        p->max_new = score ? 0 : b.max_new[j];
+        p->sp = b.sp[j];
+    }
+    *count = (int)b.n;
+    h5_prompt_batch_free(&b);
+    return ps;
+}
+
+static struct prompt *load_prompts(const struct gen_opts *o, MPI_Comm comm, const struct model_config *cfg,
+                                   struct tokenizer **tk, bool score, int *count) {
+    if (job_prompts_is_h5(o->prompts)) return read_prompts_h5(o->prompts, comm, o, cfg, score, count);
+    return read_prompts(o->prompts, o, cfg, tk, count);
+}
+
 static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score) {
     *o = (struct gen_opts){.max_new = 16, .max_seqs = 8, .chunk = 512, .sp = {.temperature = 0, .top_p = 1}};
     for (int i = 1; i < argc; i++) {
@@ -173,12 +236,24 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         else if (OPT("--think")) o->chat.chat = TOK_CHAT_THINKING, o->chat.reasoning_effort = atoi(v);
         else if (OPT("--system")) o->chat.system = v;
         else if (!strcmp(a, "--keep-special")) o->keep_special = true;
+        else if (!strcmp(a, "--resume")) o->resume = true;
+        else if (!score && !strcmp(a, "--save-logits")) o->save_logits = true;
+        else if (score && !strcmp(a, "--report-logits-rows")) o->report_logits_rows = true;
+        else if (OPT("--zstd-level")) {
+            char *e;
+            long lv = strtol(v, &e, 10);
+            if (*e || lv < 0 || lv > 22) ds_die("--zstd-level: expected 0 (none) .. 22, got '%s'", v);
+            h5io_set_zstd_level((int)lv);
+        }
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
         else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
-            printf("usage: dsbatch %s --model DIR --prompts P.jsonl --out R.jsonl [--max-new-tokens N] [--max-seqs N]\n"
-                   "       [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--logprobs]\n"
-                   "       [--trace STEPS.csv]\n"
+            printf("usage: dsbatch %s --model DIR --prompts P.jsonl|P.h5 --out R.jsonl|R.h5 [--max-new-tokens N]\n"
+                   "       [--max-seqs N] [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P]\n"
+                   "       [--seed S] [--logprobs] [--trace STEPS.csv]\n"
+                   "       [--resume] [--zstd-level N] [--save-logits (generate)] [--report-logits-rows (score)]\n"
+                   "       (--out NAME.h5: HDF5 output, each request recorded as it finishes; --resume continues one,\n"
+                   "        skipping recorded prompts; P.h5: an HDF5 prompt file from `dsbatch prompts`)\n"
                    "       [--tokenizer PATH] [--chat | --think EFFORT] [--system TEXT] [--keep-special]\n"
                    "       (prompt lines: {\"tokens\": [ids]} or {\"text\": \"...\"}; text uses MODEL/tokenizer.json;\n"
                    "        --chat: DeepSeek-V4.1 chat format, --think EFFORT (1-100): its thinking mode)\n"
@@ -211,67 +286,141 @@ static void close_out(FILE *f, const char *tmp, const char *path) {
     if (fclose(f) != 0 || rename(tmp, path) != 0) ds_die("%s: cannot write: %s", path, ds_errno_str());
 }
 
+/* The JSONL output of generate, in input order (world rank 0, at the end). */
+static void write_generate_jsonl(const struct gen_opts *o, struct prompt *ps, const struct gen_request *rq, int np,
+                                 const struct tokenizer *tk, const struct logit_rows *lr) {
+    char tmp[1100];
+    FILE *f = open_out(o->out, tmp, sizeof tmp);
+    for (int i = 0; i < np; i++) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddItemToObject(j, "id", ps[i].id);
+        ps[i].id = NULL;
+        cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
+        for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].out[k]));
+        if (tk) {
+            char *txt = tok_decode(tk, rq[i].out, (size_t)rq[i].n_out, !o->keep_special, NULL);
+            cJSON_AddStringToObject(j, "text", txt);
+            free(txt);
+        }
+        cJSON_AddStringToObject(j, "finish_reason", rq[i].finish ? "stop" : "length");
+        if (o->logprobs) {
+            cJSON *l = cJSON_AddArrayToObject(j, "logprobs");
+            for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(l, cJSON_CreateNumber(rq[i].lp[k]));
+        }
+        if (lr) { /* row k: the distribution output token k was drawn from */
+            cJSON *rows = cJSON_AddArrayToObject(j, "logits");
+            for (int64_t k = 0; k < lr->count[i]; k++) {
+                cJSON *r = cJSON_CreateArray();
+                for (int v = 0; v < lr->vocab; v++)
+                    cJSON_AddItemToArray(r, cJSON_CreateNumber(lr->row[i][(size_t)k * (size_t)lr->vocab + (size_t)v]));
+                cJSON_AddItemToArray(rows, r);
+            }
+        }
+        char *s = cJSON_PrintUnformatted(j);
+        fprintf(f, "%s\n", s);
+        free(s);
+        cJSON_Delete(j);
+    }
+    close_out(f, tmp, o->out);
+}
+
+/* Options that only make sense with some outputs or layouts; the same verdict on every rank. */
+static void check_job_opts(const struct gen_opts *o, bool h5_out) {
+    if (o->resume && !h5_out)
+        ds_die("--resume needs an HDF5 output (--out NAME.h5); a JSONL output is written whole at the end");
+    if (o->resume && o->save_logits)
+        ds_die("--save-logits is a debug option whose rows live in memory until the job ends; it cannot be resumed");
+}
+
 int cmd_generate(int argc, char **argv) {
     struct gen_opts o;
     parse_gen_opts(argc, argv, &o, false);
+    bool h5_out = job_out_is_h5(o.out);
+    check_job_opts(&o, h5_out);
     struct dist_engine d;
     struct dist_opts dopt = o.dist;
     dopt.max_seq_len = o.max_seq_len;
     dopt.max_seqs = o.max_seqs;
     dist_open(&d, o.model, &o.ef, &dopt);
+    struct topo *t = &d.topo;
+    bool rank0 = t->world_rank == 0;
     o.max_seq_len = model_max_seq_len(d.m);
-    int np;
+    int np, V = d.lm.cfg.vocab_size;
     struct tokenizer *tk = NULL;
-    struct prompt *ps = read_prompts(o.prompts, &o, &d.lm.cfg, &tk, &np);
-    if (d.topo.world_rank == 0) gen_tokenizer(&tk, &o, d.lm.cfg.bos_id, false, "generate");
+    struct prompt *ps = load_prompts(&o, MPI_COMM_WORLD, &d.lm.cfg, &tk, false, &np);
+    if (rank0) gen_tokenizer(&tk, &o, d.lm.cfg.bos_id, false, "generate");
+    if (o.save_logits) {
+        /* the rows exist whole only on a replica's last stage: all of them on rank 0 needs one
+         * stage and one replica (TP gathers whole rows) */
+        if (t->pp != 1 || t->dp != 1)
+            ds_die("--save-logits needs every logits row on rank 0: run it with --pp 1 and one replica "
+                   "(this job: tp %d x pp %d x dp %d)",
+                   t->tp, t->pp, t->dp);
+        double steps = 0;
+        for (int i = 0; i < np; i++) steps += (double)ps[i].max_new;
+        double bytes = steps * V * 4;
+        if (bytes > SAVE_LOGITS_MAX_BYTES)
+            ds_die("--save-logits: %d prompts with up to %.0f generated steps x vocab %d x 4 bytes = %.1f MiB, above "
+                   "the %.0f MiB this debug option keeps in memory; use fewer prompts or a smaller --max-new-tokens",
+                   np, steps, V, bytes / 1048576.0, SAVE_LOGITS_MAX_BYTES / 1048576.0);
+    }
     struct gen_request *rq = ds_calloc((size_t)np + 1, sizeof *rq);
     for (int i = 0; i < np; i++) {
         rq[i] = (struct gen_request){.tokens = ps[i].tokens, .n = ps[i].n, .max_new = ps[i].max_new, .sp = ps[i].sp};
         rq[i].out = ds_malloc(sizeof(int32_t) * (size_t)(ps[i].max_new + 1));
         rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].max_new + 1));
     }
+    struct job_out jo = {0};
+    if (h5_out) {
+        /* collective: the rank table and host list for /meta, then rank 0 opens the output */
+        char *table = topo_rank_table(t), *hosts = job_hosts(t->world, t->host);
+        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &d.lm.cfg, .rank_table = table, .hosts = hosts};
+        job_out_open(&jo, t->world, rank0, o.out, H5_OUT_GENERATE, o.resume, o.logprobs, &jd, np);
+        free(table);
+        free(hosts);
+        for (int i = 0; i < np; i++) rq[i].skip = jo.done[i] != 0;
+        if (rank0) {
+            d.on_done = job_out_on_done;
+            d.on_done_ctx = &jo;
+            if (o.resume && jo.n_resumed)
+                log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
+                         (long long)jo.n_resumed, np);
+        }
+    }
+    struct logit_rows lr = {0};
+    if (o.save_logits && rank0) {
+        logit_rows_init(&lr, np, V);
+        d.on_logits = logit_rows_add;
+        d.on_logits_ctx = &lr;
+    }
     double t_start = MPI_Wtime();
     if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
     double t_gen = MPI_Wtime() - t_start;
     if (o.trace && dist_trace_write(&d, o.trace)) ds_die_err();
-    if (d.topo.world_rank == 0) {
+    if (h5_out) {
+        struct trace_event *ev;
+        int64_t nev;
+        dist_trace_gather(&d, &ev, &nev);
+        if (rank0) job_out_steps(&jo, ev, nev);
+        free(ev);
+    }
+    if (rank0) {
         int64_t gen = 0, pin = 0;
-        for (int i = 0; i < np; i++) gen += rq[i].n_out, pin += rq[i].n;
-        log_info("generated %lld tokens for %d prompts (%lld prompt tokens) in %.2f s: %.1f tok/s", (long long)gen, np,
+        int ran = 0;
+        for (int i = 0; i < np; i++)
+            if (!rq[i].skip) gen += rq[i].n_out, pin += rq[i].n, ran++;
+        log_info("generated %lld tokens for %d prompts (%lld prompt tokens) in %.2f s: %.1f tok/s", (long long)gen, ran,
                  (long long)pin, t_gen, (double)gen / t_gen);
     }
-    if (d.topo.world_rank == 0) {
-        char tmp[1100];
-        FILE *f = open_out(o.out, tmp, sizeof tmp);
-        for (int i = 0; i < np; i++) {
-            cJSON *j = cJSON_CreateObject();
-            cJSON_AddItemToObject(j, "id", ps[i].id);
-            ps[i].id = NULL;
-            cJSON *a = cJSON_AddArrayToObject(j, "output_tokens");
-            for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].out[k]));
-            if (tk) {
-                char *txt = tok_decode(tk, rq[i].out, (size_t)rq[i].n_out, !o.keep_special, NULL);
-                cJSON_AddStringToObject(j, "text", txt);
-                free(txt);
-            }
-            cJSON_AddStringToObject(j, "finish_reason", rq[i].finish ? "stop" : "length");
-            if (o.logprobs) {
-                cJSON *l = cJSON_AddArrayToObject(j, "logprobs");
-                for (int64_t k = 0; k < rq[i].n_out; k++) cJSON_AddItemToArray(l, cJSON_CreateNumber(rq[i].lp[k]));
-            }
-            char *s = cJSON_PrintUnformatted(j);
-            fprintf(f, "%s\n", s);
-            free(s);
-            cJSON_Delete(j);
-        }
-        close_out(f, tmp, o.out);
-    }
+    if (h5_out) job_out_finish(&jo, rank0 ? tk : NULL, o.keep_special, o.save_logits ? &lr : NULL);
+    else if (rank0) write_generate_jsonl(&o, ps, rq, np, tk, o.save_logits ? &lr : NULL);
     for (int i = 0; i < np; i++) {
         cJSON_Delete(ps[i].id);
         free(ps[i].tokens);
         free(rq[i].out);
         free(rq[i].lp);
     }
+    if (o.save_logits && rank0) logit_rows_free(&lr);
     free(ps);
     free(rq);
     tok_free(tk);
@@ -284,47 +433,111 @@ int cmd_score(int argc, char **argv) {
     parse_gen_opts(argc, argv, &o, true);
     o.max_new = 0;
     o.max_seqs = 1;
+    bool h5_out = job_out_is_h5(o.out);
+    check_job_opts(&o, h5_out);
+    /* MPI only to tell a one-rank run from a job: every rank of a job would score every prompt
+     * into the same output */
+    int up = 0, world = 1;
+    MPI_Initialized(&up);
+    if (!up) CHECK_MPI(MPI_Init(NULL, NULL));
+    CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world));
+    if (world > 1)
+        ds_die("score runs on one rank (this job has %d): run it without mpirun, or with -np 1", world);
     struct loaded_model lm;
     struct backend be;
     struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
     o.max_seq_len = model_max_seq_len(m);
     int np;
     struct tokenizer *tk = NULL;
-    struct prompt *ps = read_prompts(o.prompts, &o, &lm.cfg, &tk, &np);
+    struct prompt *ps = load_prompts(&o, MPI_COMM_SELF, &lm.cfg, &tk, true, &np);
     tok_free(tk);
     int V = lm.cfg.vocab_size;
-    float *logits = ds_malloc(sizeof(float) * (size_t)o.chunk * V);
+    struct job_out jo = {0};
+    FILE *f = NULL;
     char tmp[1100];
-    FILE *f = open_out(o.out, tmp, sizeof tmp);
+    if (h5_out) {
+        char host[64] = "?";
+        gethostname(host, sizeof host - 1);
+        char *hosts = job_hosts(NULL, host);
+        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &lm.cfg, .hosts = hosts};
+        job_out_open(&jo, NULL, true, o.out, H5_OUT_SCORE, o.resume, true, &jd, np);
+        free(hosts);
+        if (o.resume && jo.n_resumed)
+            log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
+                     (long long)jo.n_resumed, np);
+    } else {
+        f = open_out(o.out, tmp, sizeof tmp);
+    }
+    /* the logits buffer: one chunk of rows at most, fewer when every prompt is shorter */
+    int64_t rows = 1;
+    for (int i = 0; i < np; i++) rows = ps[i].n > rows ? ps[i].n : rows;
+    if (rows > o.chunk) rows = o.chunk;
+    float *logits = ds_malloc(sizeof(float) * (size_t)rows * V);
+    struct trace_event *ev = NULL;
+    int64_t nev = 0, cap_ev = 0;
+    double t0 = MPI_Wtime();
     for (int i = 0; i < np; i++) {
         struct prompt *p = &ps[i];
+        if (h5_out && jo.done[i]) {
+            free(p->tokens);
+            continue;
+        }
+        struct h5_request_trace tr = {.admit_s = MPI_Wtime() - t0, .first_token_s = NAN, .prompt_tokens = p->n};
         model_reset_slot(m, 0);
-        cJSON *j = cJSON_CreateObject();
-        cJSON_AddItemToObject(j, "id", p->id);
-        cJSON *a = cJSON_AddArrayToObject(j, "token_logprobs");
+        double *lps = ds_malloc(sizeof(double) * (size_t)p->n);
+        int64_t nl = 0;
         double nll = 0;
         /* row r of a chunk predicts token start+r+1: the chunk's logits are consumed at once */
         for (int64_t start = 0; start < p->n; start += o.chunk) {
             int64_t len = p->n - start < o.chunk ? p->n - start : o.chunk;
             struct fwd_seq s = {.slot = 0, .start = start, .len = len, .tokens = p->tokens + start, .all_logits = true};
+            double f0 = MPI_Wtime();
             if (model_forward(m, &s, 1, logits, NULL)) ds_die_err();
+            double f1 = MPI_Wtime();
+            if (nev == cap_ev) ev = ds_realloc(ev, sizeof *ev * (size_t)(cap_ev = cap_ev ? 2 * cap_ev : 256));
+            ev[nev] = (struct trace_event){.step = (int32_t)nev, .seqs = 1, .rows = (int32_t)len, .start = f0 - t0,
+                                           .end = f1 - t0};
+            nev++;
             for (int64_t r = 0; r < len && start + r + 1 < p->n; r++) {
                 double lp = sampler_logprob(logits + (size_t)r * V, V, p->tokens[start + r + 1]);
                 nll -= lp;
-                cJSON_AddItemToArray(a, cJSON_CreateNumber(lp));
+                lps[nl++] = lp;
             }
+            if (isnan(tr.first_token_s)) tr.first_token_s = MPI_Wtime() - t0;
         }
-        cJSON_AddNumberToObject(j, "nll", nll);
-        cJSON_AddNumberToObject(j, "n_tokens", (double)(p->n - 1));
-        char *s = cJSON_PrintUnformatted(j);
-        fprintf(f, "%s\n", s);
-        free(s);
-        cJSON_Delete(j);
+        tr.last_token_s = MPI_Wtime() - t0;
+        if (h5_out) {
+            job_out_scored(&jo, i, lps, nl, nll, &tr);
+        } else {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddItemToObject(j, "id", p->id);
+            p->id = NULL;
+            cJSON *a = cJSON_AddArrayToObject(j, "token_logprobs");
+            for (int64_t k = 0; k < nl; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(lps[k]));
+            cJSON_AddNumberToObject(j, "nll", nll);
+            cJSON_AddNumberToObject(j, "n_tokens", (double)(p->n - 1));
+            char *s = cJSON_PrintUnformatted(j);
+            fprintf(f, "%s\n", s);
+            free(s);
+            cJSON_Delete(j);
+        }
+        free(lps);
         free(p->tokens);
     }
-    close_out(f, tmp, o.out);
+    if (h5_out) {
+        job_out_steps(&jo, ev, nev);
+        job_out_finish(&jo, NULL, false, NULL);
+    } else {
+        close_out(f, tmp, o.out);
+    }
+    if (o.report_logits_rows)
+        printf("logits rows: at most %lld per forward (chunk %lld, buffer %lld rows x vocab %d)\n",
+               (long long)model_head_rows_max(), (long long)o.chunk, (long long)rows, V);
+    for (int i = 0; i < np; i++) cJSON_Delete(ps[i].id);
+    free(ev);
     free(ps);
     free(logits);
     engine_close(m, &lm, &be);
+    if (!up) CHECK_MPI(MPI_Finalize());
     return 0;
 }

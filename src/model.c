@@ -290,6 +290,12 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len) {
     return 0;
 }
 
+/* The largest logits buffer this process's head has produced, in rows (R x vocab floats): score's
+ * promise that a long prompt never needs more than a chunk of rows is checked against it. */
+static int64_t g_head_rows_max;
+
+int64_t model_head_rows_max(void) { return g_head_rows_max; }
+
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
     int64_t r = 0;
     for (int i = 0; i < n; i++) r += seqs[i].all_logits ? seqs[i].len : 1;
@@ -517,6 +523,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         }
         /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
+        if (R > g_head_rows_max) g_head_rows_max = R;
         float *lg = balloc(m, sizeof(float) * (size_t)(R * Vl)), *full = balloc(m, sizeof(float) * (size_t)(R * V));
         OPS->head(m->be, lg, hr, R, &m->w->head);
         model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");

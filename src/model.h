@@ -100,6 +100,9 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len);
 
 /* Number of logits rows model_forward writes for this batch. */
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n);
+/* The most rows any forward of this process has passed to the head (its logits buffers are that
+ * many rows x vocab): a debugging and test counter of the logits path's largest allocation. */
+int64_t model_head_rows_max(void);
 
 /* RoPE frequency table of the reference (fp32 pow, fp32 reciprocal, YaRN blend), rd/2 entries. */
 void rope_freqs(float *out, int rd, double theta, bool yarn, double factor, int64_t original_seq_len,
