@@ -18,7 +18,7 @@ OPT         ?= -O2
 CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc) -DDS_GIT_COMMIT='"$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)"'
 LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp $(shell pkg-config --libs libpcre2-8 libutf8proc)
 
-HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)
+HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/*.c) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)
 HOST_OBJ  := $(patsubst %.c,$(BUILD_DIR)/obj/%.o,$(HOST_SRC))
 CU_SRC    := $(wildcard kernels/cuda/*.cu)
 TEST_SRC  := $(wildcard tests/unit/test_*.c)
@@ -81,13 +81,22 @@ $(BUILD_DIR)/bench/%: tests/bench/%.c $(BUILD_DIR)/libdsbatch.a
 test: all
 	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh
 
-# on the GPU machine: the CUDA kernels against the CPU backend, then the decode benchmark
+# on the GPU machine: every op of the CUDA backend against the CPU backend, the whole model on
+# the GPU (verify, batch invariance, 16 ranks sharing the GPU), the NCCL comm, the ptxas check
 test-cuda: all
 	$(BUILD_DIR)/tests/test_cuda_linear
+	$(BUILD_DIR)/tests/test_cuda_ops
+	GOLDEN=$(abspath $(GOLDEN)) DSBATCH=$(BUILD_DIR)/dsbatch bash tests/cli/test_cuda_engine.sh
+	MPITESTS=$(BUILD_DIR)/mpitests bash tests/cli/test_nccl.sh
+	BUILD_DIR=$(BUILD_DIR) bash tests/cli/test_ptxas.sh
 
+# on the GPU machine: the linear kernels per shape, the decode step and prefill of one rank's
+# shard with its per-op profile, then the plots (results/*.png)
 bench: all
 	@mkdir -p results
 	$(BUILD_DIR)/bench/bench_linear_cuda results/cuda_linear_decode.csv
+	$(BUILD_DIR)/bench/bench_step --backend cuda --csv results/cuda_step.csv --profile results/cuda_step_profile.csv
+	python3 tests/bench/plot_results.py results
 
 demo: all
 	bash tests/demo.sh

@@ -19,6 +19,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef uint16_t bf16_t;
 
 /* Storage format of a weight matrix W [n, k] (logical; y = x · Wᵀ). */
@@ -58,6 +62,13 @@ struct backend_ops {
      * (wo_a: the reference dequantizes it to bf16 at load). */
     int (*weight_prepare)(struct backend *be, struct qweight *w, bool dequant_bf16);
     void (*weight_release)(struct backend *be, struct qweight *w);
+    /* Make a small or host-resident tensor (norm weights, sinks, mHC parameters, router bias, the
+     * embedding, Engram tables) readable by the ops: returns a backend pointer to the same bytes.
+     * host_resident: the tensor stays in host memory and the device reads it there (pinned/mapped;
+     * the Engram tables, which are too large for the GPU); otherwise the backend may copy it into
+     * device memory. The CPU backend returns `host` itself. Released with tensor_release. */
+    const void *(*tensor_prepare)(struct backend *be, const void *host, size_t bytes, bool host_resident);
+    void (*tensor_release)(struct backend *be, const void *p);
 
     /* ---- dense ---- */
     /* y[T,n] bf16 = x[T,k] bf16 · Wᵀ.
@@ -189,5 +200,24 @@ struct backend {
 /* The CPU reference backend (always built). */
 int backend_cpu_init(struct backend *be);
 void backend_cpu_free(struct backend *be);
+
+#ifdef DS_HAVE_CUDA
+/* The SM80 suite (kernels/cuda) on CUDA device `device`: one stream, stream-ordered allocations,
+ * weights copied to device memory by weight_prepare/tensor_prepare. Returns 0, or -1 with
+ * ds_err_set when there is no usable device. */
+int backend_cuda_init(struct backend *be, int device);
+void backend_cuda_free(struct backend *be);
+/* Let FP8/FP4 linears of more than 16 rows (prefill chunks, large batches) use the tensor-core
+ * path (linear_mma_sm80.cu): several times faster there, but a block's 32 products are then added
+ * by the mma unit, so a row's last bits depend on how many rows share its call — results are no
+ * longer batch invariant. Off by default. */
+void backend_cuda_set_mma(struct backend *be, bool on);
+/* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
+void *backend_cuda_stream(struct backend *be);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* DS_BACKEND_H */

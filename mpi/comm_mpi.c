@@ -11,7 +11,14 @@
  * allreduce_sum is not MPI_Allreduce: MPI may combine in any tree order, so fp32 results would
  * depend on the rank count and the algorithm chosen. Instead every rank gathers all inputs and
  * adds them in rank order r = 0, 1, ..., identically on every rank. The temporary is bounded by
- * reducing in rounds. MPI counts are int, so larger transfers go in pieces. */
+ * reducing in rounds. MPI counts are int, so larger transfers go in pieces.
+ *
+ * Device staging (comm_mpi_set_staging) wraps each operation in a download of its input into a
+ * host buffer and an upload of its result. Open MPI is built without CUDA support on both the CI
+ * and the GPU machines, so a device pointer handed to MPI would be read as host memory; staging is
+ * the slow but always-available path for ranks that share a GPU (NCCL takes one GPU per rank).
+ * The host buffer stays with the comm between calls for the same reason as the allreduce
+ * temporary. The MPI operation itself is the unstaged one, so results are bit-identical. */
 #include "comm_mpi.h"
 
 #include <limits.h>
@@ -23,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "formats.h"
 #include "log.h"
 
@@ -33,6 +41,11 @@ struct mpi_priv {
      * is a fresh mmap whose pages the kernel zeroes on first touch, which cost more than the sum */
     void *tmp;
     size_t tmp_cap;
+    /* device staging: the backend whose pointers the ops receive (NULL: host buffers) and the
+     * host copy they go through, kept between calls like tmp */
+    struct backend *stage_be;
+    void *stage;
+    size_t stage_cap;
 };
 
 #define DEFAULT_MAX_TMP ((size_t)64 << 20)
@@ -66,8 +79,41 @@ void comm_mpi_set_chunk_limits(size_t max_msg_bytes, size_t max_tmp_bytes) {
     g_max_tmp = max_tmp_bytes ? max_tmp_bytes : DEFAULT_MAX_TMP;
 }
 
+static const struct comm_ops mpi_ops; /* defined at the end; comms made here point to it */
+
 static struct mpi_priv *priv_of(const struct comm *c) { return (struct mpi_priv *)c->priv; }
-MPI_Comm comm_mpi_handle(const struct comm *c) { return priv_of(c)->comm; }
+
+/* Another backend's priv is not an mpi_priv: reading it as one would hand MPI garbage. */
+static void require_mpi(const struct comm *c, const char *func) {
+    if (!c || c->ops != &mpi_ops)
+        ds_fatal(__FILE__, __LINE__, func, "dsbatch", func, c ? "the comm is not an MPI comm (comm_mpi_new)" : "NULL comm");
+}
+
+MPI_Comm comm_mpi_handle(const struct comm *c) {
+    require_mpi(c, __func__);
+    return priv_of(c)->comm;
+}
+
+void comm_mpi_set_staging(struct comm *c, struct backend *be) {
+    require_mpi(c, __func__);
+    struct mpi_priv *p = priv_of(c);
+    p->stage_be = be;
+    if (!be) { /* back to host buffers: the copy is no longer needed */
+        free(p->stage);
+        p->stage = NULL;
+        p->stage_cap = 0;
+    }
+}
+
+/* The comm's host copy for a staged operation, grown (never shrunk) to `bytes`. */
+static void *stage_host(struct mpi_priv *p, size_t bytes) {
+    if (p->stage_cap < bytes) {
+        free(p->stage);
+        p->stage = ds_malloc(bytes);
+        p->stage_cap = bytes;
+    }
+    return p->stage;
+}
 
 /* ------------------------------------------------------------------------------------------------
  * Watchdog */
@@ -106,7 +152,7 @@ static void fmt_id(char *buf, size_t n, int v) {
         snprintf(buf, n, "-");
 }
 
-static void __attribute__((noreturn)) watchdog_fire(const struct op *o, double waited) {
+void comm_watchdog_print(const char *comm_name, const char *desc, const char *what, double waited) {
     int rank = g_id_rank, stage, mb;
     if (rank < 0) MPI_Comm_rank(MPI_COMM_WORLD, &rank); /* no CHECK: we are aborting anyway */
     comm_get_context(&stage, &mb);
@@ -117,8 +163,12 @@ static void __attribute__((noreturn)) watchdog_fire(const struct op *o, double w
     fmt_id(s_mb, sizeof s_mb, mb);
     fflush(stdout);
     fprintf(stderr, "dsbatch: watchdog: rank %d (pp %s, tp %s, micro-batch %s) host %s: %s '%s' on %s pending after %.1f s\n",
-            rank, s_stage, s_tp, s_mb, host, o->desc, o->what, o->comm_name, waited);
+            rank, s_stage, s_tp, s_mb, host, desc, what ? what : "", comm_name, waited);
     fflush(stderr);
+}
+
+static void __attribute__((noreturn)) watchdog_fire(const struct op *o, double waited) {
+    comm_watchdog_print(o->comm_name, o->desc, o->what, waited);
     MPI_Abort(MPI_COMM_WORLD, 3);
     _exit(3); /* MPI_Abort does not return; this only keeps the contract if it ever does */
 }
@@ -179,7 +229,19 @@ static void allgather_op(struct comm *c, const struct op *o, const void *send, v
 static void mpi_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
     struct op o;
     op_begin(&o, c, what, "allgather (%zu bytes per rank)", bytes);
-    allgather_op(c, &o, send, recv, bytes);
+    struct mpi_priv *p = priv_of(c);
+    if (!p->stage_be || bytes == 0) {
+        allgather_op(c, &o, send, recv, bytes);
+        return;
+    }
+    /* Staged: this rank's block is downloaded straight into its own slot of the host gather,
+     * which makes it an in-place gather (no second host copy), then all blocks go up at once. */
+    struct backend *be = p->stage_be;
+    size_t all = bytes * (size_t)c->size;
+    char *h = stage_host(p, all), *mine = h + (size_t)c->rank * bytes;
+    be->ops->download(be, mine, send, bytes);
+    allgather_op(c, &o, mine, h, bytes);
+    be->ops->upload(be, recv, h, all);
 }
 
 static size_t dtype_size(enum comm_dtype dt) {
@@ -248,12 +310,9 @@ static void sum_rank_order(void *out, const void *in, size_t n, int size, enum c
     }
 }
 
-static void mpi_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
-    static const char *const names[] = {"f32", "bf16", "i32", "i64", "u8"};
+/* The host reduction: gather, then sum_rank_order, in rounds. */
+static void allreduce_host(struct comm *c, const struct op *o, void *buf, size_t count, enum comm_dtype dt) {
     size_t esz = dtype_size(dt);
-    struct op o;
-    op_begin(&o, c, what, "allreduce_sum (%zu x %s)", count, names[dt]);
-    if (count == 0) return;
     /* Elements per round so that the gathered copy (size x round) stays within g_max_tmp. */
     size_t per_round = g_max_tmp / (esz * (size_t)c->size);
     if (per_round == 0) per_round = 1;
@@ -268,20 +327,52 @@ static void mpi_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm
     char *tmp = p->tmp, *b = buf;
     for (size_t off = 0; off < count; off += per_round) {
         size_t n = count - off < per_round ? count - off : per_round;
-        allgather_op(c, &o, b + off * esz, tmp, n * esz);
+        allgather_op(c, o, b + off * esz, tmp, n * esz);
         sum_rank_order(b + off * esz, tmp, n, c->size, dt);
+    }
+}
+
+static void mpi_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
+    static const char *const names[] = {"f32", "bf16", "i32", "i64", "u8"};
+    struct op o;
+    op_begin(&o, c, what, "allreduce_sum (%zu x %s)", count, names[dt]);
+    if (count == 0) return;
+    struct mpi_priv *p = priv_of(c);
+    if (!p->stage_be) {
+        allreduce_host(c, &o, buf, count, dt);
+        return;
+    }
+    struct backend *be = p->stage_be;
+    size_t bytes = count * dtype_size(dt);
+    void *h = stage_host(p, bytes);
+    be->ops->download(be, h, buf, bytes);
+    allreduce_host(c, &o, h, count, dt);
+    be->ops->upload(be, buf, h, bytes);
+}
+
+static void bcast_host(struct comm *c, const struct op *o, void *buf, size_t bytes, int root) {
+    for (size_t off = 0; off < bytes; off += g_max_msg) {
+        size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
+        MPI_Request req;
+        CHECK_MPI(MPI_Ibcast((char *)buf + off, (int)k, MPI_BYTE, root, priv_of(c)->comm, &req));
+        op_wait(o, &req, NULL);
     }
 }
 
 static void mpi_bcast(struct comm *c, void *buf, size_t bytes, int root, const char *what) {
     struct op o;
     op_begin(&o, c, what, "bcast (%zu bytes from %d)", bytes, root);
-    for (size_t off = 0; off < bytes; off += g_max_msg) {
-        size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
-        MPI_Request req;
-        CHECK_MPI(MPI_Ibcast((char *)buf + off, (int)k, MPI_BYTE, root, priv_of(c)->comm, &req));
-        op_wait(&o, &req, NULL);
+    struct mpi_priv *p = priv_of(c);
+    if (!p->stage_be || bytes == 0) {
+        bcast_host(c, &o, buf, bytes, root);
+        return;
     }
+    /* Staged: only the root's buffer is read and only the others' are written. */
+    struct backend *be = p->stage_be;
+    void *h = stage_host(p, bytes);
+    if (c->rank == root) be->ops->download(be, h, buf, bytes);
+    bcast_host(c, &o, h, bytes, root);
+    if (c->rank != root) be->ops->upload(be, buf, h, bytes);
 }
 
 /* Pieces of one send go out in order with the same tag; MPI's non-overtaking rule for one
@@ -289,6 +380,12 @@ static void mpi_bcast(struct comm *c, void *buf, size_t bytes, int root, const c
 static void mpi_send(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
     struct op o;
     op_begin(&o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    struct mpi_priv *p = priv_of(c);
+    if (p->stage_be && bytes) {
+        void *h = stage_host(p, bytes);
+        p->stage_be->ops->download(p->stage_be, h, buf, bytes);
+        buf = h;
+    }
     for (size_t off = 0; off < bytes; off += g_max_msg) {
         size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
         MPI_Request req;
@@ -301,11 +398,20 @@ struct comm_req {
     struct op o;
     int n;
     MPI_Request *reqs;
+    void *host; /* staged isend: the host copy in flight, freed by wait */
 };
 
 static struct comm_req *mpi_isend(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
     struct comm_req *r = ds_calloc(1, sizeof *r);
     op_begin(&r->o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    struct mpi_priv *p = priv_of(c);
+    if (p->stage_be && bytes) {
+        /* its own copy, not the comm's: the comm's is reused by the next operation while this
+         * send is still in flight */
+        r->host = ds_malloc(bytes);
+        p->stage_be->ops->download(p->stage_be, r->host, buf, bytes);
+        buf = r->host;
+    }
     size_t pieces = bytes ? (bytes + g_max_msg - 1) / g_max_msg : 0;
     r->reqs = ds_malloc(sizeof(MPI_Request) * (pieces + 1));
     for (size_t off = 0; off < bytes; off += g_max_msg) {
@@ -321,12 +427,19 @@ static void mpi_wait(struct comm *c, struct comm_req *r) {
     r->o.start = now_s(); /* the deadline covers the wait, not the time the caller spent elsewhere */
     for (int i = 0; i < r->n; i++) op_wait(&r->o, &r->reqs[i], NULL);
     free(r->reqs);
+    free(r->host);
     free(r);
 }
 
 static void mpi_recv(struct comm *c, void *buf, size_t bytes, int src, int tag, const char *what) {
     struct op o;
     op_begin(&o, c, what, "recv (%zu bytes from %d, tag %d)", bytes, src, tag);
+    struct mpi_priv *p = priv_of(c);
+    void *dev = NULL; /* staged: the device buffer the host copy goes up to at the end */
+    if (p->stage_be && bytes) {
+        dev = buf;
+        buf = stage_host(p, bytes);
+    }
     for (size_t off = 0; off < bytes; off += g_max_msg) {
         size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
         MPI_Request req;
@@ -344,6 +457,7 @@ static void mpi_recv(struct comm *c, void *buf, size_t bytes, int src, int tag, 
             ds_fatal(__FILE__, __LINE__, __func__, "MPI", "MPI_Irecv", msg);
         }
     }
+    if (dev) p->stage_be->ops->upload(p->stage_be, dev, buf, bytes);
 }
 
 static void mpi_barrier(struct comm *c, const char *what) {
@@ -359,6 +473,7 @@ static void mpi_free(struct comm *c) {
     struct mpi_priv *p = priv_of(c);
     CHECK_MPI(MPI_Comm_free(&p->comm));
     free(p->tmp);
+    free(p->stage);
     free(p);
     free(c);
 }

@@ -198,13 +198,21 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         b->cand = ds_calloc((size_t)(T * nk_max + 1), 1);
         b->cand_w = nk_max;
     }
+    /* every sequence's rows scored into one [T, nk_max] buffer, then one download for the batch
+     * (a download waits for the device: one wait per layer, not one per sequence) */
     float *S_d = balloc(m, (size_t)(T * nk_max + 1) * 4);
     float *S = ds_malloc(sizeof(float) * (size_t)(T * nk_max + 1));
     int32_t *vis_h = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
     int32_t *vis_d = balloc(m, sizeof(int32_t) * (size_t)(T + 1));
+    int64_t *nkk_of = ds_malloc(sizeof(int64_t) * (size_t)b->n);
+    for (int i = 0; i < b->n; i++)
+        for (int64_t t = 0; t < b->seqs[i].len; t++)
+            vis_h[b->row0[i] + t] = (int32_t)((b->seqs[i].start + t + 1) / ratio);
+    OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i];
+        nkk_of[i] = 0;
         if (nk == 0) continue;
         /* Which keys: the owner's own, or (quirk) whatever key owner published last for this
          * sequence — on an open-group decode step that is a later layer's cache from the step before. */
@@ -212,15 +220,20 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         if (m->opt.stale_index_keys && m->slots[s->slot].index_k_src >= 0) ks = m->slots[s->slot].index_k_src;
         struct layer_cache *klc = &m->lc[ks];
         int64_t nkk = i64min(nk, klc->cap);
-        for (int64_t t = 0; t < s->len; t++) vis_h[t] = (int32_t)((s->start + t + 1) / ratio);
-        OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)s->len);
-        OPS->index_scores(m->be, S_d, nk, iq + r0 * ihl * id, ihl * id, klc->kidx + (size_t)s->slot * klc->cap * id,
-                          wr + r0 * ihl, w_scale, vis_d, s->len, ihl, id, nkk);
-        OPS->download(m->be, S, S_d, sizeof(float) * (size_t)(s->len * nk));
+        nkk_of[i] = nkk;
+        OPS->index_scores(m->be, S_d + r0 * nk_max, nk_max, iq + r0 * ihl * id, ihl * id,
+                          klc->kidx + (size_t)s->slot * klc->cap * id, wr + r0 * ihl, w_scale, vis_d + r0, s->len,
+                          ihl, id, nkk);
+    }
+    OPS->download(m->be, S, S_d, sizeof(float) * (size_t)(T * nk_max));
+    for (int i = 0; i < b->n; i++) {
+        const struct fwd_seq *s = &b->seqs[i];
+        int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i], nkk = nkk_of[i];
+        if (nk == 0) continue;
         for (int64_t t = 0; t < s->len; t++) {
-            float *row = S + t * nk;
+            float *row = S + (r0 + t) * nk_max;
             for (int64_t j = nkk; j < nk; j++) row[j] = -INFINITY;
-            int64_t vis = vis_h[t];
+            int64_t vis = vis_h[r0 + t];
             /* A decode step scores exactly its visible rows; the reference's single-shot prefill
              * scores the chunk's whole width. The width decides how exact ties break, so the
              * chunk-invariant layout scores every row like a decode step. */
@@ -237,6 +250,7 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
             topk_row(row, n_row, k_row, vis, top + (r0 + t) * kmax);
         }
     }
+    free(nkk_of);
     free(S);
     free(vis_h);
     bfree(m, vis_d);

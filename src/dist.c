@@ -19,7 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm_mpi.h"
 #include "engram_service.h"
+#ifdef DS_HAVE_CUDA
+#include "comm_nccl.h"
+#include "cuda/cuda_linear.h"
+#endif
 #include "log.h"
 
 enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG_REPLY_TOK, TAG_REPLY_LP,
@@ -77,6 +82,26 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
     return 1;
 }
 
+/* The model's TP collectives move backend buffers. On the CUDA backend they go through NCCL when
+ * every rank of the group has a GPU of its own; NCCL refuses two ranks on one GPU (16 ranks sharing
+ * the one GPU of a test machine), and then the MPI group stages them through host memory. */
+static void dist_tp_comm_for_backend(struct dist_engine *d) {
+    struct topo *t = &d->topo;
+    d->tp_dev = t->tp_comm;
+    if (d->ef.backend != ENGINE_BACKEND_CUDA || t->tp <= 1) return;
+#ifdef DS_HAVE_CUDA
+    struct comm *nc = comm_nccl_new(comm_mpi_handle(t->tp_comm), "tp group (nccl)", backend_cuda_stream(&d->be));
+    if (nc) {
+        d->tp_dev = nc;
+        return;
+    }
+    if (t->world_rank == 0) log_info("TP collectives through MPI with host staging: %s", ds_err_get());
+    /* a comm of its own: t->tp_comm also carries host buffers */
+    d->tp_dev = comm_mpi_new_named(comm_mpi_handle(t->tp_comm), "tp group (staged)");
+    comm_mpi_set_staging(d->tp_dev, &d->be);
+#endif
+}
+
 void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags *f, const struct dist_opts *o) {
     memset(d, 0, sizeof *d);
     d->results_comm = MPI_COMM_NULL;
@@ -96,7 +121,12 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
     if (topo_init(&d->topo, &d->lm.cfg, o->tp, o->pp, counts)) ds_die_err();
     struct topo *t = &d->topo;
-    t->device = -1; /* CPU backend */
+    d->ef = *f;
+    if (f->backend == ENGINE_BACKEND_CPU) t->device = -1;
+#ifdef DS_HAVE_CUDA
+    /* one GPU per rank; more ranks than GPUs on a node share them round-robin */
+    if (f->backend == ENGINE_BACKEND_CUDA && cuda_device_count() > 0) t->device = t->node_rank % cuda_device_count();
+#endif
     /* The CPU backend's threads share the node's cores with the other ranks on it: more threads
      * than cores would leave collectives waiting on ranks that are not scheduled. */
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -131,7 +161,8 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
             lw->engram.rows_local = rows;
         }
     }
-    if (backend_cpu_init(&d->be)) ds_die("cannot initialise the CPU backend");
+    engine_backend_init(&d->be, f, t->device);
+    dist_tp_comm_for_backend(d);
     struct engine_opts eo = engine_opts_default(c);
     if (o->max_seq_len > 0) {
         if (o->max_seq_len > c->max_pos)
@@ -144,7 +175,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     eo.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     eo.stale_index_keys = stale;
     eo.window_layout = f->layout;
-    eo.tp = t->tp > 1 ? t->tp_comm : NULL;
+    eo.tp = t->tp > 1 ? d->tp_dev : NULL;
     d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);
     CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &d->results_comm));
     t->world->ops->barrier(t->world, "start");
@@ -226,7 +257,8 @@ void dist_close(struct dist_engine *d) {
     free(d->trace);
     if (d->results_comm != MPI_COMM_NULL) CHECK_MPI(MPI_Comm_free(&d->results_comm));
     model_free(d->m);
-    backend_cpu_free(&d->be);
+    if (d->tp_dev && d->tp_dev != d->topo.tp_comm) d->tp_dev->ops->free(d->tp_dev);
+    engine_backend_free(&d->be, &d->ef);
     loader_close(&d->lm);
     engram_service_free(d->engram); /* collective over the node, after the last read */
     topo_free(&d->topo);

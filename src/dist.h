@@ -49,6 +49,8 @@ struct dist_engine {
     struct topo topo;
     struct loaded_model lm;
     struct backend be;
+    struct engine_flags ef;   /* backend and engine switches this job runs with */
+    struct comm *tp_dev;      /* the TP group for the model's (backend) buffers: NCCL, or MPI staging */
     struct model *m;
     bool mpi_owner;
     struct engram_service *engram; /* the node's Engram tables (NULL: per-rank slices) */

@@ -20,13 +20,54 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
             ds_die("--window-layout: '%s' is not one of reference, decode", v);
         return 1;
     }
+    if (!strcmp(argv[*i], "--prefill-mma")) {
+        f->prefill_mma = true;
+        return 1;
+    }
+    if (!strcmp(argv[*i], "--backend") && *i + 1 < argc) {
+        const char *v = argv[++*i];
+        if (!strcmp(v, "cpu"))
+            f->backend = ENGINE_BACKEND_CPU;
+        else if (!strcmp(v, "cuda"))
+            f->backend = ENGINE_BACKEND_CUDA;
+        else
+            ds_die("--backend: '%s' is not one of cpu, cuda", v);
+        return 1;
+    }
     return 0;
+}
+
+const char *engine_backend_name(enum engine_backend b) { return b == ENGINE_BACKEND_CUDA ? "cuda" : "cpu"; }
+
+void engine_backend_init(struct backend *be, const struct engine_flags *f, int device) {
+    if (f->backend == ENGINE_BACKEND_CPU) {
+        if (f->prefill_mma) ds_die("--prefill-mma needs --backend cuda");
+        if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
+        return;
+    }
+#ifdef DS_HAVE_CUDA
+    if (backend_cuda_init(be, device < 0 ? 0 : device)) ds_die_err();
+    backend_cuda_set_mma(be, f->prefill_mma);
+#else
+    (void)device;
+    ds_die("--backend cuda: this dsbatch was built without CUDA (nvcc was not found at build time)");
+#endif
+}
+
+void engine_backend_free(struct backend *be, const struct engine_flags *f) {
+#ifdef DS_HAVE_CUDA
+    if (f->backend == ENGINE_BACKEND_CUDA) {
+        backend_cuda_free(be);
+        return;
+    }
+#endif
+    backend_cpu_free(be);
 }
 
 struct model *engine_open(struct loaded_model *lm, struct backend *be, const char *dir,
                           const struct engine_flags *f, int64_t max_seq_len, int64_t min_len, int max_seqs) {
     if (loader_open(lm, dir, NULL)) ds_die_err();
-    if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
+    engine_backend_init(be, f, 0);
     struct engine_opts eo = engine_opts_default(&lm->cfg);
     if (max_seq_len > 0) {
         if (max_seq_len > lm->cfg.max_pos)
@@ -42,8 +83,8 @@ struct model *engine_open(struct loaded_model *lm, struct backend *be, const cha
     return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
 }
 
-void engine_close(struct model *m, struct loaded_model *lm, struct backend *be) {
+void engine_close(struct model *m, struct loaded_model *lm, struct backend *be, const struct engine_flags *f) {
     model_free(m);
-    backend_cpu_free(be);
+    engine_backend_free(be, f);
     loader_close(lm);
 }

@@ -10,10 +10,25 @@
 #include "loader.h"
 #include "model.h"
 
+enum engine_backend {
+    ENGINE_BACKEND_CPU = 0, /* the reference backend (kernels/cpu) */
+    ENGINE_BACKEND_CUDA,    /* the SM80 suite (kernels/cuda), one GPU per rank */
+};
+
 struct engine_flags {
     bool no_stale_keys;
     enum window_layout layout;
+    enum engine_backend backend; /* --backend cpu|cuda */
+    bool prefill_mma;            /* --prefill-mma: tensor-core linears for calls > 16 rows (not batch invariant) */
 };
+
+/* "cpu" / "cuda", for logs and the configuration echoed into output files. */
+const char *engine_backend_name(enum engine_backend b);
+
+/* Initialise the backend the flags ask for on GPU `device` (ignored for the CPU); dies with one
+ * error line when it cannot (no GPU, built without CUDA). */
+void engine_backend_init(struct backend *be, const struct engine_flags *f, int device);
+void engine_backend_free(struct backend *be, const struct engine_flags *f);
 
 /* If argv[*i] is an engine switch, consume it (and its value) and return 1; else 0. */
 int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f);
@@ -23,6 +38,6 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f);
  * the default, raised to at least min_len. */
 struct model *engine_open(struct loaded_model *lm, struct backend *be, const char *dir,
                           const struct engine_flags *f, int64_t max_seq_len, int64_t min_len, int max_seqs);
-void engine_close(struct model *m, struct loaded_model *lm, struct backend *be);
+void engine_close(struct model *m, struct loaded_model *lm, struct backend *be, const struct engine_flags *f);
 
 #endif /* DS_ENGINE_CLI_H */

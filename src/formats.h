@@ -8,6 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef uint16_t bf16_t;
 
 /* bf16 <-> fp32. from_f32 rounds to nearest even; NaN stays NaN (quiet). */
@@ -55,5 +59,9 @@ void dequant_engram_row(const uint8_t *w, const uint8_t *s, int dim, bf16_t *out
  * the smallest power-of-two scale that holds the block's amax. */
 void quant_fp8_tiles(const float *w, int64_t n, int64_t k, uint8_t *q, uint8_t *s);
 void quant_fp4_rows(const float *w, int64_t n, int64_t k, uint8_t *q, uint8_t *s);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* DS_FORMATS_H */

@@ -32,200 +32,18 @@
 #include "formats.h"
 #include "log.h"
 #include "safetensors.h"
+#include "synth.h"
 #include "tokenizer.h"
 
 #define SHARD_LIMIT 2000000000ull /* bytes per shard before starting a new one (~2 GB) */
 
 /* ------------------------------------------------------------------------------------------------
- * Inventory: every tensor of the checkpoint with the rule that generates its data */
-
-enum gen_kind {
-    GK_F32,    /* mean + std * N(0,1) */
-    GK_BF16,   /* the same, rounded to bf16 */
-    GK_FP8_W,  /* e4m3 [n,k] of a 32x32-tile quantized N(0, std) matrix; partner = its scale */
-    GK_FP8_S,  /* e8m0 [ceil(n/32), ceil(k/32)] */
-    GK_FP4_W,  /* I8 [n, k/2] packed e2m1 of N(0, std); partner = its scale */
-    GK_FP4_S,  /* e8m0 [n, k/32] */
-    GK_ROWS_W, /* Engram table e4m3 [rows, hd], one scale per row per 32 columns */
-    GK_ROWS_S, /* e8m0 [rows, hd/32] */
-};
-
-struct tdesc {
-    char name[128];
-    enum st_dtype dt;
-    int ndim;
-    int64_t shape[2];
-    enum gen_kind kind;
-    float mean, std;
-    int64_t n, k;  /* logical matrix of a quantized pair */
-    uint64_t key;  /* random stream: hash of the logical name, shared by a weight and its scale */
-    int partner;   /* other half of a quantized pair, or -1 */
-    int shard;
-    size_t nbytes;
-};
-
-struct inventory {
-    struct tdesc *t;
-    int n, cap;
-    uint64_t total;
-};
-
-static uint64_t fnv1a(const char *s) {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-    return h;
-}
+ * Inventory (synth.c: every tensor of the checkpoint with the rule that generates its data), split
+ * into shards */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-static struct tdesc *inv_add(struct inventory *inv, const char *name, enum st_dtype dt, int64_t d0, int64_t d1,
-                             enum gen_kind kind, float mean, float std) {
-    if (inv->n == inv->cap) {
-        inv->cap = inv->cap ? 2 * inv->cap : 1024;
-        inv->t = ds_realloc(inv->t, (size_t)inv->cap * sizeof *inv->t);
-    }
-    struct tdesc *t = &inv->t[inv->n++];
-    memset(t, 0, sizeof *t);
-    snprintf(t->name, sizeof t->name, "%s", name);
-    t->dt = dt;
-    t->ndim = d1 > 0 ? 2 : 1;
-    t->shape[0] = d0;
-    t->shape[1] = d1;
-    t->kind = kind;
-    t->mean = mean;
-    t->std = std;
-    t->key = fnv1a(name);
-    t->partner = -1;
-    t->nbytes = st_dtype_size(dt) * (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
-    inv->total += t->nbytes;
-    return t;
-}
-
-static void add_f32(struct inventory *inv, const char *name, int64_t d0, int64_t d1, float mean, float std) {
-    inv_add(inv, name, ST_F32, d0, d1, GK_F32, mean, std);
-}
-
-static void add_bf16(struct inventory *inv, const char *name, int64_t d0, int64_t d1, float mean, float std) {
-    inv_add(inv, name, ST_BF16, d0, d1, GK_BF16, mean, std);
-}
-
-/* RMSNorm weights: 1 plus small noise, so a wrong norm is visible but nothing is rescaled much. */
-static void add_norm(struct inventory *inv, const char *name, int64_t d) { add_bf16(inv, name, d, 0, 1.0f, 0.1f); }
-
-/* A quantized matrix [n, k] as `prefix.weight` + `prefix.scale`; both draw from the stream of
- * `prefix`, since the scale is a by-product of quantizing the same numbers. */
-static void add_pair(struct inventory *inv, const char *prefix, enum gen_kind wk, enum st_dtype wdt, int64_t w0,
-                     int64_t w1, int64_t s0, int64_t s1, int64_t n, int64_t k, float std) {
-    char nw[160], ns[160];
-    snprintf(nw, sizeof nw, "%s.weight", prefix);
-    snprintf(ns, sizeof ns, "%s.scale", prefix);
-    uint64_t key = fnv1a(prefix);
-    struct tdesc *w = inv_add(inv, nw, wdt, w0, w1, wk, 0.0f, std);
-    w->n = n, w->k = k, w->key = key, w->partner = inv->n;
-    struct tdesc *s = inv_add(inv, ns, ST_F8_E8M0, s0, s1, (enum gen_kind)(wk + 1), 0.0f, std);
-    s->n = n, s->k = k, s->key = key, s->partner = inv->n - 2;
-}
-
-static void add_fp8(struct inventory *inv, const char *prefix, int64_t n, int64_t k) {
-    add_pair(inv, prefix, GK_FP8_W, ST_F8_E4M3, n, k, cdiv(n, 32), cdiv(k, 32), n, k, 1.0f / sqrtf((float)k));
-}
-
-static void add_fp4(struct inventory *inv, const char *prefix, int64_t n, int64_t k) {
-    add_pair(inv, prefix, GK_FP4_W, ST_I8, n, k / 2, n, k / 32, n, k, 1.0f / sqrtf((float)k));
-}
-
-/* Engram rows are looked up, not multiplied: unit variance like an embedding. */
-static void add_rows(struct inventory *inv, const char *prefix, int64_t rows, int64_t hd) {
-    add_pair(inv, prefix, GK_ROWS_W, ST_F8_E4M3, rows, hd, rows, hd / 32, rows, hd, 1.0f);
-}
-
-/* One block (backbone layer or DSpark block), mirroring weights.c's expectations. */
-static void add_block(struct inventory *inv, const struct model_config *c, int l) {
-    const struct layer_role *r = &c->role[l];
-    char p[64], n[160];
-    config_layer_prefix(c, l, p, sizeof p);
-    int64_t D = c->dim, hd = c->head_dim, H = c->n_heads, G = c->o_groups, R = c->o_lora_rank, q = c->q_lora_rank;
-    int64_t hc = c->hc_mult, mix = (2 + hc) * hc, I = c->moe_inter_dim, E = r->n_experts;
-#define N(...) (snprintf(n, sizeof n, __VA_ARGS__), n)
-    add_fp8(inv, N("%s.attn.wq_a", p), q, D);
-    add_norm(inv, N("%s.attn.q_norm.weight", p), q);
-    add_fp8(inv, N("%s.attn.wq_b", p), H * hd, q);
-    add_fp8(inv, N("%s.attn.wkv", p), hd, D);
-    add_norm(inv, N("%s.attn.kv_norm.weight", p), hd);
-    add_fp8(inv, N("%s.attn.wo_a", p), G * R, H * hd / G);
-    add_fp8(inv, N("%s.attn.wo_b", p), D, G * R);
-    add_f32(inv, N("%s.attn.attn_sink", p), H, 0, 0.0f, 1.0f);
-    if (r->owns_compressor) {
-        add_bf16(inv, N("%s.attn.compressor.wkv.weight", p), hd, D, 0.0f, 1.0f / sqrtf((float)D));
-        if (r->ratio > 1) add_bf16(inv, N("%s.attn.compressor.wgate.weight", p), hd, D, 0.0f, 1.0f / sqrtf((float)D));
-        add_norm(inv, N("%s.attn.compressor.norm.weight", p), hd);
-    }
-    if (r->is_index_source) {
-        int64_t ih = c->index_n_heads, id = c->index_head_dim;
-        add_fp8(inv, N("%s.attn.indexer.wq_b", p), ih * id, q);
-        add_bf16(inv, N("%s.attn.indexer.weights_proj.weight", p), ih, D, 0.0f, 1.0f / sqrtf((float)D));
-        if (r->owns_index_keys) {
-            add_bf16(inv, N("%s.attn.indexer.wk.weight", p), id, hd, 0.0f, 1.0f / sqrtf((float)hd));
-            add_norm(inv, N("%s.attn.indexer.k_norm.weight", p), id);
-        }
-    }
-    add_bf16(inv, N("%s.ffn.gate.weight", p), E, D, 0.0f, 1.0f / sqrtf((float)D));
-    add_f32(inv, N("%s.ffn.gate.bias", p), E, 0, 0.0f, 0.1f);
-    /* Different numbers than gate.bias, so routing text with the image bias shows up. */
-    add_f32(inv, N("%s.ffn.gate.bias_vl", p), E, 0, 0.0f, 0.5f);
-    for (int64_t e = 0; e < E; e++) {
-        add_fp4(inv, N("%s.ffn.experts.%lld.w1", p, (long long)e), I, D);
-        add_fp4(inv, N("%s.ffn.experts.%lld.w3", p, (long long)e), I, D);
-        add_fp4(inv, N("%s.ffn.experts.%lld.w2", p, (long long)e), D, I);
-    }
-    add_fp8(inv, N("%s.ffn.shared_experts.w1", p), I, D);
-    add_fp8(inv, N("%s.ffn.shared_experts.w3", p), I, D);
-    add_fp8(inv, N("%s.ffn.shared_experts.w2", p), D, I);
-    add_norm(inv, N("%s.attn_norm.weight", p), D);
-    add_norm(inv, N("%s.ffn_norm.weight", p), D);
-    /* mHC: fn scaled so the mix logits are O(1) for a unit-RMS stream, as in the golden models. */
-    float fn_std = 1.0f / sqrtf((float)(hc * D));
-    add_f32(inv, N("%s.hc_attn_fn", p), mix, hc * D, 0.0f, fn_std);
-    add_f32(inv, N("%s.hc_ffn_fn", p), mix, hc * D, 0.0f, fn_std);
-    add_f32(inv, N("%s.hc_attn_base", p), mix, 0, 0.0f, 0.5f);
-    add_f32(inv, N("%s.hc_ffn_base", p), mix, 0, 0.0f, 0.5f);
-    add_f32(inv, N("%s.hc_attn_scale", p), 3, 0, 0.0f, 0.5f);
-    add_f32(inv, N("%s.hc_ffn_scale", p), 3, 0, 0.0f, 0.5f);
-    if (r->engram_idx >= 0) {
-        int64_t ehd = c->engram_head_dim, C = (int64_t)(c->engram_max_ngram - 1) * c->engram_n_heads;
-        add_rows(inv, N("%s.engram.embed", p), c->engram_num_embeddings[r->engram_idx], ehd);
-        add_fp8(inv, N("%s.engram.wkv", p), (hc + 1) * D, C * ehd);
-        add_bf16(inv, N("%s.engram.q_weight", p), hc, D, 0.0f, 1.0f / sqrtf((float)D));
-        add_bf16(inv, N("%s.engram.k_weight", p), hc, D, 0.0f, 1.0f / sqrtf((float)D));
-    }
-    if (r->is_dspark) {
-        int m = l - c->n_layers;
-        if (m == 0) {
-            add_fp8(inv, N("%s.main_proj", p), D, D * c->n_dspark_targets);
-            add_norm(inv, N("%s.main_norm.weight", p), D);
-        }
-        if (m == c->n_mtp - 1) {
-            int64_t V = c->vocab_size, rk = c->dspark_markov_rank;
-            add_norm(inv, N("%s.norm.weight", p), D);
-            add_bf16(inv, N("%s.markov_head.embed.weight", p), V, rk, 0.0f, 1.0f / sqrtf((float)rk));
-            add_bf16(inv, N("%s.markov_head.head.weight", p), V, rk, 0.0f, 1.0f / sqrtf((float)rk));
-            add_bf16(inv, N("%s.confidence_head.proj.weight", p), 1, D + rk, 0.0f, 1.0f / sqrtf((float)(D + rk)));
-        }
-    }
-#undef N
-}
-
-/* Natural order (embed, layers, DSpark, norm, head), so each shard holds whole neighbouring
- * layers; a quantized pair never straddles two shards. */
-static void build_inventory(struct inventory *inv, const struct model_config *c) {
-    int64_t V = c->vocab_size, D = c->dim;
-    add_bf16(inv, "embed.weight", V, D, 0.0f, 1.0f);
-    for (int l = 0; l < config_total_layers(c); l++) add_block(inv, c, l);
-    add_norm(inv, "norm.weight", D);
-    add_bf16(inv, "head.weight", V, D, 0.0f, 1.0f / sqrtf((float)D));
-}
-
-static int assign_shards(struct inventory *inv) {
+static int assign_shards(struct synth_inventory *inv) {
     int shard = 0;
     uint64_t used = 0;
     for (int i = 0; i < inv->n; i++) {
@@ -282,8 +100,8 @@ static void gen_bf16(bf16_t *out, int64_t n, uint64_t base, float mean, float st
 
 /* Quantized pairs, generated in stripes of rows (32 for FP8 tiles) so only the output bytes are
  * held whole; each stripe uses the element's flat index, so the stripe size does not matter. */
-static void gen_quant(enum gen_kind kind, int64_t n, int64_t k, uint64_t base, float std, uint8_t *q, uint8_t *s) {
-    const int64_t rows = kind == GK_FP8_W ? 32 : 64;
+static void gen_quant(enum synth_gen kind, int64_t n, int64_t k, uint64_t base, float std, uint8_t *q, uint8_t *s) {
+    const int64_t rows = kind == SYNTH_FP8_W ? 32 : 64;
     const int64_t n_stripes = cdiv(n, rows), tk = cdiv(k, 32);
 #pragma omp parallel if (n * k >= PAR_MIN)
     {
@@ -292,9 +110,9 @@ static void gen_quant(enum gen_kind kind, int64_t n, int64_t k, uint64_t base, f
         for (int64_t si = 0; si < n_stripes; si++) {
             int64_t r0 = si * rows, rn = n - r0 < rows ? n - r0 : rows;
             for (int64_t e = 0; e < rn * k; e++) buf[e] = std * gauss_at(base, r0 * k + e);
-            if (kind == GK_FP8_W) {
+            if (kind == SYNTH_FP8_W) {
                 quant_fp8_tiles(buf, rn, k, q + r0 * k, s + si * tk);
-            } else if (kind == GK_FP4_W) {
+            } else if (kind == SYNTH_FP4_W) {
                 quant_fp4_rows(buf, rn, k, q + r0 * (k / 2), s + r0 * (k / 32));
             } else {
                 /* A one-row "tile" is exactly the Engram layout: a scale per 32 columns of a row. */
@@ -312,15 +130,15 @@ struct pending {
     uint8_t *buf;
 };
 
-static int write_tensor(struct st_writer *w, int widx, const struct inventory *inv, int i, struct pending *pend,
+static int write_tensor(struct st_writer *w, int widx, const struct synth_inventory *inv, int i, struct pending *pend,
                         uint64_t seed) {
-    const struct tdesc *t = &inv->t[i];
+    const struct synth_tensor *t = &inv->t[i];
     uint64_t base = stream_base(seed, t->key);
     int64_t count = (int64_t)(t->nbytes / st_dtype_size(t->dt));
     int rc;
-    if (t->kind == GK_F32 || t->kind == GK_BF16) {
+    if (t->kind == SYNTH_F32 || t->kind == SYNTH_BF16) {
         void *buf = ds_malloc(t->nbytes);
-        if (t->kind == GK_F32)
+        if (t->kind == SYNTH_F32)
             gen_f32(buf, count, base, t->mean, t->std);
         else
             gen_bf16(buf, count, base, t->mean, t->std);
@@ -340,8 +158,8 @@ static int write_tensor(struct st_writer *w, int widx, const struct inventory *i
                    inv->t[inv->t[pend->idx].partner].name);
         return -1;
     }
-    bool is_w = t->kind == GK_FP8_W || t->kind == GK_FP4_W || t->kind == GK_ROWS_W;
-    const struct tdesc *tw = is_w ? t : &inv->t[t->partner], *ts = is_w ? &inv->t[t->partner] : t;
+    bool is_w = t->kind == SYNTH_FP8_W || t->kind == SYNTH_FP4_W || t->kind == SYNTH_ROWS_W;
+    const struct synth_tensor *tw = is_w ? t : &inv->t[t->partner], *ts = is_w ? &inv->t[t->partner] : t;
     uint8_t *q = ds_malloc(tw->nbytes), *s = ds_malloc(ts->nbytes);
     gen_quant(tw->kind, tw->n, tw->k, base, tw->std, q, s);
     rc = st_writer_write(w, widx, is_w ? q : s, t->nbytes);
@@ -691,12 +509,12 @@ static void check_geometry(const struct model_config *c) {
 /* ------------------------------------------------------------------------------------------------
  * Writers */
 
-static const struct inventory *g_sort_inv; /* qsort has no context argument */
+static const struct synth_inventory *g_sort_inv; /* qsort has no context argument */
 
 /* Within a shard: widest dtype first (keeps F32 data 4-aligned), then by name, as the golden
  * files are laid out; a weight and its scale then sit next to each other. */
 static int cmp_in_shard(const void *pa, const void *pb) {
-    const struct tdesc *a = &g_sort_inv->t[*(const int *)pa], *b = &g_sort_inv->t[*(const int *)pb];
+    const struct synth_tensor *a = &g_sort_inv->t[*(const int *)pa], *b = &g_sort_inv->t[*(const int *)pb];
     size_t sa = st_dtype_size(a->dt), sb = st_dtype_size(b->dt);
     if (sa != sb) return sa > sb ? -1 : 1;
     return strcmp(a->name, b->name);
@@ -710,7 +528,7 @@ static void shard_name(char *out, size_t n, int k, int n_shards) {
     snprintf(out, n, "model-%05d-of-%05d.safetensors", k + 1, n_shards);
 }
 
-static void write_shard(const char *dir, const struct inventory *inv, int shard, int n_shards, uint64_t seed) {
+static void write_shard(const char *dir, const struct synth_inventory *inv, int shard, int n_shards, uint64_t seed) {
     int *idx = ds_malloc((size_t)inv->n * sizeof *idx), m = 0;
     for (int i = 0; i < inv->n; i++)
         if (inv->t[i].shard == shard) idx[m++] = i;
@@ -719,7 +537,7 @@ static void write_shard(const char *dir, const struct inventory *inv, int shard,
     struct st_writer *w = st_writer_new();
     st_writer_set_metadata(w, "format", "pt");
     for (int j = 0; j < m; j++) {
-        const struct tdesc *t = &inv->t[idx[j]];
+        const struct synth_tensor *t = &inv->t[idx[j]];
         if (st_writer_declare(w, t->name, t->dt, t->ndim, t->shape) != j) {
             st_writer_abort(w);
             fail_out();
@@ -740,7 +558,7 @@ static void write_shard(const char *dir, const struct inventory *inv, int shard,
     if (st_writer_finish(w) != 0) fail_out();
 }
 
-static void write_index(const char *dir, const struct inventory *inv, int n_shards) {
+static void write_index(const char *dir, const struct synth_inventory *inv, int n_shards) {
     int *idx = ds_malloc((size_t)inv->n * sizeof *idx);
     for (int i = 0; i < inv->n; i++) idx[i] = i;
     g_sort_inv = inv;
@@ -1206,8 +1024,8 @@ int cmd_mkmodel(int argc, char **argv) {
     build_config(&a, &cfg, &cfg_json);
     check_geometry(&cfg);
 
-    struct inventory inv = {0};
-    build_inventory(&inv, &cfg);
+    struct synth_inventory inv = {0};
+    synth_inventory_build(&inv, &cfg);
     int n_shards = assign_shards(&inv);
 
     if (a.dry_run) {
@@ -1215,7 +1033,7 @@ int cmd_mkmodel(int argc, char **argv) {
                "%llu bytes\n",
                a.out, a.preset, cfg.n_layers, cfg.n_mtp, cfg.n_routed_experts, inv.n, n_shards, n_shards == 1 ? "" : "s",
                (unsigned long long)inv.total);
-        free(inv.t);
+        synth_inventory_free(&inv);
         free(cfg_json);
         config_free(&cfg);
         return 0;
@@ -1272,7 +1090,7 @@ int cmd_mkmodel(int argc, char **argv) {
            "%llu bytes, %.2f s\n",
            a.out, a.preset, (unsigned long long)a.seed, cfg.n_layers, cfg.n_mtp, cfg.n_routed_experts, inv.n, n_shards,
            n_shards == 1 ? "" : "s", (unsigned long long)inv.total, now_s() - t0);
-    free(inv.t);
+    synth_inventory_free(&inv);
     free(cfg_json);
     config_free(&cfg);
     for (int i = 0; i < a.n_over; i++) free((char *)a.over_key[i]);

@@ -51,6 +51,49 @@ static void bfree(struct model *m, void *p) {
     if (p) OPS->free(m->be, p);
 }
 
+/* Hand one raw weight tensor of m->w to the backend: the field then holds the backend's pointer and
+ * the host pointer is remembered for model_free. */
+static void prep_tensor(struct model *m, const void *field_addr, size_t bytes, bool host_resident) {
+    const void **f = (const void **)field_addr;
+    if (!*f) return;
+    if (m->n_prep == m->cap_prep) {
+        m->cap_prep = m->cap_prep ? 2 * m->cap_prep : 64;
+        m->prep_field = ds_realloc(m->prep_field, sizeof *m->prep_field * (size_t)m->cap_prep);
+        m->prep_host = ds_realloc(m->prep_host, sizeof *m->prep_host * (size_t)m->cap_prep);
+    }
+    m->prep_field[m->n_prep] = f;
+    m->prep_host[m->n_prep++] = *f;
+    *f = m->be->ops->tensor_prepare(m->be, *f, bytes, host_resident);
+}
+
+/* Every weight the ops read that is not a struct qweight: norms, sinks, mHC parameters, router
+ * bias, embedding, Engram tables (those stay in host memory: 100 GB in the release). */
+static void prep_layer_tensors(struct model *m, int l) {
+    const struct model_config *c = m->cfg;
+    struct layer_weights *lw = &m->w->layers[l];
+    const struct layer_role *r = &c->role[l];
+    int64_t hd = c->head_dim, D = c->dim, hc = c->hc_mult, nmix = (2 + hc) * hc;
+    prep_tensor(m, &lw->attn.q_norm, 2 * (size_t)c->q_lora_rank, false);
+    prep_tensor(m, &lw->attn.kv_norm, 2 * (size_t)hd, false);
+    prep_tensor(m, &lw->attn.attn_sink, 4 * (size_t)(lw->attn.wq_b.n / hd), false);
+    if (r->owns_compressor) prep_tensor(m, &lw->attn.cmp_norm, 2 * (size_t)hd, false);
+    if (r->is_index_source && r->owns_index_keys) prep_tensor(m, &lw->attn.idx_k_norm, 2 * (size_t)c->index_head_dim, false);
+    prep_tensor(m, &lw->ffn.bias, 4 * (size_t)lw->ffn.n_experts, false);
+    prep_tensor(m, &lw->attn_norm, 2 * (size_t)D, false);
+    prep_tensor(m, &lw->ffn_norm, 2 * (size_t)D, false);
+    prep_tensor(m, &lw->hc_attn_fn, 4 * (size_t)(nmix * hc * D), false);
+    prep_tensor(m, &lw->hc_ffn_fn, 4 * (size_t)(nmix * hc * D), false);
+    prep_tensor(m, &lw->hc_attn_base, 4 * (size_t)nmix, false);
+    prep_tensor(m, &lw->hc_ffn_base, 4 * (size_t)nmix, false);
+    prep_tensor(m, &lw->hc_attn_scale, 4 * 3, false);
+    prep_tensor(m, &lw->hc_ffn_scale, 4 * 3, false);
+    if (lw->has_engram) {
+        int64_t ehd = c->engram_head_dim, rows = lw->engram.rows_local;
+        prep_tensor(m, &lw->engram.table, (size_t)(rows * ehd), true);
+        prep_tensor(m, &lw->engram.scale, (size_t)(rows * (ehd / 32)), true);
+    }
+}
+
 struct model *model_new(const struct model_config *cfg, struct model_weights *w, struct backend *be,
                         const struct engram_consts *ec, const struct engine_opts *opt) {
     struct model *m = ds_calloc(1, sizeof *m);
@@ -105,6 +148,7 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
             OPS->upload(be, m->engram_w[l], ew, sizeof(float) * (size_t)(hc * D));
             free(ew);
         }
+        prep_layer_tensors(m, l);
         lc->ring = balloc(m, (size_t)S * W * hd * 2);
         if (r->owns_compressor) {
             lc->cap = opt->max_seq_len / r->ratio;
@@ -124,7 +168,11 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
         lc->cap = opt->max_seq_len / r->ratio;
         lc->kidx = balloc(m, (size_t)(S * lc->cap + 1) * cfg->index_head_dim * 2);
     }
-    if (w->opt.last_stage) be->ops->weight_prepare(be, &w->head, false);
+    if (w->opt.last_stage) {
+        be->ops->weight_prepare(be, &w->head, false);
+        prep_tensor(m, &w->norm, 2 * (size_t)D, false);
+    }
+    if (w->opt.first_stage) prep_tensor(m, &w->embed, 2 * (size_t)(w->vocab_rows * D), false);
     m->slots = ds_calloc((size_t)S, sizeof *m->slots);
     for (int s = 0; s < S; s++) {
         m->slots[s].hist = ds_calloc((size_t)opt->max_seq_len + 1, sizeof(int64_t));
@@ -176,8 +224,34 @@ void model_free(struct model *m) {
         bfree(m, lc->cmp_kv);
         bfree(m, lc->cmp_sc);
         struct layer_weights *lw = &m->w->layers[l];
-        if (lw->present) m->be->ops->weight_release(m->be, &lw->attn.wo_a);
+        if (!lw->present) continue;
+        const struct layer_role *r = &c->role[l];
+        struct qweight *qs[] = {&lw->attn.wq_a, &lw->attn.wq_b, &lw->attn.wkv, &lw->attn.wo_a, &lw->attn.wo_b,
+                                &lw->ffn.gate, &lw->ffn.sh_w1, &lw->ffn.sh_w3, &lw->ffn.sh_w2};
+        for (size_t i = 0; i < sizeof qs / sizeof *qs; i++) m->be->ops->weight_release(m->be, qs[i]);
+        for (int e = 0; e < lw->ffn.n_local; e++) {
+            m->be->ops->weight_release(m->be, &lw->ffn.w1[e]);
+            m->be->ops->weight_release(m->be, &lw->ffn.w3[e]);
+            m->be->ops->weight_release(m->be, &lw->ffn.w2[e]);
+        }
+        if (r->owns_compressor) {
+            m->be->ops->weight_release(m->be, &lw->attn.cmp_wkv);
+            if (r->ratio > 1) m->be->ops->weight_release(m->be, &lw->attn.cmp_wgate);
+        }
+        if (r->is_index_source) {
+            m->be->ops->weight_release(m->be, &lw->attn.idx_wq_b);
+            m->be->ops->weight_release(m->be, &lw->attn.idx_weights_proj);
+            if (r->owns_index_keys) m->be->ops->weight_release(m->be, &lw->attn.idx_wk);
+        }
+        if (lw->has_engram) m->be->ops->weight_release(m->be, &lw->engram.wkv);
     }
+    if (m->w->opt.last_stage) m->be->ops->weight_release(m->be, &m->w->head);
+    for (int i = m->n_prep - 1; i >= 0; i--) {
+        m->be->ops->tensor_release(m->be, *m->prep_field[i]);
+        *m->prep_field[i] = m->prep_host[i];
+    }
+    free(m->prep_field);
+    free(m->prep_host);
     for (int s = 0; s < m->opt.max_seqs; s++) free(m->slots[s].hist);
     free(m->slots);
     free(m->lc);

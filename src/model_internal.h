@@ -32,6 +32,10 @@ struct model {
     struct layer_cache *lc;        /* [n_layers] */
     struct slot_state *slots;      /* [max_seqs] */
     int tp_size;
+    /* weight pointers swapped for backend copies by tensor_prepare (restored by model_free) */
+    const void ***prep_field;      /* [n_prep] address of the field in m->w */
+    const void **prep_host;        /* [n_prep] its original host pointer */
+    int n_prep, cap_prep;
 };
 
 /* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes

@@ -624,6 +624,39 @@ void st_close(struct st_model *m) {
     memset(m, 0, sizeof *m);
 }
 
+int st_model_from_tensors(struct st_model *m, const char *label, struct st_tensor *tensors, int n) {
+    memset(m, 0, sizeof *m);
+    m->dir = ds_strdup(label);
+    alloc_shards(m, 1); /* one pseudo-shard, never mapped: st_close skips NULL maps */
+    m->shard_paths[0] = ds_strdup(label);
+    m->tensors = tensors;
+    m->n_tensors = n;
+    for (int i = 0; i < n; i++) {
+        struct st_tensor *t = &tensors[i];
+        t->shard = 0;
+        t->bound = false;
+        size_t es = st_dtype_size(t->dtype), count = 1;
+        bool ok = es > 0 && t->ndim >= 0 && t->ndim <= ST_MAX_DIMS && t->data;
+        for (int j = 0; ok && j < t->ndim; j++) {
+            ok = t->shape[j] >= 0;
+            count *= (size_t)t->shape[j];
+        }
+        if (!ok || count * es != t->nbytes) {
+            char shape[128];
+            fmt_shape(shape, sizeof shape, t->shape, t->ndim > 0 && t->ndim <= ST_MAX_DIMS ? t->ndim : 0);
+            ds_err_set("%s: tensor %s: dtype %s shape %s does not match its %zu bytes (or has no data)", label,
+                       t->name, st_dtype_name(t->dtype), shape, t->nbytes);
+            st_close(m);
+            return -1;
+        }
+    }
+    if (finish_tensors(m)) {
+        st_close(m);
+        return -1;
+    }
+    return 0;
+}
+
 struct st_tensor *st_find(const struct st_model *m, const char *name) {
     if (!m || !name) return NULL;
     int lo = 0, hi = m->n_tensors - 1;

@@ -59,6 +59,13 @@ struct st_model {
 int st_open(const char *path, struct st_model *m);
 void st_close(struct st_model *m);
 struct st_tensor *st_find(const struct st_model *m, const char *name);
+/* A checkpoint held in memory (no file; synthetic data for benchmarks): takes ownership of
+ * `tensors` (malloc'd array of n, each name malloc'd, data pointing at memory the caller keeps
+ * alive while m is used), sorts them by name and checks what st_open checks of a header: known
+ * dtype, shape x dtype size == nbytes, data present, no name twice. `label` stands for the file
+ * in error messages. st_close frees the tables, never the data. Returns 0, or -1 (ds_err_set;
+ * tensors freed). */
+int st_model_from_tensors(struct st_model *m, const char *label, struct st_tensor *tensors, int n);
 /* Metadata string value of the first shard's __metadata__ (NULL if absent). Caller must not free. */
 const char *st_metadata(const struct st_model *m, const char *key);
 

@@ -20,4 +20,160 @@
  * hidden differs from the reference (README: "agree to about 1e-5"). */
 #define TOL_HEAD_LOGITS_MAX_ABS 1e-5
 
+/* ---------------------------------------------------------------------------------------------
+ * GPU (CUDA backend) vs CPU backend, per op
+ *
+ * tests/unit/test_cuda_ops.c (every op of kernels/backend.h) and tests/unit/test_cuda_linear.c (the
+ * SM80 FP8/FP4 decode kernels) run the GPU and the CPU backend (the oracle) on the same inputs. The
+ * GPU must round where backend.h says. The bounds below allow only the two freedoms backend.h grants
+ * a GPU backend, and follow from them and from the op's rounding points; none is fitted to what a
+ * kernel happens to produce:
+ *  (a) the order of an fp32 sum ("GPU backends may reorder within an fp32 sum"), including a sum
+ *      inside a tensor-core MMA;
+ *  (b) CUDA's single-precision libm (expf, sinf, cosf, log1pf, rsqrtf) in place of glibc's.
+ * Per output element the test checks
+ *     |gpu − cpu| <= atol + rtol·|cpu|
+ * where atol carries Σ|terms| of the fp32 sums that feed the element (computed by the test on the
+ * host, in double) and the ulps of the output rounding. Where an op rounds to bf16 *in the middle*
+ * (sparse_attn's P, index_scores' d_h and p_h, the experts' g, u, h and h's re-quantization), one
+ * bf16 ulp at that rounding point can flip and travel on; the test then carries each intermediate as
+ * the interval of values either backend may produce (the exact double-precision value widened by
+ * these bounds, every rounding applied to both ends), so a flip propagates exactly as far as it can,
+ * and it also requires the CPU result inside the same interval (a check of the derivation).
+ *
+ * Units: u = 2^-24, the fp32 unit roundoff (round-to-nearest of x is within u·|x|); one fp32 ulp
+ * of x is at most 2u·|x|; one bf16 ulp of x is 2^(floor(log2|x|) − 7) <= 2^-7·|x|. Two fp32 values
+ * within E of each other round to bf16 values within E + 1 bf16 ulp (of the larger) of each other. */
+#define TOL_FP32_U 0x1p-24
+/* Sums. An fp32 sum of n terms evaluated in any order with round-to-nearest adds is within
+ * (n − 1)·u·Σ|t| of the exact sum (Higham, Accuracy and Stability of Numerical Algorithms, §4.2);
+ * a product feeding it that is itself rounded (bf16 × fp32) adds u·|t|: n·u·Σ|t| in all. The CPU
+ * adds in IEEE fp32. A GPU sum may run inside an MMA, whose adder aligns and normalizes by
+ * truncation (Fasi, Higham, Mikaitis, Pranesh 2021, "Numerical behavior of NVIDIA tensor cores"):
+ * up to 2u per add. Hence, per term, in units of u·Σ|t|: */
+#define TOL_CPU_SUM_U_PER_TERM 1.0 /* |cpu − exact| <= 1·n·u·Σ|t| */
+#define TOL_GPU_SUM_U_PER_TERM 2.0 /* |gpu − exact| <= 2·n·u·Σ|t| */
+/* ... so the same sum on the two backends: |gpu − cpu| <= (1 + 2)·n·u·Σ|t|. */
+#define TOL_GPU_SUM_RTOL_PER_TERM ((TOL_CPU_SUM_U_PER_TERM + TOL_GPU_SUM_U_PER_TERM) * TOL_FP32_U)
+/* libm. CUDA Math API, maximum ulp error (no fast math): expf 2, sinf 2, cosf 2, log1pf 1, rsqrtf 2;
+ * glibc's fp32 expf/sinf/cosf/log1pf are within 1 ulp. One ulp is <= 2u relative. */
+#define TOL_GPU_LIBM_ULP 2.0
+#define TOL_CPU_LIBM_ULP 1.0
+/* A normalizing scale r = 1/sqrtf(s/n + eps) (rmsnorm, hc_mixes, engram_gate), one backend: the /n
+ * and +eps roundings (2u) and either sqrtf then an IEEE division (2u) or CUDA's rsqrtf (2 ulp = 4u):
+ * at most 6u relative, on top of what the sum s brings. */
+#define TOL_GPU_NORM_SCALE_U 6.0
+/* A division a/b where backend.h writes one (attention's acc/l, the pooling and routing weights, the
+ * Sinkhorn normalizations): a kernel may take it as a·(1/b), two roundings instead of one. */
+#define TOL_GPU_DIV_ROUNDINGS 2
+
+/* Exact (0 ulp):
+ *  - memory ops, weight_prepare (incl. the dequant_bf16 copy: e4m3 · 2^k is exact in fp32, then one
+ *    RNE), tensor_prepare, hc_init, embed, engram_gather (e4m3 · e8m0 exact, one RNE), interleave:
+ *    data movement;
+ *  - qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16: integer exponent arithmetic, a division by a power of two
+ *    (exact) or one IEEE division (CUDA's '/' is correctly rounded unless -prec-div=false), RNE
+ *    casts: no freedom at all. */
+#define TOL_GPU_DATA_EXACT 0
+#define TOL_GPU_QDQ_EXACT 0
+/* hc_collapse, hc_expand, add_f32_bf16, moe_combine: a short chain of fp32 products and adds whose
+ * order backend.h spells out (((p0·X0 + p1·X1) + p2·X2) + …; post·y + mix; acc + y; experts in
+ * ascending id — the reference's expression order, not an "fp32 sum" a GPU may reorder), then one
+ * bf16 rounding: exact. The kernel must not let nvcc contract a·b + c into an FMA (it does by
+ * default): __fmul_rn/__fadd_rn. */
+#define TOL_GPU_ELEMENTWISE_EXACT 0
+
+/* linear (FP8, FP4, BF16) and grouped_linear, bf16 out: only the order of the k-sum may differ
+ * (a fixed warp-shuffle tree over per-lane k-block partials, or the MMA's internal order), the
+ * activation quantization is exact (act_quant is deterministic), and the scalings by s_x·s_w are
+ * powers of two (exact). Terms t_i = x̂_i·ŵ_i over the whole k (x̂ the dequantized activation, ŵ the
+ * dequantized weight); both fp32 accumulators are within the sum bound of Σ t, then each is rounded
+ * to bf16 once:
+ *     |gpu − cpu| <= TOL_GPU_LINEAR_RTOL_SUM · k · Σ|x̂·ŵ| + TOL_GPU_LINEAR_OUT_ULPS · ulp_bf16(out) */
+#define TOL_GPU_LINEAR_RTOL_SUM TOL_GPU_SUM_RTOL_PER_TERM
+#define TOL_GPU_LINEAR_OUT_ULPS 1
+/* linear_f32 and head, fp32 out: the same k-sum (bf16 × bf16 products exact; bf16 × fp32 products
+ * rounded, which the per-term bound covers) and no output rounding:
+ *     |gpu − cpu| <= TOL_GPU_LINEAR_F32_RTOL_SUM · k · Σ|x·w| */
+#define TOL_GPU_LINEAR_F32_RTOL_SUM TOL_GPU_SUM_RTOL_PER_TERM
+
+/* rmsnorm: the mean of squares is an fp32 sum of n non-negative terms (Σ|t| = the sum itself), so
+ * the two sums differ by at most δ = 3·n·u relatively; r ∝ (sum)^-1/2 moves by at most
+ * 1/sqrt(1 − δ) − 1; each backend's 1/sqrtf(mean + eps) adds TOL_GPU_NORM_SCALE_U, and w·(x·r) two
+ * more roundings each (4u); one bf16 rounding at the end:
+ *     |gpu − cpu| <= TOL_GPU_RMSNORM_RTOL(n) · |y| + TOL_GPU_RMSNORM_OUT_ULPS · ulp_bf16(out) */
+#define TOL_GPU_RMSNORM_RTOL(n)                                                                            \
+    ((1.0 / sqrt(1.0 - TOL_GPU_SUM_RTOL_PER_TERM * (double)(n)) - 1.0) + (2.0 * TOL_GPU_NORM_SCALE_U + 4.0) * TOL_FP32_U)
+#define TOL_GPU_RMSNORM_OUT_ULPS 1
+
+/* rope: the angle (float)pos · freq is one correctly rounded product on both; c = cosf, s = sinf differ
+ * by at most 2 + 1 ulp (6u relative); a·c and b·s move by 6u·|a·c|, 6u·|b·s|, and the two products
+ * and the add/sub round on each backend (an FMA on the GPU removes one of them): at most
+ * (6 + 2 + 2)·u·(|a| + |b|) before the bf16 rounding, whatever the cancellation in a·c − b·s:
+ *     |gpu − cpu| <= TOL_GPU_ROPE_ATOL_U · u · (|a| + |b|) + TOL_GPU_ROPE_OUT_ULPS · ulp_bf16(out) */
+#define TOL_GPU_ROPE_ATOL_U 10.0
+#define TOL_GPU_ROPE_OUT_ULPS 1
+
+/* hc_mixes (fp32 out): m = (Σ x·fn)·r is a sum of hc·D terms (bound above, with Σ|x·fn|·r) times
+ * the normalizing scale (the rmsnorm bound); z = m·scale + base adds 2u per backend. pre/post =
+ * sigmoid(z) (+ eps): the slope of sigmoid on [z − Δz, z + Δz] times Δz, plus expf's ulps (both
+ * backends) and the add/divide (2u each). comb = split_sinkhorn's 2·iters normalization steps: each
+ * step's own rounding (its hc-term sums by the sum bound, the divide and the +eps, and the softmax's
+ * expf ulps and argument rounding) is a relative perturbation of that step's output, carried to the
+ * end by the Jacobian of the remaining steps, and Δz by the Jacobian of the whole map (Jacobians of
+ * the double-precision map, by central differences; first order). Per element:
+ *     |gpu − cpu| <= Σ_steps |∂out/∂C_s|·|C_s|·ρ_s + |∂out/∂z|·Δz   (ρ_s in units below) */
+/* per normalization step, both backends together: the +eps add (1u each) and the divide (1u on the
+ * CPU, TOL_GPU_DIV_ROUNDINGS on the GPU) */
+#define TOL_GPU_HC_SINKHORN_STEP_EXTRA_U (2.0 + 1.0 + TOL_GPU_DIV_ROUNDINGS)
+
+/* engram_gate: three fp32 sums over D (Σh², Σkey², Σ(h·w)·key with two rounded products per term,
+ * by the sum bound), the two normalizing scales (TOL_GPU_NORM_SCALE_U each), D^-0.5 (which a GPU may
+ * take from rsqrtf: 2 ulp), the signed sqrt (monotone) and sigmoid (expf ulps + 2u), then
+ * bf16(h + g·value): carried as intervals; g is monotone in dot, so the interval of g is exact. At a
+ * dot of exactly ±0 either sign of the 1e-3 floor is allowed (the sign of a zero sum depends on the
+ * order). Output: inside the interval, i.e. at most the propagated Δg·|value| + 1 bf16 ulp. */
+#define TOL_GPU_ENGRAM_GATE_OUT_ULPS 1
+
+/* sparse_attn: s = (q·k)·scale is a sum of hd exact bf16 products (sum bound) and one product; the
+ * block max moves with it; P = expf(s − m) adds expf's ulps and the argument's rounding; P is rounded
+ * to bf16 before P·V, so where a rounding boundary lies within P's uncertainty the two backends' P
+ * differ by one bf16 ulp (TOL_GPU_SPARSE_ATTN_P_FLIP_ULPS) and that enters P·V at full weight (the
+ * denominator sums the fp32 P, so it does not cancel); the P·V and denominator sums (sum bound),
+ * the rescales by expf(m_old − m_new), the sink term, the final divide and the bf16 rounding of o
+ * follow. Carried as intervals per (row, head, channel). */
+#define TOL_GPU_SPARSE_ATTN_P_FLIP_ULPS 1
+#define TOL_GPU_SPARSE_ATTN_OUT_ULPS 1
+
+/* index_scores: d_h = bf16(Σ_d q·K) (hd exact products, sum bound) can flip one bf16 ulp; p_h =
+ * bf16(relu(d_h)·w) is an exact product of two bf16 values, rounded once: it follows the flip and can
+ * flip itself; S = bf16(Σ_h p_h) (sum bound over the heads) one more. So at most one bf16 ulp at each
+ * of the three rounding points, propagated as intervals. Masked positions are −inf on both, exactly;
+ * every finite score must be a bf16 value. */
+#define TOL_GPU_INDEX_SCORES_FLIP_ULPS 1
+
+/* compress_pool: e = expf(s − max) (the argument is the same correctly rounded subtraction on both;
+ * expf's ulps), Σe and Σ kv·(e/Σe) by the sum bound, the divide (TOL_GPU_DIV_ROUNDINGS) and the
+ * products (1u), one bf16 rounding; a slot whose score is −inf has weight exactly 0 and is skipped
+ * (its kv may be anything, NaN included); a channel with no filled slot gives exactly 0. Carried as
+ * intervals:  |gpu − cpu| <= that + TOL_GPU_COMPRESS_POOL_OUT_ULPS · ulp_bf16(out). */
+#define TOL_GPU_COMPRESS_POOL_OUT_ULPS 1
+
+/* router: z by the linear_f32 bound; softplus and sqrt are monotone (expf and log1pf ulps, sqrtf
+ * correctly rounded); v = s + bias one more rounding. The selection may differ from the CPU's only
+ * between experts whose v intervals overlap (a near tie the sum order can break either way): every
+ * expert the GPU ranks above another must have an upper bound at least the other's lower bound
+ * (1 = such swaps accepted; 0 would demand the CPU's selection). The weights are checked against
+ * the interval for the GPU's own selection (k-term sum, divide, route_scale). */
+#define TOL_GPU_ROUTER_NEAR_TIE_SWAPS 1
+
+/* moe_experts, shared_expert: g = bf16(x̂·w1ᵀ), u = bf16(x̂·w3ᵀ) by the linear bound (either can flip
+ * one bf16 ulp), clamps (monotone), silu (not monotone: its exact range over the interval), expf ulps,
+ * the products by u and the routing weight, bf16(h) (another flip), then h's activation
+ * quantization for w2: a flipped h can move its e4m3 code by one step and, if it is the block's
+ * amax, the block's power-of-two scale; then the w2 sum (linear bound) and the bf16 output. All
+ * carried as intervals (the quantization over every scale the amax interval allows). Slots routed to
+ * other ranks must keep their poison bit for bit. */
+#define TOL_GPU_MOE_FLIP_ULPS 1
+
 #endif /* DS_TOLERANCES_H */

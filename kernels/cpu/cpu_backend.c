@@ -75,6 +75,12 @@ static void cpu_weight_release(struct backend *be, struct qweight *w) {
     free(orig);
 }
 
+static const void *cpu_tensor_prepare(struct backend *be, const void *host, size_t bytes, bool host_resident) {
+    return host;
+}
+
+static void cpu_tensor_release(struct backend *be, const void *p) {}
+
 static const struct backend_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -85,6 +91,8 @@ static const struct backend_ops cpu_ops = {
     .sync = cpu_sync,
     .weight_prepare = cpu_weight_prepare,
     .weight_release = cpu_weight_release,
+    .tensor_prepare = cpu_tensor_prepare,
+    .tensor_release = cpu_tensor_release,
     .linear = cpu_op_linear,
     .linear_f32 = cpu_op_linear_f32,
     .grouped_linear = cpu_op_grouped_linear,

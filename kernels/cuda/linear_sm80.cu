@@ -68,33 +68,33 @@ __global__ void __launch_bounds__(WARPS_PER_CTA * 32)
         __syncthreads();
         const int64_t b = r0 + lane;
         if (active && lane < nr) {
-            float wv[32];
+            /* the raw block stays packed in registers and each weight is decoded where it is
+             * used: 32 decoded floats live at once would spill at T = 7, 8 */
+            uint32_t words[8];
             float sw;
             if (FP4) {
                 uint4 raw = __ldg(reinterpret_cast<const uint4 *>(wr + b * 16));
-                const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    uint32_t byte = (words[i / 4] >> (8 * (i % 4))) & 0xff;
-                    wv[2 * i] = ds_e2m1(byte & 0xf); /* low nibble = even element */
-                    wv[2 * i + 1] = ds_e2m1(byte >> 4);
-                }
+                words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
                 sw = ds_e8m0(__ldg(s + row * s_ld + b));
             } else {
                 uint4 a0 = __ldg(reinterpret_cast<const uint4 *>(wr + b * 32));
                 uint4 a1 = __ldg(reinterpret_cast<const uint4 *>(wr + b * 32 + 16));
-                const uint32_t words[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-                for (int i = 0; i < 32; i++) wv[i] = ds_e4m3((words[i / 4] >> (8 * (i % 4))) & 0xff);
+                words[0] = a0.x, words[1] = a0.y, words[2] = a0.z, words[3] = a0.w;
+                words[4] = a1.x, words[5] = a1.y, words[6] = a1.z, words[7] = a1.w;
                 sw = ds_e8m0(__ldg(s + (row / 32) * s_ld + b));
             }
             float p[T];
 #pragma unroll
-            for (int t = 0; t < T; t++) p[t] = __fmul_rn(__half2float(sm_x[t][lane][0]), wv[0]);
+            for (int i = 0; i < 32; i++) {
+                /* FP4: byte i/2 of the 16, low nibble = even element; FP8: byte i */
+                const float wv = FP4 ? ds_e2m1(((words[i / 8] >> (8 * ((i / 2) % 4))) >> (4 * (i % 2))) & 0xf)
+                                     : ds_e4m3((words[i / 4] >> (8 * (i % 4))) & 0xff);
 #pragma unroll
-            for (int i = 1; i < 32; i++)
-#pragma unroll
-                for (int t = 0; t < T; t++) p[t] = __fadd_rn(p[t], __fmul_rn(__half2float(sm_x[t][lane][i]), wv[i]));
+                for (int t = 0; t < T; t++) {
+                    const float prod = __fmul_rn(__half2float(sm_x[t][lane][i]), wv);
+                    p[t] = i == 0 ? prod : __fadd_rn(p[t], prod);
+                }
+            }
             /* the scaled block partial does not depend on the running sum: form it here, in
              * parallel, so the ordered fold below is nothing but adds */
 #pragma unroll

@@ -1,0 +1,1179 @@
+/* Row-local ops of the SM80 backend: RMSNorm, interleaved RoPE, the three activation QDQ steps,
+ * the mHC mixes (statistics + Sinkhorn split), collapse, expand and init, the token embedding,
+ * the Engram row gather and gate, the fp32 + bf16 add and the TP column interleave.
+ *
+ * All of them are memory-bound: a kernel reads its rows once, with 16-byte vectors where the
+ * shape and the pointers allow it and a scalar path for the rest. They reproduce the CPU oracle
+ * (kernels/cpu/cpu_elementwise.c) bit for bit, because the whole-model check amplifies a single
+ * last-bit difference:
+ *  - every rounding point is an explicit __f*_rn intrinsic, so nvcc cannot contract a product and
+ *    a sum into an FMA (the CPU is built with -ffp-contract=off);
+ *  - the row sums the CPU takes with torch's 16-lane cascade (cpu_reduce.c: RMSNorm, the mHC norm,
+ *    the Engram statistics) run here in exactly that order, one warp per row (torch_sum_warp);
+ *  - the mHC mix dot products, sequential sums on the CPU, stay sequential: one thread per output;
+ *  - expf / sinf / cosf are ports of the glibc algorithms the CPU calls (double-precision
+ *    polynomials, with the contractions of glibc's x86-64 FMA build), checked equal to glibc 2.36
+ *    on every float input; CUDA's own expf/sinf/cosf differ from glibc in the last bit often.
+ * Every kernel depends only on its row's data and the shapes, never on T or the grid: a row gives
+ * the same bits whatever batch it is in. */
+#include <math.h>
+#include <stdint.h>
+
+#include "cuda_internal.h"
+
+#define EW_THREADS 256     /* elementwise kernels: one item per thread              */
+#define ROW_WARPS 4        /* warp-per-row kernels: rows per CTA                    */
+
+static inline unsigned ew_blocks(int64_t items, int threads) { return (unsigned)((items + threads - 1) / threads); }
+static inline bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* ---------------------------------------------------------------------------------------------
+ * bf16 (src/formats.c bit for bit) and 16-byte vectors of 8 bf16 */
+
+__device__ __forceinline__ float bf2f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+/* RNE; NaN becomes the canonical 0x7FC0 as torch's CPU conversion does (the CUDA intrinsic keeps
+ * a different NaN pattern). */
+__device__ __forceinline__ uint16_t f2bf(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = (uint32_t)f2bf(f[2 * i]) | ((uint32_t)f2bf(f[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* VEC elements starting at p: one 16-byte access for VEC == 8 (p 16-byte aligned), else scalar. */
+template <int VEC>
+__device__ __forceinline__ void load_bf(const uint16_t *p, float f[VEC]) {
+    if (VEC == 8) {
+        unpack8(*reinterpret_cast<const uint4 *>(p), f);
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) f[i] = bf2f(p[i]);
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_bf(uint16_t *p, const float f[VEC]) {
+    if (VEC == 8) {
+        *reinterpret_cast<uint4 *>(p) = pack8(f);
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) p[i] = f2bf(f[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * glibc's expf, sinf and cosf (sysdeps/ieee754/flt-32: e_expf.c, s_sinf.c, s_cosf.c, s_sincosf.h;
+ * the algorithms of ARM's optimized-routines), re-expressed with explicit double roundings.
+ * x86-64 glibc runs the variant compiled with -mfma, in which GCC fuses each a*b + c of the source
+ * into an FMA; the __fma_rn calls below are those fusions. Checked against glibc 2.36 (x86-64,
+ * FMA variant) over all 2^32 inputs: identical results. */
+
+/* 2^(i/32) as double bits, minus i << 47, so adding k << 47 gives 2^(k/32) (e_exp2f_data.c). */
+__device__ const uint64_t ds_exp2f_tab[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull};
+
+/* 4/pi to 192 bits, 8 new bits per entry (s_sincosf_data.c). */
+__device__ const uint32_t ds_inv_pio4[24] = {
+    0xa2,       0xa2f9,     0xa2f983,   0xa2f9836e, 0xf9836e4e, 0x836e4e44, 0x6e4e4415, 0x4e441529,
+    0x441529fc, 0x1529fc27, 0x29fc2757, 0xfc2757d1, 0x2757d1f5, 0x57d1f534, 0xd1f534dd, 0xf534ddc0,
+    0x34ddc0db, 0xddc0db62, 0xc0db6295, 0xdb629599, 0x6295993c, 0x95993c43, 0x993c4390, 0x3c439041};
+
+/* expf: x = (k + r)·ln2/32, exp(x) = 2^(k/32) · (cubic in r), all in double, one final rounding. */
+__device__ __forceinline__ float ds_expf(float x) {
+    const uint32_t ux = __float_as_uint(x), abstop = (ux >> 20) & 0x7ff;
+    if (abstop >= 0x42b) { /* |x| >= 88, inf or nan: glibc's special cases */
+        if (ux == 0xff800000u) return 0.0f;
+        if (abstop >= 0x7f8) return x + x;
+        if (x > 0x1.62e42ep6f) return __uint_as_float(0x7f800000u); /* overflow */
+        if (x < -0x1.9fe368p6f) return 0.0f;                         /* underflow */
+        if (x < -0x1.9d1d9ep6f) return 0x1p-149f;                    /* may underflow (errno build) */
+    }
+    const double inv_ln2_n = 0x1.71547652b82fep+0 * 32, shift = 0x1.8p+52;
+    const double c0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, c1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
+                 c2 = 0x1.62e42ff0c52d6p-1 / 32;
+    /* z = x·32/ln2 feeds two additions, and GCC fuses the product into both: kd = round(z) via
+     * the shift constant (k lands in the low mantissa bits), r = z - k. */
+    const double xd = (double)x;
+    double kd = __fma_rn(inv_ln2_n, xd, shift);
+    const uint64_t ki = (uint64_t)__double_as_longlong(kd);
+    kd = __dsub_rn(kd, shift);
+    const double r = __fma_rn(inv_ln2_n, xd, -kd);
+    const uint64_t t = ds_exp2f_tab[ki & 31] + (ki << 47);
+    const double s = __longlong_as_double((long long)t);
+    const double p = __fma_rn(c0, r, c1), r2 = __dmul_rn(r, r);
+    double y = __fma_rn(c2, r, 1.0);
+    y = __fma_rn(p, r2, y);
+    return __double2float_rn(__dmul_rn(y, s));
+}
+
+/* sinf_poly: the sine polynomial for even n, the cosine one (signed by sg, the table that
+ * returns -cos) for odd n. */
+__device__ __forceinline__ float ds_sincos_poly(double x, double x2, double sg, int n) {
+    if ((n & 1) == 0) {
+        const double x3 = __dmul_rn(x, x2), s1 = __fma_rn(x2, -0x1.994eb3774cf24p-13, 0x1.1107605230bc4p-7);
+        const double x7 = __dmul_rn(x3, x2), s = __fma_rn(x3, -0x1.555545995a603p-3, x);
+        return __double2float_rn(__fma_rn(x7, s1, s));
+    }
+    const double x4 = __dmul_rn(x2, x2);
+    const double c2 = __fma_rn(x2, sg * 0x1.99343027bf8c3p-16, sg * -0x1.6c087e89a359dp-10);
+    const double c1 = __fma_rn(x2, sg * -0x1.ffffffd0c621cp-2, sg);
+    const double x6 = __dmul_rn(x4, x2), c = __fma_rn(x4, sg * 0x1.55553e1068f19p-5, c1);
+    return __double2float_rn(__fma_rn(x6, c2, c));
+}
+
+/* sinf(y) (want_cos = 0) or cosf(y) (want_cos = 1): range reduction to [-pi/4, pi/4] and quadrant
+ * n, by one multiply-subtract below 120, by 4/pi in fixed point above. */
+__device__ float ds_sinf_cosf(float y, int want_cos) {
+    const uint32_t top = (__float_as_uint(y) >> 20) & 0x7ff;
+    double x = (double)y;
+    if (top < 0x3f4) { /* |y| < pi/4 */
+        if (top < 0x398) return want_cos ? 1.0f : y; /* |y| < 2^-12 */
+        return ds_sincos_poly(x, __dmul_rn(x, x), 1.0, want_cos);
+    }
+    int n, q;
+    if (top < 0x42f) { /* |y| < 120 */
+        const double r = __dmul_rn(x, 0x1.45F306DC9C883p+23);
+        n = (__double2int_rz(r) + 0x800000) >> 24;
+        x = __fma_rn(-(double)n, 0x1.921FB54442D18p0, x);
+        q = n;
+    } else if (top < 0x7f8) {
+        uint32_t xi = __float_as_uint(y);
+        const int sign = (int)(xi >> 31);
+        const uint32_t *arr = &ds_inv_pio4[(xi >> 26) & 15];
+        const int sh = (xi >> 23) & 7;
+        xi = ((xi & 0xffffff) | 0x800000) << sh;
+        uint64_t res0 = (uint32_t)(xi * arr[0]); /* 32-bit product, as in the source */
+        const uint64_t res1 = (uint64_t)xi * arr[4], res2 = (uint64_t)xi * arr[8];
+        res0 = (res2 >> 32) | (res0 << 32);
+        res0 += res1;
+        const uint64_t nn = (res0 + (1ull << 61)) >> 62;
+        res0 -= nn << 62;
+        x = __dmul_rn(__ll2double_rn((long long)res0), 0x1.921FB54442D18p-62);
+        n = (int)nn;
+        q = n + sign;
+    } else {
+        return __uint_as_float(0x7fc00000u); /* inf, nan: nan (becomes 0x7FC0 in bf16 either way) */
+    }
+    const double s = ((q + 1) & 2) ? -1.0 : 1.0; /* sign[q & 3] = {1, -1, -1, 1} */
+    const double sg = (q & 2) ? -1.0 : 1.0;      /* the second table (negated cosine) */
+    return ds_sincos_poly(__dmul_rn(x, s), __dmul_rn(x, x), sg, want_cos ? n ^ 1 : n);
+}
+
+/* cpu_sigmoid: 1 / (1 + expf(-x)). */
+__device__ __forceinline__ float ds_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, ds_expf(-x))); }
+
+/* 1 / sqrtf(ss / n + eps), two roundings as the CPU writes it. */
+__device__ __forceinline__ float ds_rstd(float ss, float n, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, n), eps)));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * torch's fp32 row sum (cpu_reduce.c) in its exact order, by one warp.
+ *
+ * The row is groups of 64 = 4 ILP vectors × 16 lanes; column (k, l) of group i is element
+ * 64i + 16k + l. Each column runs its own 4-level cascade over the groups, which needs nothing
+ * from the other columns, so lane = 8k + l/2 owns columns (k, l) and (k, l+1) with l even: the
+ * elements 64i + 2·lane and 64i + 2·lane + 1, a coalesced 128-byte warp read of bf16 per group.
+ * Then, as cpu_sum_torch_lanes: the leftover whole vectors go into ILP slot 0 (lanes 0..7), the
+ * slots are added 0+1+2+3, the scalar tail is summed from 0, and the 16 lanes are added in order. */
+
+struct torch_levels {
+    float a0, a1, a2, a3;
+};
+
+__device__ __forceinline__ void tl_zero(torch_levels &s) { s.a0 = s.a1 = s.a2 = s.a3 = 0.0f; }
+
+/* The cascade after `cnt` groups (cnt a multiple of the level step); a set bit in the next level's
+ * field stops it, as the CPU's break. */
+__device__ __forceinline__ void tl_cascade(torch_levels &s, int64_t cnt, int lpow) {
+    const int64_t mask = ((int64_t)1 << lpow) - 1;
+    s.a1 = __fadd_rn(s.a1, s.a0);
+    s.a0 = 0.0f;
+    if (cnt & (mask << lpow)) return;
+    s.a2 = __fadd_rn(s.a2, s.a1);
+    s.a1 = 0.0f;
+    if (cnt & (mask << (2 * lpow))) return;
+    s.a3 = __fadd_rn(s.a3, s.a2);
+    s.a2 = 0.0f;
+}
+
+__device__ __forceinline__ float tl_final(const torch_levels &s) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(s.a0, s.a1), s.a2), s.a3);
+}
+
+/* level_power of multi_row_sum: max(ceil_log2(size) / 4, 4), size = groups of 64. */
+__device__ __forceinline__ int tl_level_power(int64_t size) {
+    int r = 0;
+    while (((int64_t)1 << r) < size) r++;
+    return r / 4 > 4 ? r / 4 : 4;
+}
+
+/* From the per-lane column sums c0/c1 (cascade done) to the row sum, returned in every lane.
+ * pair(e, a, b) gives the NS values of elements e and e+1 (e even), one(e, v) of element e. */
+template <int NS, class Pair, class One>
+__device__ __forceinline__ void torch_finish(int64_t n, float c0[NS], float c1[NS], Pair pair, One one,
+                                             float out[NS]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t nvec = n / 16, size = nvec / 4;
+    float a[NS], b[NS];
+    for (int64_t v = size * 4; v < nvec; v++) /* vectors left over by the ILP-4 loop: slot 0 */
+        if (lane < 8) {
+            pair(v * 16 + 2 * lane, a, b);
+#pragma unroll
+            for (int q = 0; q < NS; q++) {
+                c0[q] = __fadd_rn(c0[q], a[q]);
+                c1[q] = __fadd_rn(c1[q], b[q]);
+            }
+        }
+#pragma unroll
+    for (int q = 0; q < NS; q++) { /* ps[0] += ps[1]; += ps[2]; += ps[3] (lanes 0..7 hold slot 0) */
+        const float u1 = __shfl_down_sync(0xffffffffu, c0[q], 8), u2 = __shfl_down_sync(0xffffffffu, c0[q], 16),
+                    u3 = __shfl_down_sync(0xffffffffu, c0[q], 24);
+        const float w1 = __shfl_down_sync(0xffffffffu, c1[q], 8), w2 = __shfl_down_sync(0xffffffffu, c1[q], 16),
+                    w3 = __shfl_down_sync(0xffffffffu, c1[q], 24);
+        c0[q] = __fadd_rn(__fadd_rn(__fadd_rn(c0[q], u1), u2), u3);
+        c1[q] = __fadd_rn(__fadd_rn(__fadd_rn(c1[q], w1), w2), w3);
+        out[q] = 0.0f;
+    }
+    for (int64_t e = nvec * 16; e < n; e++) { /* scalar tail, every lane the same */
+        one(e, a);
+#pragma unroll
+        for (int q = 0; q < NS; q++) out[q] = __fadd_rn(out[q], a[q]);
+    }
+#pragma unroll
+    for (int l = 0; l < 8; l++) /* lane l/2 holds columns l (even) and l + 1 */
+#pragma unroll
+        for (int q = 0; q < NS; q++) {
+            out[q] = __fadd_rn(out[q], __shfl_sync(0xffffffffu, c0[q], l));
+            out[q] = __fadd_rn(out[q], __shfl_sync(0xffffffffu, c1[q], l));
+        }
+}
+
+/* NS row sums at once (the Engram gate needs three over the same elements). */
+template <int NS, class Pair, class One>
+__device__ __forceinline__ void torch_sum_warp(int64_t n, Pair pair, One one, float out[NS]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t size = (n / 16) / 4;
+    float c0[NS], c1[NS], a[NS], b[NS];
+    torch_levels s0[NS], s1[NS];
+#pragma unroll
+    for (int q = 0; q < NS; q++) {
+        tl_zero(s0[q]);
+        tl_zero(s1[q]);
+    }
+    if (size > 0) {
+        const int lpow = tl_level_power(size);
+        const int64_t step = (int64_t)1 << lpow;
+        int64_t i = 0;
+        while (i + step <= size) {
+#pragma unroll(NS > 1 ? 4 : 8)
+            for (int64_t j = 0; j < step; j++) {
+                pair((i + j) * 64 + 2 * lane, a, b);
+#pragma unroll
+                for (int q = 0; q < NS; q++) {
+                    s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
+                    s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
+                }
+            }
+            i += step;
+#pragma unroll
+            for (int q = 0; q < NS; q++) {
+                tl_cascade(s0[q], i, lpow);
+                tl_cascade(s1[q], i, lpow);
+            }
+        }
+#pragma unroll 4
+        for (; i < size; i++) {
+            pair(i * 64 + 2 * lane, a, b);
+#pragma unroll
+            for (int q = 0; q < NS; q++) {
+                s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
+                s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < NS; q++) { /* size == 0: ps stays zero, as the CPU's memset */
+        c0[q] = tl_final(s0[q]);
+        c1[q] = tl_final(s1[q]);
+    }
+    torch_finish<NS>(n, c0, c1, pair, one, out);
+}
+
+/* Two adjacent bf16 (e even); one 32-bit access when the row start is 4-byte aligned. */
+__device__ __forceinline__ void load_bf_pair(const uint16_t *p, int64_t e, bool al4, float &a, float &b) {
+    if (al4) {
+        const uint32_t u = *reinterpret_cast<const uint32_t *>(p + e);
+        a = __uint_as_float(u << 16);
+        b = __uint_as_float(u & 0xffff0000u);
+    } else {
+        a = bf2f(p[e]);
+        b = bf2f(p[e + 1]);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * RMSNorm: one warp per row. y may alias x: the sum pass reads the whole row before the final
+ * shuffles, and in the output pass every lane reads its elements before writing them. */
+
+template <int VEC>
+__global__ void __launch_bounds__(ROW_WARPS * 32)
+    rmsnorm_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t T, int64_t n, float eps) {
+    const int64_t row = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= T) return; /* whole warps */
+    const uint16_t *xr = x + row * n; /* [n] bf16 */
+    uint16_t *yr = y + row * n;       /* [n] bf16 */
+    const bool al4 = ((uintptr_t)xr & 3) == 0;
+    float ss[1];
+    torch_sum_warp<1>(
+        n,
+        [&](int64_t e, float *a, float *b) {
+            float u, v;
+            load_bf_pair(xr, e, al4, u, v);
+            a[0] = __fmul_rn(u, u);
+            b[0] = __fmul_rn(v, v);
+        },
+        [&](int64_t e, float *a) {
+            const float u = bf2f(xr[e]);
+            a[0] = __fmul_rn(u, u);
+        },
+        ss);
+    const float r = ds_rstd(ss[0], (float)n, eps);
+    for (int64_t e = (int64_t)lane * VEC; e < n; e += 32 * VEC) {
+        float xv[VEC], wv[VEC];
+        load_bf<VEC>(xr + e, xv);
+        load_bf<VEC>(w + e, wv);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) xv[i] = __fmul_rn(wv[i], __fmul_rn(xv[i], r));
+        store_bf<VEC>(yr + e, xv);
+    }
+}
+
+void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
+                     float eps) {
+    if (T <= 0 || n <= 0) return;
+    const unsigned grid = ew_blocks(T, ROW_WARPS);
+    if (n % 8 == 0 && al16(x) && al16(y) && al16(w))
+        rmsnorm_kernel<8><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, T, n, eps);
+    else
+        rmsnorm_kernel<1><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, T, n, eps);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * RoPE: thread (t, i, head slice) computes cos/sin of pos[t]·freqs[i] once and rotates pair i of
+ * the heads h ≡ slice (mod hs); consecutive threads take consecutive pairs, so each head's rotary
+ * part is one coalesced access. hs slices spread a row's heads over several threads for latency. */
+
+template <bool PAIR32>
+__global__ void __launch_bounds__(EW_THREADS)
+    rope_kernel(uint16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t half,
+                const int32_t *__restrict__ pos, const float *__restrict__ freqs, int inverse, int hs) {
+    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * hs * half) return;
+    const int64_t i = g % half, rest = g / half, t = rest / hs;
+    const int slice = (int)(rest % hs);
+    const float ang = __fmul_rn(__int2float_rn(pos[t]), freqs[i]);
+    const float c = ds_sinf_cosf(ang, 1), sn = ds_sinf_cosf(ang, 0);
+    const float s = inverse ? -sn : sn;
+    for (int64_t h = slice; h < nh; h += hs) {
+        uint16_t *v = x + t * ld_row + h * ld_head + off + 2 * i; /* pair (2i, 2i+1) of head h */
+        float a, b;
+        if (PAIR32) {
+            const uint32_t u = *reinterpret_cast<const uint32_t *>(v);
+            a = __uint_as_float(u << 16);
+            b = __uint_as_float(u & 0xffff0000u);
+        } else {
+            a = bf2f(v[0]);
+            b = bf2f(v[1]);
+        }
+        const uint16_t o0 = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+        const uint16_t o1 = f2bf(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+        if (PAIR32) {
+            *reinterpret_cast<uint32_t *>(v) = (uint32_t)o0 | ((uint32_t)o1 << 16);
+        } else {
+            v[0] = o0;
+            v[1] = o1;
+        }
+    }
+}
+
+void cuda_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
+                  int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
+    const int64_t half = rd / 2;
+    if (T <= 0 || nh <= 0 || half <= 0) return;
+    const int hs = nh < 8 ? (int)nh : 8;
+    const unsigned grid = ew_blocks(T * hs * half, EW_THREADS);
+    const bool pair32 = ((uintptr_t)x & 3) == 0 && ld_row % 2 == 0 && ld_head % 2 == 0 && off % 2 == 0;
+    if (pair32)
+        rope_kernel<true><<<grid, EW_THREADS, 0, cuda_be_stream(be)>>>(x, T, nh, ld_row, ld_head, off, half, pos,
+                                                                      freqs, inverse, hs);
+    else
+        rope_kernel<false><<<grid, EW_THREADS, 0, cuda_be_stream(be)>>>(x, T, nh, ld_row, ld_head, off, half, pos,
+                                                                       freqs, inverse, hs);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Activation QDQ (src/formats.c qdq_fp8_32, qdq_fp4_32_ue8m0, qdq_fp4_16_e4m3): EPT consecutive
+ * elements per thread, a group's amax by shuffles over its G / EPT threads (max is exact in any
+ * order), then each thread rounds its own values. */
+
+enum { QDQ_FP8_32 = 0, QDQ_FP4_32 = 1, QDQ_FP4_16 = 2 };
+
+/* e4m3_from_f32: RNE with saturation to ±448, NaN -> 0x7F, on the integer bits. */
+__device__ __forceinline__ uint32_t ds_e4m3_from_f32(float f) {
+    const uint32_t u = __float_as_uint(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7f;
+    if (a > 0x43e00000u) return sign | 0x7e;
+    if (a >= 0x3c800000u) return sign | (((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3));
+    const float xs = __fmul_rn(__uint_as_float(a), 0x1p9f); /* exact */
+    uint32_t i = __float2uint_rz(xs);
+    const float frac = __fsub_rn(xs, __uint2float_rn(i)); /* exact */
+    if (frac > 0.5f || (frac == 0.5f && (i & 1u))) i++;
+    return sign | i;
+}
+
+/* e2m1_from_f32: the count of rounding boundaries below |f|, sign bit kept (NaN -> ±0). */
+__device__ __forceinline__ uint32_t ds_e2m1_from_f32(float f) {
+    const float a = fabsf(f);
+    const uint32_t code = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                          (a >= 3.5f) + (a > 5.0f);
+    return code | ((__float_as_uint(f) >> 31) << 3);
+}
+
+/* 2^ceil(log2(amax · max_inv)) from the exponent bits (ds_round_scale_pow2). */
+__device__ __forceinline__ float ds_scale_pow2(float amax, float max_inv) {
+    const uint32_t u = __float_as_uint(__fmul_rn(amax, max_inv));
+    const int32_t e = (int32_t)((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+
+__device__ __forceinline__ float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+template <int MODE, int EPT>
+__global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n) { /* x [n] bf16 */
+    constexpr int G = MODE == QDQ_FP4_16 ? 16 : 32, TPG = G / EPT;
+    const int64_t e0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * EPT;
+    const bool active = e0 < n; /* n is a multiple of G: a group is wholly in or out */
+    float v[EPT];
+    if (active) {
+        load_bf<EPT>(x + e0, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPT; i++) v[i] = 0.0f;
+    }
+    float amax = 0.0f; /* `a > m ? a : m` as the CPU: a NaN (signaling ones too) never wins */
+#pragma unroll
+    for (int i = 0; i < EPT; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+#pragma unroll
+    for (int o = TPG / 2; o > 0; o >>= 1) {
+        const float a = __shfl_xor_sync(0xffffffffu, amax, o);
+        amax = a > amax ? a : amax;
+    }
+    if (!active) return;
+    if (MODE == QDQ_FP8_32) {
+        amax = amax < 1e-4f ? 1e-4f : amax;
+        const float sc = ds_scale_pow2(amax, (float)(1.0 / 448.0));
+#pragma unroll
+        for (int i = 0; i < EPT; i++) {
+            const uint32_t c = ds_e4m3_from_f32(clampf(__fdiv_rn(v[i], sc), -448.0f, 448.0f));
+            v[i] = __fmul_rn(ds_e4m3(c), sc);
+        }
+    } else {
+        float sc;
+        if (MODE == QDQ_FP4_32) {
+            amax = amax < 6.0f * 0x1p-126f ? 6.0f * 0x1p-126f : amax;
+            sc = ds_scale_pow2(amax, (float)(1.0 / 6.0));
+        } else { /* e4m3 scale, not a power of two: the reference divides by it */
+            amax = amax < 6.0f * 0x1p-9f ? 6.0f * 0x1p-9f : amax;
+            sc = ds_e4m3(ds_e4m3_from_f32(__fdiv_rn(amax, 6.0f)));
+        }
+#pragma unroll
+        for (int i = 0; i < EPT; i++)
+            v[i] = __fmul_rn(ds_e2m1(ds_e2m1_from_f32(clampf(__fdiv_rn(v[i], sc), -6.0f, 6.0f))), sc);
+    }
+    store_bf<EPT>(x + e0, v);
+}
+
+template <int MODE>
+static void qdq_launch(struct backend *be, bf16_t *x, int64_t n, int64_t block, const char *name) {
+    if (n % block != 0) ds_fatal(__FILE__, __LINE__, name, "dsbatch", name, "n is not a multiple of the block");
+    if (n <= 0) return;
+    if (al16(x)) {
+        qdq_kernel<MODE, 8><<<ew_blocks(n / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(x, n);
+    } else {
+        qdq_kernel<MODE, 1><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(x, n);
+    }
+    KERNEL_CHECK();
+}
+
+void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n) {
+    qdq_launch<QDQ_FP8_32>(be, x, n, 32, "cuda_op_qdq_fp8_32");
+}
+void cuda_op_qdq_fp4_32(struct backend *be, bf16_t *x, int64_t n) {
+    qdq_launch<QDQ_FP4_32>(be, x, n, 32, "cuda_op_qdq_fp4_32");
+}
+void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
+    qdq_launch<QDQ_FP4_16>(be, x, n, 16, "cuda_op_qdq_fp4_16");
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * mHC mixes: m[t, j] = (Σ_i x_i · fn[j, i]) · r over the L = hc·D values of row t, then the
+ * Sinkhorn split.
+ *
+ * The CPU sums each of the (2+hc)·hc dot products sequentially in i, so here too: one thread per
+ * (row, j), a dependent chain of L fp32 adds. That chain (4 cycles per add) is the kernel's cost,
+ * ~L·4 cycles whatever the batch (≈ 45 µs for L = 20480); keeping it fed is the design. A CTA takes
+ * HC_R rows; tiles of 64 values of fn [nm, 64] and of the rows' x [HC_R, 64] stream through a
+ * cp.async ring in shared memory, so fn is read once per CTA for all its rows, and the chains read
+ * it conflict-free (row stride 68 floats). One extra warp computes the rows' sums of squares for r
+ * from the same tiles: a tile of 64 is exactly one group of torch's cascade (see torch_sum_warp),
+ * so it advances the cascade one group per tile and finishes with the row's tail from global
+ * memory. Then thread r < HC_R runs the row's Sinkhorn split with C in registers (HC is a template
+ * parameter). */
+
+#define HC_R 4     /* rows per CTA */
+#define HC_KT 64   /* values per tile = one cascade group */
+#define HC_FN_LD (HC_KT + 4)
+#define HC_X_LD (HC_KT + 8)
+#define HC_SMEM_MAX (46 * 1024)
+
+template <int HC>
+struct hc_cfg {
+    static constexpr int NM = (2 + HC) * HC;
+    static constexpr int CHAIN = HC_R * NM;
+    static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
+    static constexpr int THREADS = CHAIN_WARPS * 32 + 32; /* + the norm warp */
+    static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + HC_R * HC_X_LD * 2;
+    static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > 4 ? 4 : HC_SMEM_MAX / STAGE_BYTES;
+    static_assert(STAGES >= 2, "hc too large for the shared-memory ring");
+    static_assert(STAGE_BYTES % 16 == 0, "stages must stay 16-byte aligned");
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* split_sinkhorn of cpu_elementwise.c for one row, C[j][k] in registers. */
+template <int HC>
+__device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scale, const float *__restrict__ base,
+                                  int iters, float eps, float *pre, float *post, float *comb) {
+    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
+#pragma unroll
+    for (int j = 0; j < HC; j++) {
+        pre[j] = __fadd_rn(ds_sigmoid(__fadd_rn(__fmul_rn(m[j], s0), base[j])), eps);
+        post[j] = __fmul_rn(2.0f, ds_sigmoid(__fadd_rn(__fmul_rn(m[HC + j], s1), base[HC + j])));
+    }
+    float C[HC * HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++) { /* softmax over k of row j, + eps */
+        float *row = C + j * HC;
+#pragma unroll
+        for (int k = 0; k < HC; k++)
+            row[k] = __fadd_rn(__fmul_rn(m[2 * HC + j * HC + k], s2), base[2 * HC + j * HC + k]);
+        float mx = row[0];
+#pragma unroll
+        for (int k = 1; k < HC; k++) mx = row[k] > mx ? row[k] : mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            row[k] = ds_expf(__fsub_rn(row[k], mx));
+            sum = __fadd_rn(sum, row[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < HC; k++) row[k] = __fadd_rn(__fdiv_rn(row[k], sum), eps);
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) { /* the softmax made the rows sum to one: the first pass is a column step alone */
+#pragma unroll
+            for (int j = 0; j < HC; j++) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int k = 0; k < HC; k++) sum = __fadd_rn(sum, C[j * HC + k]);
+                const float den = __fadd_rn(sum, eps);
+#pragma unroll
+                for (int k = 0; k < HC; k++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HC; j++) sum = __fadd_rn(sum, C[j * HC + k]);
+            const float den = __fadd_rn(sum, eps);
+#pragma unroll
+            for (int j = 0; j < HC; j++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
+        }
+    }
+    if (iters < 1) { /* the CPU's first column step runs even for iters <= 0 */
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HC; j++) sum = __fadd_rn(sum, C[j * HC + k]);
+            const float den = __fadd_rn(sum, eps);
+#pragma unroll
+            for (int j = 0; j < HC; j++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < HC * HC; e++) comb[e] = C[e];
+}
+
+/* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads. */
+template <int HC, bool VEC>
+__global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
+    hc_mixes_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
+                    const uint16_t *__restrict__ X, int64_t T, int64_t D, const float *__restrict__ fn,
+                    const float *__restrict__ scale, const float *__restrict__ base, int iters, float norm_eps,
+                    float hc_eps) {
+    using cfg = hc_cfg<HC>;
+    constexpr int NM = cfg::NM, STAGES = cfg::STAGES;
+    extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [HC_R][72] bf16 } */
+    __shared__ float m_s[HC_R * NM];                           /* the rows' raw dot products, then m */
+    __shared__ float rn_s[HC_R];                               /* the rows' 1/sqrt(mean(x²) + eps) */
+
+    const int64_t L = HC * D;
+    const int64_t t0 = (int64_t)blockIdx.x * HC_R;
+    const int nrows = T - t0 < HC_R ? (int)(T - t0) : HC_R;
+    const int ntiles = (int)((L + HC_KT - 1) / HC_KT);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const bool chain = tid < cfg::CHAIN, normw = warp == cfg::CHAIN_WARPS;
+    const int r = tid / NM, j = tid % NM; /* chain thread: row r, mix j */
+    const bool chain_live = chain && r < nrows;
+
+    auto fn_tile = [&](int st) { return reinterpret_cast<float *>(hc_smem + (size_t)st * cfg::STAGE_BYTES); };
+    auto x_tile = [&](int st) {
+        return reinterpret_cast<uint16_t *>(hc_smem + (size_t)st * cfg::STAGE_BYTES + NM * HC_FN_LD * 4);
+    };
+    auto load_tile = [&](int tile) {
+        float *fs = fn_tile(tile % STAGES);
+        uint16_t *xs = x_tile(tile % STAGES);
+        const int64_t e0 = (int64_t)tile * HC_KT;
+        const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
+        if (VEC) { /* len is a multiple of 8: whole 16-byte chunks */
+            const int fch = len / 4, xch = len / 8, nf = NM * fch, nx = HC_R * xch;
+            for (int q = tid; q < nf + nx; q += cfg::THREADS) {
+                if (q < nf) {
+                    const int jj = q / fch, c = q % fch;
+                    cp_async16(fs + jj * HC_FN_LD + c * 4, fn + jj * L + e0 + c * 4);
+                } else {
+                    const int rr = (q - nf) / xch, c = (q - nf) % xch;
+                    if (rr < nrows) cp_async16(xs + rr * HC_X_LD + c * 8, X + (t0 + rr) * L + e0 + c * 8);
+                }
+            }
+        } else {
+            for (int q = tid; q < NM * len; q += cfg::THREADS)
+                fs[(q / len) * HC_FN_LD + q % len] = fn[(q / len) * L + e0 + q % len];
+            for (int q = tid; q < nrows * len; q += cfg::THREADS)
+                xs[(q / len) * HC_X_LD + q % len] = X[(t0 + q / len) * L + e0 + q % len];
+        }
+    };
+
+    /* norm warp state: rows × its two cascade columns */
+    const int64_t size = (L / 16) / 4; /* whole groups of 64 = whole tiles */
+    const int lpow = tl_level_power(size > 0 ? size : 1);
+    const int64_t lstep_mask = ((int64_t)1 << lpow) - 1;
+    torch_levels n0[HC_R], n1[HC_R];
+#pragma unroll
+    for (int rr = 0; rr < HC_R; rr++) {
+        tl_zero(n0[rr]);
+        tl_zero(n1[rr]);
+    }
+    float acc = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ntiles) load_tile(s);
+        cp_async_commit(); /* empty groups keep the wait count uniform */
+    }
+    for (int tile = 0; tile < ntiles; tile++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads(); /* tile's data visible; everyone is done with tile - 1's stage */
+        if (tile + STAGES - 1 < ntiles) load_tile(tile + STAGES - 1);
+        cp_async_commit();
+        const float *fs = fn_tile(tile % STAGES);
+        const uint16_t *xs = x_tile(tile % STAGES);
+        const int64_t e0 = (int64_t)tile * HC_KT;
+        const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
+        if (chain_live) {
+            const float *fr = fs + j * HC_FN_LD;
+            const uint16_t *xr = xs + r * HC_X_LD;
+            if (len == HC_KT) {
+#pragma unroll
+                for (int ii = 0; ii < HC_KT; ii += 8) {
+                    const float4 f0 = *reinterpret_cast<const float4 *>(fr + ii);
+                    const float4 f1 = *reinterpret_cast<const float4 *>(fr + ii + 4);
+                    float xv[8];
+                    unpack8(*reinterpret_cast<const uint4 *>(xr + ii), xv);
+                    acc = __fadd_rn(acc, __fmul_rn(xv[0], f0.x));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[1], f0.y));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[2], f0.z));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[3], f0.w));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[4], f1.x));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[5], f1.y));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[6], f1.z));
+                    acc = __fadd_rn(acc, __fmul_rn(xv[7], f1.w));
+                }
+            } else {
+                for (int ii = 0; ii < len; ii++) acc = __fadd_rn(acc, __fmul_rn(bf2f(xr[ii]), fr[ii]));
+            }
+        } else if (normw && tile < size) { /* group `tile` of every row's cascade */
+#pragma unroll
+            for (int rr = 0; rr < HC_R; rr++) {
+                const uint32_t u = *reinterpret_cast<const uint32_t *>(xs + rr * HC_X_LD + 2 * lane);
+                const float a = __uint_as_float(u << 16), b = __uint_as_float(u & 0xffff0000u);
+                n0[rr].a0 = __fadd_rn(n0[rr].a0, __fmul_rn(a, a));
+                n1[rr].a0 = __fadd_rn(n1[rr].a0, __fmul_rn(b, b));
+                if (((tile + 1) & lstep_mask) == 0) {
+                    tl_cascade(n0[rr], tile + 1, lpow);
+                    tl_cascade(n1[rr], tile + 1, lpow);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    if (normw) { /* finish each row's sum with its tail (beyond the whole groups) from global memory */
+#pragma unroll
+        for (int rr = 0; rr < HC_R; rr++) {
+            if (rr >= nrows) break;
+            const uint16_t *xr = X + (t0 + rr) * L; /* [L] bf16 */
+            float c0[1] = {tl_final(n0[rr])}, c1[1] = {tl_final(n1[rr])}, ss[1];
+            torch_finish<1>(
+                L, c0, c1,
+                [&](int64_t e, float *a, float *b) {
+                    const float u = bf2f(xr[e]), v = bf2f(xr[e + 1]);
+                    a[0] = __fmul_rn(u, u);
+                    b[0] = __fmul_rn(v, v);
+                },
+                [&](int64_t e, float *a) {
+                    const float u = bf2f(xr[e]);
+                    a[0] = __fmul_rn(u, u);
+                },
+                ss);
+            if (lane == 0) rn_s[rr] = ds_rstd(ss[0], (float)L, norm_eps);
+        }
+    }
+    __syncthreads();
+    if (chain_live) m_s[r * NM + j] = __fmul_rn(acc, rn_s[r]);
+    __syncthreads();
+    if (tid < nrows) {
+        const int64_t t = t0 + tid;
+        hc_split_sinkhorn<HC>(m_s + tid * NM, scale, base, iters, hc_eps, pre + t * HC, post + t * HC,
+                              comb + t * HC * HC);
+    }
+}
+
+template <int HC>
+static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
+                            int64_t D, const float *fn, const float *scale, const float *base, int iters,
+                            float norm_eps, float hc_eps) {
+    using cfg = hc_cfg<HC>;
+    const int64_t L = HC * D;
+    const unsigned grid = ew_blocks(T, HC_R);
+    const size_t smem = (size_t)cfg::STAGES * cfg::STAGE_BYTES;
+    if (L % 8 == 0 && al16(X) && al16(fn))
+        hc_mixes_kernel<HC, true><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(
+            pre, post, comb, X, T, D, fn, scale, base, iters, norm_eps, hc_eps);
+    else
+        hc_mixes_kernel<HC, false><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(
+            pre, post, comb, X, T, D, fn, scale, base, iters, norm_eps, hc_eps);
+    KERNEL_CHECK();
+}
+
+void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
+                      int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
+                      float norm_eps, float hc_eps) {
+    if (T <= 0) return;
+    switch (hc) {
+#define HC_CASE(H)                                                                                         \
+    case H:                                                                                                \
+        hc_mixes_launch<H>(be, pre, post, comb, X, T, D, fn, scale, base, iters, norm_eps, hc_eps);        \
+        break;
+        HC_CASE(1)
+        HC_CASE(2)
+        HC_CASE(3)
+        HC_CASE(4)
+        HC_CASE(6)
+        HC_CASE(8)
+#undef HC_CASE
+    default:
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "hc_mixes", "hc_mult not instantiated (1, 2, 3, 4, 6, 8)");
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * mHC collapse / expand / init: one thread per VEC consecutive d of a row, sums over the copies
+ * j in order, as the CPU. */
+
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    hc_collapse_kernel(uint16_t *__restrict__ y, const uint16_t *__restrict__ X, const float *__restrict__ p,
+                       int64_t T, int64_t hc, int64_t D) {
+    const int64_t nv = D / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * nv) return;
+    const int64_t t = g / nv, d = (g % nv) * VEC;
+    const uint16_t *xr = X + t * hc * D + d; /* X [T, hc, D] bf16 */
+    const float *pr = p + t * hc;            /* p [T, hc] */
+    float acc[VEC], xv[VEC];
+    load_bf<VEC>(xr, xv);
+    const float p0 = pr[0];
+#pragma unroll
+    for (int i = 0; i < VEC; i++) acc[i] = __fmul_rn(p0, xv[i]);
+    for (int64_t jj = 1; jj < hc; jj++) {
+        const float pj = pr[jj];
+        load_bf<VEC>(xr + jj * D, xv);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(pj, xv[i]));
+    }
+    store_bf<VEC>(y + t * D + d, acc); /* y [T, D] bf16 */
+}
+
+void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
+                         int64_t D) {
+    if (T <= 0 || D <= 0 || hc <= 0) return;
+    if (D % 8 == 0 && al16(y) && al16(X))
+        hc_collapse_kernel<8><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(y, X, p, T, hc,
+                                                                                                       D);
+    else
+        hc_collapse_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(y, X, p, T, hc, D);
+    KERNEL_CHECK();
+}
+
+/* Thread (t, k, VEC d's): output copy k reads column k of C over the input copies (L1 serves the
+ * other k's reads of the same X). */
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    hc_expand_kernel(uint16_t *__restrict__ Xo, const uint16_t *__restrict__ y, const uint16_t *__restrict__ X,
+                     const float *__restrict__ post, const float *__restrict__ comb, int64_t T, int64_t hc,
+                     int64_t D) {
+    const int64_t nv = D / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * hc * nv) return;
+    const int64_t d = (g % nv) * VEC, tk = g / nv, k = tk % hc, t = tk / hc;
+    const uint16_t *xr = X + t * hc * D + d; /* X [T, hc, D] bf16 */
+    const float *c = comb + t * hc * hc;     /* comb [T, hc, hc]: c[j*hc + k] */
+    float mix[VEC], xv[VEC];
+    load_bf<VEC>(xr, xv);
+    const float c0 = c[k];
+#pragma unroll
+    for (int i = 0; i < VEC; i++) mix[i] = __fmul_rn(c0, xv[i]);
+    for (int64_t jj = 1; jj < hc; jj++) {
+        const float cj = c[jj * hc + k];
+        load_bf<VEC>(xr + jj * D, xv);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) mix[i] = __fadd_rn(mix[i], __fmul_rn(cj, xv[i]));
+    }
+    const float pk = post[t * hc + k]; /* post [T, hc] */
+    load_bf<VEC>(y + t * D + d, xv);   /* y [T, D] bf16 */
+#pragma unroll
+    for (int i = 0; i < VEC; i++) mix[i] = __fadd_rn(__fmul_rn(pk, xv[i]), mix[i]);
+    store_bf<VEC>(Xo + tk * D + d, mix); /* Xo [T, hc, D] bf16 */
+}
+
+void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
+                       const float *comb, int64_t T, int64_t hc, int64_t D) {
+    if (T <= 0 || D <= 0 || hc <= 0) return;
+    if (D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
+        hc_expand_kernel<8><<<ew_blocks(T * hc * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+            Xo, y, X, post, comb, T, hc, D);
+    else
+        hc_expand_kernel<1><<<ew_blocks(T * hc * D, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+            Xo, y, X, post, comb, T, hc, D);
+    KERNEL_CHECK();
+}
+
+/* X[t, c, :] = e[t, :]; pre[t] = one-hot(0). Thread g copies VEC values to every copy and, for
+ * g < T·hc, also writes pre[g]. */
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    hc_init_kernel(uint16_t *__restrict__ X, float *__restrict__ pre, const uint16_t *__restrict__ e, int64_t T,
+                   int64_t hc, int64_t D) {
+    const int64_t nv = D / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g < T * hc) pre[g] = g % hc == 0 ? 1.0f : 0.0f; /* pre [T, hc] */
+    if (g >= T * nv) return;
+    const int64_t t = g / nv, d = (g % nv) * VEC;
+    if (VEC == 8) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(e + t * D + d); /* e [T, D] bf16 */
+        for (int64_t c = 0; c < hc; c++) *reinterpret_cast<uint4 *>(X + (t * hc + c) * D + d) = v;
+    } else {
+        const uint16_t v = e[t * D + d];
+        for (int64_t c = 0; c < hc; c++) X[(t * hc + c) * D + d] = v;
+    }
+}
+
+void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
+                     int64_t D) {
+    if (T <= 0 || hc <= 0) return;
+    const bool vec = D % 8 == 0 && al16(X) && al16(e);
+    const int64_t items = T * (vec ? D / 8 : D), n = items > T * hc ? items : T * hc;
+    if (vec)
+        hc_init_kernel<8><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(X, pre, e, T, hc, D);
+    else
+        hc_init_kernel<1><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(X, pre, e, T, hc, D);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Embedding and Engram rows */
+
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    embed_kernel(uint16_t *__restrict__ e, const int32_t *__restrict__ ids, int64_t T,
+                 const uint16_t *__restrict__ table, int64_t row0, int64_t nrows, int64_t D) {
+    const int64_t nv = D / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * nv) return;
+    const int64_t t = g / nv, d = (g % nv) * VEC, id = ids[t];
+    const bool own = id >= row0 && id < row0 + nrows; /* rows of other vocab shards: zeros */
+    const uint16_t *src = table + (own ? id - row0 : 0) * D + d; /* table [nrows, D] bf16 */
+    if (VEC == 8) {
+        const uint4 v = own ? *reinterpret_cast<const uint4 *>(src) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4 *>(e + t * D + d) = v; /* e [T, D] bf16 */
+    } else {
+        e[t * D + d] = own ? *src : (uint16_t)0;
+    }
+}
+
+void cuda_op_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
+                   int64_t row0, int64_t nrows, int64_t D) {
+    if (T <= 0 || D <= 0) return;
+    if (D % 8 == 0 && al16(e) && al16(table))
+        embed_kernel<8><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(e, ids, T, table,
+                                                                                                  row0, nrows, D);
+    else
+        embed_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(e, ids, T, table, row0,
+                                                                                              nrows, D);
+    KERNEL_CHECK();
+}
+
+/* Thread per VEC table bytes of one (t, c) row: the table is host-resident (mapped pinned memory)
+ * in the release, so 16-byte reads keep the bus requests few. A 16-value chunk lies inside one
+ * 32-value scale block. */
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    engram_gather_kernel(uint16_t *__restrict__ rows, const int64_t *__restrict__ ids, int64_t TC,
+                         const uint8_t *__restrict__ table, const uint8_t *__restrict__ scale, int64_t row0,
+                         int64_t nrows, int64_t hd) {
+    const int64_t nv = hd / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= TC * nv) return;
+    const int64_t tc = g / nv, jv = (g % nv) * VEC, id = ids[tc]; /* ids [T, C] int64 */
+    uint16_t *out = rows + tc * hd + jv;                           /* rows [T, C, hd] bf16 */
+    const bool own = id >= row0 && id < row0 + nrows;
+    if (VEC == 16) {
+        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = o0;
+        if (own) {
+            const int64_t l = id - row0;
+            const uint4 q = *reinterpret_cast<const uint4 *>(table + l * hd + jv); /* table [nrows, hd] e4m3 */
+            const float s = ds_e8m0(scale[l * (hd / 32) + jv / 32]);              /* scale [nrows, hd/32] e8m0 */
+            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+            uint32_t o[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const uint32_t b0 = (w[i / 2] >> (16 * (i & 1))) & 0xff, b1 = (w[i / 2] >> (16 * (i & 1) + 8)) & 0xff;
+                o[i] = (uint32_t)f2bf(__fmul_rn(ds_e4m3(b0), s)) | ((uint32_t)f2bf(__fmul_rn(ds_e4m3(b1), s)) << 16);
+            }
+            o0 = make_uint4(o[0], o[1], o[2], o[3]);
+            o1 = make_uint4(o[4], o[5], o[6], o[7]);
+        }
+        reinterpret_cast<uint4 *>(out)[0] = o0;
+        reinterpret_cast<uint4 *>(out)[1] = o1;
+    } else {
+        uint16_t o = 0;
+        if (own) {
+            const int64_t l = id - row0;
+            o = f2bf(__fmul_rn(ds_e4m3(table[l * hd + jv]), ds_e8m0(scale[l * (hd / 32) + jv / 32])));
+        }
+        out[0] = o;
+    }
+}
+
+void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
+                           const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd) {
+    const int64_t TC = T * C;
+    if (TC <= 0 || hd <= 0) return;
+    if (hd % 16 == 0 && al16(table) && al16(rows))
+        engram_gather_kernel<16><<<ew_blocks(TC * hd / 16, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+            rows, ids, TC, table, scale, row0, nrows, hd);
+    else
+        engram_gather_kernel<1><<<ew_blocks(TC * hd, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+            rows, ids, TC, table, scale, row0, nrows, hd);
+    KERNEL_CHECK();
+}
+
+/* Engram gate: one warp per (t, copy c). The three statistics (Σh², Σkey², Σ(h·w)·key) share one
+ * pass in torch's order, then the warp rewrites the row in place: h is read whole before the
+ * final shuffles of the sums, and each lane reads its elements before writing them. */
+template <int VEC>
+__global__ void __launch_bounds__(ROW_WARPS * 32)
+    engram_gate_kernel(uint16_t *X, const uint16_t *__restrict__ kv, const float *__restrict__ w, int64_t T,
+                       int64_t hc, int64_t D, float eps, float inv_sqrt_d, int al_pairs) {
+    const int64_t row = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= T * hc) return; /* whole warps */
+    const int64_t t = row / hc, c = row % hc;
+    uint16_t *h = X + row * D;                         /* X [T, hc, D] bf16 */
+    const uint16_t *key = kv + t * (hc + 1) * D + c * D; /* kv [T, hc + 1, D] bf16: keys, then the value */
+    const uint16_t *value = kv + t * (hc + 1) * D + hc * D;
+    const float *wc = w + c * D; /* w [hc, D] f32 */
+    const bool al = al_pairs != 0;
+    float st[3];
+    torch_sum_warp<3>(
+        D,
+        [&](int64_t e, float *a, float *b) {
+            float h0, h1, k0, k1, w0, w1;
+            load_bf_pair(h, e, al, h0, h1);
+            load_bf_pair(key, e, al, k0, k1);
+            if (al) {
+                const float2 ww = *reinterpret_cast<const float2 *>(wc + e);
+                w0 = ww.x;
+                w1 = ww.y;
+            } else {
+                w0 = wc[e];
+                w1 = wc[e + 1];
+            }
+            a[0] = __fmul_rn(h0, h0);
+            b[0] = __fmul_rn(h1, h1);
+            a[1] = __fmul_rn(k0, k0);
+            b[1] = __fmul_rn(k1, k1);
+            a[2] = __fmul_rn(__fmul_rn(h0, w0), k0);
+            b[2] = __fmul_rn(__fmul_rn(h1, w1), k1);
+        },
+        [&](int64_t e, float *a) {
+            const float h0 = bf2f(h[e]), k0 = bf2f(key[e]);
+            a[0] = __fmul_rn(h0, h0);
+            a[1] = __fmul_rn(k0, k0);
+            a[2] = __fmul_rn(__fmul_rn(h0, wc[e]), k0);
+        },
+        st);
+    const float fd = (float)D;
+    const float rstd = __fmul_rn(ds_rstd(st[0], fd, eps), ds_rstd(st[1], fd, eps));
+    const float dot = __fmul_rn(__fmul_rn(st[2], rstd), inv_sqrt_d);
+    const float g = ds_sigmoid(copysignf(__fsqrt_rn(fmaxf(fabsf(dot), 1e-6f)), dot));
+    for (int64_t e = (int64_t)lane * VEC; e < D; e += 32 * VEC) {
+        float hv[VEC], vv[VEC];
+        load_bf<VEC>(h + e, hv);
+        load_bf<VEC>(value + e, vv);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) hv[i] = __fadd_rn(hv[i], __fmul_rn(g, vv[i]));
+        store_bf<VEC>(h + e, hv);
+    }
+}
+
+void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
+                         int64_t hc, int64_t D, float eps) {
+    if (T <= 0 || hc <= 0 || D <= 0) return;
+    const float inv_sqrt_d = (float)(1.0 / sqrt((double)D)); /* as the CPU: in double, then rounded */
+    /* pairs (e even) are 4-byte (bf16) / 8-byte (w) aligned when D is even and the bases are */
+    const int al_pairs = D % 2 == 0 && ((uintptr_t)X & 3) == 0 && ((uintptr_t)kv & 3) == 0 && ((uintptr_t)w & 7) == 0;
+    const unsigned grid = ew_blocks(T * hc, ROW_WARPS);
+    if (D % 8 == 0 && al16(X) && al16(kv))
+        engram_gate_kernel<8><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
+                                                                              al_pairs);
+    else
+        engram_gate_kernel<1><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
+                                                                              al_pairs);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * fp32 + bf16 add, and the TP interleave */
+
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+    add_f32_bf16_kernel(uint16_t *out, const float *acc, const uint16_t *y, int64_t n) {
+    const int64_t i0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    float a[VEC];
+    if (VEC == 8) {
+        const float4 a0 = *reinterpret_cast<const float4 *>(acc + i0);
+        const float4 a1 = *reinterpret_cast<const float4 *>(acc + i0 + 4);
+        a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) a[i] = acc[i0 + i];
+    }
+    if (y) {
+        float yv[VEC];
+        load_bf<VEC>(y + i0, yv);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) a[i] = __fadd_rn(a[i], yv[i]);
+    }
+    store_bf<VEC>(out + i0, a);
+}
+
+void cuda_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
+    if (n <= 0) return;
+    if (n % 8 == 0 && al16(out) && al16(acc) && (!y || al16(y)))
+        add_f32_bf16_kernel<8><<<ew_blocks(n / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(out, acc, y, n);
+    else
+        add_f32_bf16_kernel<1><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(out, acc, y, n);
+    KERNEL_CHECK();
+}
+
+/* dst[t, s, :] = src[s, t, :]; V is the widest unit that divides `bytes` and both pointers. */
+template <typename V>
+__global__ void __launch_bounds__(EW_THREADS)
+    interleave_kernel(V *__restrict__ dst, const V *__restrict__ src, int64_t S, int64_t T, int64_t nv) {
+    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= S * T * nv) return;
+    const int64_t c = g % nv, ts = g / nv, s = ts % S, t = ts / S;
+    dst[g] = src[(s * T + t) * nv + c];
+}
+
+template <typename V>
+static void interleave_launch(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
+    const int64_t nv = (int64_t)(bytes / sizeof(V));
+    interleave_kernel<V><<<ew_blocks(S * T * nv, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+        (V *)dst, (const V *)src, S, T, nv);
+    KERNEL_CHECK();
+}
+
+void cuda_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
+    if (S <= 0 || T <= 0 || bytes == 0) return;
+    const uintptr_t a = (uintptr_t)dst | (uintptr_t)src | (uintptr_t)bytes;
+    if ((a & 15) == 0)
+        interleave_launch<uint4>(be, dst, src, S, T, bytes);
+    else if ((a & 7) == 0)
+        interleave_launch<uint2>(be, dst, src, S, T, bytes);
+    else if ((a & 3) == 0)
+        interleave_launch<uint32_t>(be, dst, src, S, T, bytes);
+    else if ((a & 1) == 0)
+        interleave_launch<uint16_t>(be, dst, src, S, T, bytes);
+    else
+        interleave_launch<uint8_t>(be, dst, src, S, T, bytes);
+}

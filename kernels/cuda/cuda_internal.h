@@ -1,0 +1,83 @@
+/* Shared pieces of the SM80 backend (kernels/cuda/*.cu): the prototypes of every op (the table in
+ * cuda_backend.cu points at them; signatures and numerics exactly as kernels/backend.h states), and
+ * the backend's stream and scratch memory. All pointers an op receives are device pointers (or
+ * mapped host pointers for host-resident tensors); every op is asynchronous on the backend's
+ * stream and must not synchronize the host (the model downloads when it needs a value).
+ *
+ * Weights after weight_prepare: the same struct qweight, with w/s pointing to device memory laid
+ * out compactly (ld = k elements for BF16/F32/FP8 data, ld = k/2 bytes for FP4; s_ld = ceil(k/32)
+ * scale bytes per scale row), so kernels may assume ld/s_ld as stored in the struct. */
+#ifndef DS_CUDA_INTERNAL_H
+#define DS_CUDA_INTERNAL_H
+
+#include "backend.h"
+#include "cuda_common.cuh"
+
+extern "C" void ds_err_set(const char *fmt, ...);
+
+/* The backend's stream: every kernel of an op launches on it. */
+cudaStream_t cuda_be_stream(struct backend *be);
+/* Stream-ordered scratch (cudaMallocAsync on the backend's stream, zero-filled) and its release;
+ * the same as be->ops->alloc / be->ops->free. */
+void *cuda_be_scratch(struct backend *be, size_t bytes);
+void cuda_be_scratch_free(struct backend *be, void *p);
+/* Multiprocessors of the backend's device (for grid sizing). */
+int cuda_be_sms(struct backend *be);
+/* Whether FP8/FP4 linears of more than 16 rows may take the tensor-core path (backend_cuda_set_mma). */
+bool cuda_be_mma(struct backend *be);
+
+/* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */
+void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
+void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
+void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
+                            const struct qweight *W);
+void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+
+/* ---- cuda_elementwise.cu ---- */
+void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
+                     float eps);
+void cuda_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
+                  int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse);
+void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n);
+void cuda_op_qdq_fp4_32(struct backend *be, bf16_t *x, int64_t n);
+void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n);
+void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
+                      int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
+                      float norm_eps, float hc_eps);
+void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
+                         int64_t D);
+void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
+                       const float *comb, int64_t T, int64_t hc, int64_t D);
+void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
+                     int64_t D);
+void cuda_op_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
+                   int64_t row0, int64_t nrows, int64_t D);
+void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
+                           const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
+void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
+                         int64_t hc, int64_t D, float eps);
+void cuda_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
+void cuda_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
+
+/* ---- cuda_attention.cu ---- */
+void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                         int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+void cuda_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G,
+                           int64_t r, int64_t n);
+void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
+                          const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
+                          int64_t nh, int64_t d, int64_t nk);
+
+/* ---- cuda_moe.cu ---- */
+void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
+                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
+                    float route_scale);
+void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                         const struct qweight *w3, const struct qweight *w2, float limit);
+void cuda_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
+                         int64_t D, int64_t per_part, int64_t P);
+void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                           const struct qweight *w3, const struct qweight *w2, float limit);
+
+#endif /* DS_CUDA_INTERNAL_H */

@@ -1,0 +1,349 @@
+/* Dense projections of the SM80 backend: the op-table entries linear, linear_f32, grouped_linear
+ * (wo_a) and head. FP8/FP4 weights go to the block-scaled kernels of linear_sm80.cu (through their
+ * C interface, in chunks of CUDA_LINEAR_MAX_T rows); BF16 (and F32) weights run here.
+ *
+ * Numerics: every output is one sequential fp32 sum over k in k order, starting from +0, with a
+ * round-to-nearest product and a round-to-nearest add per term (no FMA: __fmul_rn/__fadd_rn), then
+ * one rounding to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for fp32 outputs. That is
+ * the CPU backend's order (kernels/cpu/cpu_linear.c), so every op here is bit-identical to it,
+ * and batch invariant: an output never depends on T, on the other rows of the call or on the grid.
+ *
+ * Parallelism therefore comes only from outputs, never from splitting a sum. BF16 kernel: a CTA
+ * owns 32 weight rows (lane = row) and up to 8 token rows (its 4 warps split the tokens), and
+ * walks k in stages of 128 through a 4-deep cp.async ring in shared memory (weights coalesced
+ * from global, chunk-swizzled so each lane's 16-byte row reads are bank-conflict free; the 8
+ * token rows are widened to fp32 once per stage so the inner loop is a broadcast read). Every
+ * weight is read from memory once per call for up to 8 rows, which is what decode needs (the
+ * head is the largest GEMV of the model); more rows go through more token groups in the same
+ * launch, neighbouring in the grid so the re-reads hit L2. The floor of a small-n GEMV is the
+ * dependent add chain (k adds per output, about 9 us at k = 4096), the price of exactness.
+ * Shapes a 16-byte copy cannot serve (row strides not a multiple of 8 elements, F32 weights) take
+ * a plain one-thread-per-output kernel with the same order. */
+#include "cuda_internal.h"
+#include "cuda_linear.h"
+#include "linear_mma.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * Exact conversions (src/formats.c) */
+
+/* bf16_from_f32: RNE by integer add; any NaN becomes the canonical 0x7FC0 (the intrinsic would
+ * give 0x7FFF). */
+static __device__ __forceinline__ uint16_t lo_bf16_rne(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static __device__ __forceinline__ void lo_store(void *y, bool out_f32, int64_t i, float v) {
+    if (out_f32)
+        ((float *)y)[i] = v;
+    else
+        ((uint16_t *)y)[i] = lo_bf16_rne(v);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * cp.async (SM80): 16-byte global -> shared copies, bytes beyond `src_bytes` zero-filled. */
+
+static __device__ __forceinline__ void lo_cp16(void *dst, const void *src, int src_bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+static __device__ __forceinline__ void lo_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * BF16 kernel */
+
+#define DN_ROWS 32   /* weight rows per CTA: lane = row */
+#define DN_WARPS 4   /* warps per CTA; they share the rows and split the token rows */
+#define DN_TMAX 8    /* token rows per CTA */
+#define DN_KB 128    /* k values per pipeline stage (16 chunks of 8 bf16 per row) */
+#define DN_STAGES 4  /* ring depth: 3 stages in flight while one is computed */
+
+/* Grid: x = token group (8 rows; fastest, so the groups of one weight tile run together and
+ * share it through L2), y = 32-row weight tile, z = group g of a grouped projection (element
+ * offsets y_gs, x_gs, w_gs per g). TT = token rows of a full group (T when T <= 8, else 8, the last
+ * group masked). Shared memory: weights 4 x 32 x 128 bf16 = 32 KB, raw x 4 x TT x 128 bf16
+ * (<= 8 KB), widened x TT x 128 fp32 (<= 4 KB, only for TT >= 5).
+ * Stage s: wait until its copies landed (group s), barrier (also: everyone finished stage s-1,
+ * whose slot and the widened-x buffer are now free), issue stage s+3 into s-1's slot, (TT >= 5:
+ * widen x, barrier,) then lane r of warp w runs row r over the 128 k of the stage for tokens
+ * w*TPW.. (TPW = 2 rows per warp when TT >= 5, else warp w takes row w). */
+template <int TT, bool OUT_F32>
+__global__ void __launch_bounds__(DN_WARPS * 32)
+    dense_bf16_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
+                      int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
+                      int64_t k, int prefetch) {
+    constexpr int TPW = (TT + DN_WARPS - 1) / DN_WARPS; /* token rows per warp */
+    __shared__ __align__(16) uint16_t sm_w[DN_STAGES][DN_ROWS][DN_KB];
+    __shared__ __align__(16) uint16_t sm_x[DN_STAGES][TT][DN_KB];
+    __shared__ __align__(16) float sm_xf[TPW > 1 ? TT : 1][DN_KB]; /* widened x (>= 5 rows) */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t t0 = (int64_t)blockIdx.x * DN_TMAX, r0 = (int64_t)blockIdx.y * DN_ROWS, g = blockIdx.z;
+    const int tcount = (int)(T - t0 < TT ? T - t0 : TT);
+    const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
+    const int nst = (int)((k + DN_KB - 1) / DN_KB);
+
+    /* one stage: 32 rows x 16 chunks of weights (4 per thread, 16 consecutive threads per row:
+     * coalesced) stored at chunk c ^ (row & 7), and TT x 16 chunks of x; rows past n, token rows
+     * past the call and k past the end are zero-filled, and zeros add exactly nothing */
+    auto load_stage = [&](int slot, int s) {
+        const int64_t kb = (int64_t)s * DN_KB;
+#pragma unroll
+        for (int j = 0; j < (DN_ROWS * DN_KB / 8) / (DN_WARPS * 32); j++) {
+            int q = tid + j * DN_WARPS * 32, row = q >> 4, c = q & 15;
+            int64_t gk = kb + c * 8, gr = r0 + row;
+            int bytes = (gr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+            const uint16_t *src = bytes ? wg + gr * ldw + gk : wg;
+            lo_cp16(&sm_w[slot][row][(c ^ (row & 7)) * 8], src, bytes);
+        }
+        if (tid < TT * (DN_KB / 8)) {
+            int t = tid >> 4, c = tid & 15;
+            int64_t gk = kb + c * 8;
+            int bytes = (t < tcount && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+            const uint16_t *src = bytes ? xg + (t0 + t) * ldx + gk : xg;
+            lo_cp16(&sm_x[slot][t][c * 8], src, bytes);
+        }
+    };
+
+    /* small weights: the whole 32-row slab is requested into L2 up front, so the ring below waits
+     * for L2, not for DRAM, and the sum chain (latency bound at these sizes) is what remains */
+    if (prefetch) {
+        const int64_t lpr = (k + 63) / 64; /* 128-byte lines per row */
+        for (int64_t i = tid; i < DN_ROWS * lpr; i += DN_WARPS * 32) {
+            int64_t row = r0 + i / lpr;
+            if (row < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(wg + row * ldw + (i % lpr) * 64));
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < DN_STAGES - 1; s++) {
+        if (s < nst) load_stage(s, s);
+        lo_cp_commit(); /* empty groups keep the group count uniform */
+    }
+
+    float acc[TPW];
+#pragma unroll
+    for (int i = 0; i < TPW; i++) acc[i] = 0.0f;
+
+    for (int s = 0; s < nst; s++) {
+        const int slot = s % DN_STAGES;
+        lo_cp_wait<DN_STAGES - 2>();
+        __syncthreads();
+        if (s + DN_STAGES - 1 < nst) load_stage((s + DN_STAGES - 1) % DN_STAGES, s + DN_STAGES - 1);
+        lo_cp_commit();
+        if (TPW > 1) { /* >= 5 token rows: widen x once per stage (the inner loop is compute bound) */
+            for (int i = tid; i < TT * (DN_KB / 8); i += DN_WARPS * 32) {
+                int t = i >> 4, c = i & 15;
+                uint4 v = *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]);
+                float4 a = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+                float4 b = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+                *reinterpret_cast<float4 *>(&sm_xf[t][c * 8]) = a;
+                *reinterpret_cast<float4 *>(&sm_xf[t][c * 8 + 4]) = b;
+            }
+            __syncthreads();
+        } /* <= 4 rows: one row per warp, widened where it is read: one barrier per stage */
+        if (warp * TPW < TT) { /* warps without token rows only helped load */
+            /* Software-pipelined: the 8 products of chunk c+1 (independent roundings) are formed
+             * while chunk c's 8 adds run, so the one dependent add chain per output (4 cycles an
+             * add; the whole cost at small n, where a CTA has a single busy warp) never waits for
+             * a load or a multiply. The adds themselves stay in k order. */
+            const uint16_t *wrow = &sm_w[slot][lane][0];
+            auto products = [&](int c, float(&pr)[TPW][8]) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(wrow + (c ^ (lane & 7)) * 8);
+                const float wf[8] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                     __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u),
+                                     __uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                     __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u)};
+#pragma unroll
+                for (int i = 0; i < TPW; i++) {
+                    const int t = warp * TPW + i < TT ? warp * TPW + i : TT - 1; /* past TT: unused */
+                    float xv[8];
+                    if (TPW > 1) {
+                        const float4 xa = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8]);
+                        const float4 xb = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8 + 4]);
+                        xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
+                        xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
+                    } else {
+                        const uint4 u = *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]);
+                        xv[0] = __uint_as_float(u.x << 16), xv[1] = __uint_as_float(u.x & 0xffff0000u);
+                        xv[2] = __uint_as_float(u.y << 16), xv[3] = __uint_as_float(u.y & 0xffff0000u);
+                        xv[4] = __uint_as_float(u.z << 16), xv[5] = __uint_as_float(u.z & 0xffff0000u);
+                        xv[6] = __uint_as_float(u.w << 16), xv[7] = __uint_as_float(u.w & 0xffff0000u);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; j++) pr[i][j] = __fmul_rn(xv[j], wf[j]);
+                }
+            };
+            float pr[TPW][8];
+            products(0, pr);
+#pragma unroll
+            for (int c = 0; c < DN_KB / 8; c++) {
+                float pn[TPW][8];
+                if (c + 1 < DN_KB / 8) products(c + 1, pn);
+#pragma unroll
+                for (int i = 0; i < TPW; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i] = __fadd_rn(acc[i], pr[i][j]);
+                if (c + 1 < DN_KB / 8) {
+#pragma unroll
+                    for (int i = 0; i < TPW; i++)
+#pragma unroll
+                        for (int j = 0; j < 8; j++) pr[i][j] = pn[i][j];
+                }
+            }
+        }
+    }
+    lo_cp_wait<0>(); /* nothing may be in flight into shared memory when the CTA exits */
+
+    const int64_t row = r0 + lane;
+    if (row < n) {
+#pragma unroll
+        for (int i = 0; i < TPW; i++) {
+            const int t = warp * TPW + i;
+            if (t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, acc[i]);
+        }
+    }
+}
+
+/* Any shape, BF16 or F32 weights: one thread per output (grid x over rows, y over token rows,
+ * z over groups), the same sequential k-order sum. Used where 16-byte copies are not possible. */
+template <bool W_F32, bool OUT_F32>
+__global__ void dense_generic_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x,
+                                     int64_t ldx, int64_t x_gs, const void *__restrict__ w, int64_t ldw, int64_t w_gs,
+                                     int64_t T, int64_t n, int64_t k) {
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, g = blockIdx.z;
+    if (row >= n) return;
+    for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+        const uint16_t *xr = x + g * x_gs + t * ldx;
+        float acc = 0.0f;
+        if (W_F32) {
+            const float *wr = (const float *)w + g * w_gs + row * ldw;
+            for (int64_t i = 0; i < k; i++) acc = __fadd_rn(acc, __fmul_rn(__uint_as_float((uint32_t)xr[i] << 16), wr[i]));
+        } else {
+            const uint16_t *wr = (const uint16_t *)w + g * w_gs + row * ldw;
+            for (int64_t i = 0; i < k; i++)
+                acc = __fadd_rn(acc, __fmul_rn(__uint_as_float((uint32_t)xr[i] << 16),
+                                               __uint_as_float((uint32_t)wr[i] << 16)));
+        }
+        lo_store(y, OUT_F32, t * ldy + g * y_gs + row, acc);
+    }
+}
+
+/* y (+ g*y_gs) [T, ldy] = x (+ g*x_gs) [T, ldx] · W (+ g*w_gs) [n, ldw]ᵀ over k, for g < G. Strides
+ * and offsets in elements. */
+static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy, int64_t y_gs, const bf16_t *x,
+                         int64_t ldx, int64_t x_gs, const void *w, enum wfmt fmt, int64_t ldw, int64_t w_gs, int64_t T,
+                         int64_t n, int64_t k, int64_t G) {
+    if (T <= 0 || n <= 0 || G <= 0) return;
+    if (G > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "dense", "more than 65535 groups");
+    cudaStream_t st = cuda_be_stream(be);
+    const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&
+                         w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (n + DN_ROWS - 1) / DN_ROWS <= 65535;
+    if (!aligned) {
+        dim3 grid((unsigned)((n + 127) / 128), (unsigned)(T < 65535 ? T : 65535), (unsigned)G);
+        if (fmt == WF_F32) {
+            if (out_f32)
+                dense_generic_kernel<true, true><<<grid, 128, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, w, ldw, w_gs, T, n, k);
+            else
+                dense_generic_kernel<true, false><<<grid, 128, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, w, ldw, w_gs, T, n, k);
+        } else {
+            if (out_f32)
+                dense_generic_kernel<false, true><<<grid, 128, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, w, ldw, w_gs, T, n, k);
+            else
+                dense_generic_kernel<false, false><<<grid, 128, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, w, ldw, w_gs, T, n,
+                                                                          k);
+        }
+        KERNEL_CHECK();
+        return;
+    }
+    const int TT = T < DN_TMAX ? (int)T : DN_TMAX;
+    const int pf = (double)G * n * k * 2 <= 16.0 * 1024 * 1024; /* fits L2 (40 MB on A100) many times */
+    dim3 grid((unsigned)((T + DN_TMAX - 1) / DN_TMAX), (unsigned)((n + DN_ROWS - 1) / DN_ROWS), (unsigned)G);
+    const uint16_t *wb = (const uint16_t *)w;
+#define DN_CASE(TTV)                                                                                               \
+    case TTV:                                                                                                      \
+        if (out_f32)                                                                                               \
+            dense_bf16_kernel<TTV, true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, \
+                                                                         n, k, pf);                                    \
+        else                                                                                                       \
+            dense_bf16_kernel<TTV, false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs,   \
+                                                                          T, n, k, pf);                                \
+        break;
+    switch (TT) { DN_CASE(1) DN_CASE(2) DN_CASE(3) DN_CASE(4) DN_CASE(5) DN_CASE(6) DN_CASE(7) DN_CASE(8) }
+#undef DN_CASE
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Ops */
+
+void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {
+    if (T <= 0 || W->n <= 0) return;
+    switch (W->fmt) {
+    case WF_FP8:
+    case WF_FP4: {
+        if (T > CUDA_LINEAR_MAX_T && cuda_be_mma(be)) {
+            /* opt-in tensor-core path (--prefill-mma): a block's 32 products are added by the
+             * mma unit, so a row's last bits depend on whether its call had more than 16 rows */
+            void *ws = cuda_be_scratch(be, cuda_linear_mma_workspace_bytes(T, W->k));
+            cuda_linear_mma((int)W->fmt, y, x, T, W->w, W->s, W->n, W->k, W->ld, W->s_ld, ws,
+                            (void *)cuda_be_stream(be));
+            cuda_be_scratch_free(be, ws);
+            break;
+        }
+        /* linear_sm80 takes at most CUDA_LINEAR_MAX_T rows per call; rows are independent, so
+         * the chunking changes no bit. One workspace serves every chunk (stream order). */
+        int64_t tc = T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T;
+        void *ws = cuda_be_scratch(be, cuda_linear_workspace_bytes(tc, W->k));
+        void *st = (void *)cuda_be_stream(be);
+        for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
+            int64_t n_t = T - t0 < CUDA_LINEAR_MAX_T ? T - t0 : CUDA_LINEAR_MAX_T;
+            if (W->fmt == WF_FP8)
+                cuda_linear_fp8(y + t0 * W->n, x + t0 * W->k, n_t, (const uint8_t *)W->w, W->s, W->n, W->k, W->ld,
+                                W->s_ld, ws, st);
+            else
+                cuda_linear_fp4(y + t0 * W->n, x + t0 * W->k, n_t, (const uint8_t *)W->w, W->s, W->n, W->k, W->ld,
+                                W->s_ld, ws, st);
+        }
+        cuda_be_scratch_free(be, ws);
+        break;
+    }
+    case WF_BF16: dense_launch(be, y, false, W->n, 0, x, W->k, 0, W->w, WF_BF16, W->ld, 0, T, W->n, W->k, 1); break;
+    default:
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda linear",
+                 "weight format not allowed (F32 goes through linear_f32)");
+    }
+}
+
+void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
+    if (T <= 0 || W->n <= 0) return;
+    if (W->fmt != WF_BF16 && W->fmt != WF_F32)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda linear_f32", "weight format is not BF16 or F32");
+    dense_launch(be, y, true, W->n, 0, x, W->k, 0, W->w, W->fmt, W->ld, 0, T, W->n, W->k, 1);
+}
+
+/* wo_a: x [T, G, kg], W [G*r, kg], y [T, G, r]; group g reads x columns g*kg.., weight rows g*r..
+ * and writes y columns g*r..: one launch, grid z = g. */
+void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
+                            const struct qweight *W) {
+    if (T <= 0 || G <= 0) return;
+    if (W->fmt != WF_BF16 && W->fmt != WF_F32)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda grouped_linear",
+                 "weight format is not BF16/F32 (prepare it with dequant_bf16)");
+    if (W->n % G != 0)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda grouped_linear", "n is not divisible by G");
+    int64_t r = W->n / G, kg = W->k;
+    dense_launch(be, y, false, G * r, r, x, G * kg, kg, W->w, W->fmt, W->ld, r * W->ld, T, r, kg, G);
+}
+
+/* The head: logits fp32 = x · Wᵀ, the same kernel as linear_f32 (one weight read per call for up
+ * to 8 rows; V_local / 32 CTAs, 505 at V = 129280 / 8). */
+void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
+    cuda_op_linear_f32(be, logits, x, T, W);
+}

@@ -1,0 +1,784 @@
+/* Mixture-of-experts ops of the SM80 backend (MODEL.md §3.10): the sqrt-softplus router, the
+ * routed FP4 experts, the ascending-id combine and the FP8 shared expert.
+ *
+ * Everything here is bit-identical to the CPU backend (kernels/cpu/cpu_moe.c), including the
+ * transcendental functions: expf and log1pf are ports of the exact glibc code the CPU oracle
+ * calls (glibc 2.36 on CI, 2.39 on the GPU machine: expf is the 2017 double-precision table
+ * algorithm, whose x86-64 FMA variant glibc selects on any AVX2 machine — its contractions are
+ * reproduced one for one; log1pf is the fdlibm float code, no FMA). CUDA's own expf (2 ulp) or
+ * a correctly rounded one would differ from glibc in about 1e-4 of the inputs. If the CPU ran on
+ * another libm (or a glibc >= 2.41 with CORE-MATH log1pf), the router scores and the SwiGLU
+ * could differ from it by 1 ulp of fp32 there; nothing else would.
+ *
+ * Routed experts without a host synchronization: idx/wts stay on the device. A one-CTA plan
+ * kernel buckets the (t, slot) pairs routed to this rank's experts by expert (counting sort) and
+ * cuts every expert's bucket into tiles of at most 4 pairs; the expert kernels then run over
+ * (tile slot x output-row tile), each CTA finding its expert and pairs in the plan, so a tile's
+ * weights are read once for all its pairs. The experts' w/s pointers travel as kernel parameters
+ * (64 experts per launch, 2 KB), so there is no table to upload or cache. The order of pairs
+ * inside a bucket comes from shared-memory atomics and is not deterministic, but no output
+ * depends on it: each (pair, output) is computed by the same arithmetic whichever tile it is in.
+ *
+ * FP4 GEMV (both expert kernels): lane j of a warp owns k-block j of a round of 32 blocks (its 16
+ * bytes of a weight row are one coalesced warp load) and forms, per pair, the block partial
+ * Σ_{i<32} qx·qw in k order; e4m3 x e2m1 products are exact in fp32, so the partial is formed
+ * with FMAs without changing a bit (fma(a,b,c) = RN(a·b + c) = RN(RN(a·b) + c) when a·b is exact).
+ * The partial is scaled ((p · s_x) · s_w, two roundings) and staged in shared memory, and after
+ * the round one lane per (row, pair) folds the 32 scaled partials in block order into its
+ * accumulator. That is the reference formula in the CPU's order (backend.h, linear). A warp
+ * computes 4 dot products (gate/up: 2 rows of w1 and of w3; down: 4 rows of w2) for up to 4
+ * pairs, 16 (row, pair) accumulators; a CTA is 16 warps (128 registers a thread, 48 KB of shared
+ * memory), 32 rows of I for gate/up (one act-quant group of h) or 64 rows of D for down.
+ * Measured on H200 at D = 4096, I = 2048, 32 local experts: T = 32 (17 experts hit) 232 us,
+ * about 1 TB/s of expert weights; the kernels are instruction bound (~5 instructions per FP4
+ * weight at one pair per expert, mostly the e2m1 decode, at 25% occupancy). */
+#include "cuda_internal.h"
+#include "cuda_linear.h"
+
+#include <cuda_fp16.h>
+
+/* ---------------------------------------------------------------------------------------------
+ * Exact conversions and quantization (src/formats.c) */
+
+static __device__ __forceinline__ float mo_bf16f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+/* bf16_from_f32: RNE by integer add, NaN -> 0x7FC0. */
+static __device__ __forceinline__ uint16_t mo_bf16_rne(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e4m3_from_f32, integer for integer. */
+static __device__ __forceinline__ uint32_t mo_e4m3_enc(float f) {
+    uint32_t u = __float_as_uint(f);
+    uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7fu;
+    if (a > 0x43e00000u) return sign | 0x7eu;
+    if (a >= 0x3c800000u) {
+        uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+        return sign | (r - (120u << 3));
+    }
+    float x = __fmul_rn(__uint_as_float(a), 512.0f); /* exact */
+    uint32_t i = __float2uint_rz(x);
+    float frac = __fsub_rn(x, (float)i); /* exact */
+    if (frac > 0.5f || (frac == 0.5f && (i & 1u))) i++;
+    return sign | i;
+}
+
+/* act_quant_fp8_32 / qdq of one 32-value group held one value per lane: the group amax (the CPU's
+ * `if (a > m)` skips NaN, so a NaN lane counts as 0), floored at 1e-4, the power-of-two scale
+ * 2^ceil(log2(amax/448)) from the bits, and the e4m3 code of clamp(v / scale). Returns the code's
+ * value; *scale the scale. */
+static __device__ __forceinline__ float mo_quant32(float v, float *scale) {
+    float a = fabsf(v);
+    a = a > 0.0f ? a : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (a < 1e-4f) a = 1e-4f;
+    uint32_t tb = __float_as_uint(__fmul_rn(a, (float)(1.0 / 448.0)));
+    int32_t e = (int32_t)((tb >> 23) & 0xffu) - 127 + ((tb & 0x7fffffu) != 0);
+    float sc = __uint_as_float((uint32_t)(e + 127) << 23);
+    float q = __fdiv_rn(v, sc);
+    q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q); /* clampf: a NaN passes through */
+    *scale = sc;
+    return ds_e4m3(mo_e4m3_enc(q));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * glibc's expf and log1pf (see the header) */
+
+static __device__ const uint64_t mo_exp2f_tab[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+/* glibc sysdeps/ieee754/flt-32/e_expf.c as its x86-64 FMA build computes it: k and r from one
+ * fused x·(32/ln2) each, the cubic as three FMAs, then y·2^(k/32) and one rounding to float. */
+static __device__ __forceinline__ float mo_expf(float x) {
+    const uint32_t ux = __float_as_uint(x), abstop = (ux >> 20) & 0x7ffu;
+    if (abstop >= 0x42bu) { /* |x| >= 88 or NaN */
+        if (ux == 0xff800000u) return 0.0f;
+        if (abstop >= 0x7f8u) return __fadd_rn(x, x);
+        if (x > 0x1.62e42ep6f) return __int_as_float(0x7f800000);  /* overflow */
+        if (x < -0x1.9fe368p6f) return 0.0f;                        /* underflow */
+        if (x < -0x1.9d1d9ep6f) return __int_as_float(1);           /* 0x1.4p-75f^2 = 2^-149 */
+    }
+    const double invln2n = 0x1.71547652b82fep+0 * 32, shift = 0x1.8p+52;
+    const double c0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, c1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
+                 c2 = 0x1.62e42ff0c52d6p-1 / 32;
+    const double xd = (double)x;
+    double kd = __fma_rn(invln2n, xd, shift);
+    const uint64_t ki = (uint64_t)__double_as_longlong(kd);
+    kd = __dsub_rn(kd, shift);
+    const double r = __fma_rn(invln2n, xd, -kd);
+    const uint64_t t = mo_exp2f_tab[ki & 31] + (ki << 47);
+    const double s = __longlong_as_double((long long)t);
+    const double z = __fma_rn(r, c0, c1), r2 = __dmul_rn(r, r);
+    double y = __fma_rn(r, c2, 1.0);
+    y = __fma_rn(z, r2, y);
+    return __double2float_rn(__dmul_rn(y, s));
+}
+
+/* glibc sysdeps/ieee754/flt-32/s_log1pf.c (fdlibm), every float operation rounded as written. */
+static __device__ float mo_log1pf(float x) {
+    const float ln2_hi = __uint_as_float(0x3f317180u), ln2_lo = __uint_as_float(0x3717f7d1u);
+    const float Lp1 = __uint_as_float(0x3f2aaaabu), Lp2 = __uint_as_float(0x3ecccccdu),
+                Lp3 = __uint_as_float(0x3e924925u), Lp4 = __uint_as_float(0x3e638e29u),
+                Lp5 = __uint_as_float(0x3e3a3325u), Lp6 = __uint_as_float(0x3e1cd04fu),
+                Lp7 = __uint_as_float(0x3e178897u);
+    float hfsq, f = 0.0f, c = 0.0f, s, z, R, u;
+    int32_t k = 1, hu = 0;
+    const int32_t hx = __float_as_int(x), ax = hx & 0x7fffffff;
+    if (hx < 0x3ed413d7) { /* x < 0.41422 */
+        if (ax >= 0x3f800000) { /* x <= -1 */
+            if (x == -1.0f) return __int_as_float((int)0xff800000u);
+            return __int_as_float((int)0xffc00000u); /* (x-x)/(x-x): x86's default NaN */
+        }
+        if (ax < 0x31000000) { /* |x| < 2^-29 */
+            if (ax < 0x24800000) return x;
+            return __fsub_rn(x, __fmul_rn(__fmul_rn(x, x), 0.5f));
+        }
+        if (hx > 0 || hx <= (int32_t)0xbe95f61fu) {
+            k = 0;
+            f = x;
+            hu = 1;
+        }
+    }
+    if (hx >= 0x7f800000) return __fadd_rn(x, x);
+    if (k != 0) {
+        if (hx < 0x5a000000) {
+            u = __fadd_rn(1.0f, x);
+            hu = __float_as_int(u);
+            k = (hu >> 23) - 127;
+            c = (k > 0) ? __fsub_rn(1.0f, __fsub_rn(u, x)) : __fsub_rn(x, __fsub_rn(u, 1.0f));
+            c = __fdiv_rn(c, u);
+        } else {
+            u = x;
+            hu = __float_as_int(u);
+            k = (hu >> 23) - 127;
+            c = 0.0f;
+        }
+        hu &= 0x007fffff;
+        if (hu < 0x3504f7) {
+            u = __int_as_float(hu | 0x3f800000);
+        } else {
+            k += 1;
+            u = __int_as_float(hu | 0x3f000000);
+            hu = (0x00800000 - hu) >> 2;
+        }
+        f = __fsub_rn(u, 1.0f);
+    }
+    const float kf = (float)k;
+    hfsq = __fmul_rn(__fmul_rn(0.5f, f), f);
+    if (hu == 0) { /* |f| < 2^-20 */
+        if (f == 0.0f) {
+            if (k == 0) return 0.0f;
+            c = __fadd_rn(c, __fmul_rn(kf, ln2_lo));
+            return __fadd_rn(__fmul_rn(kf, ln2_hi), c);
+        }
+        R = __fmul_rn(hfsq, __fsub_rn(1.0f, __fmul_rn(__uint_as_float(0x3f2aaaabu), f)));
+        if (k == 0) return __fsub_rn(f, R);
+        return __fsub_rn(__fmul_rn(kf, ln2_hi), __fsub_rn(__fsub_rn(R, __fadd_rn(__fmul_rn(kf, ln2_lo), c)), f));
+    }
+    s = __fdiv_rn(f, __fadd_rn(2.0f, f));
+    z = __fmul_rn(s, s);
+    R = __fadd_rn(Lp6, __fmul_rn(z, Lp7));
+    R = __fadd_rn(Lp5, __fmul_rn(z, R));
+    R = __fadd_rn(Lp4, __fmul_rn(z, R));
+    R = __fadd_rn(Lp3, __fmul_rn(z, R));
+    R = __fadd_rn(Lp2, __fmul_rn(z, R));
+    R = __fadd_rn(Lp1, __fmul_rn(z, R));
+    R = __fmul_rn(z, R);
+    if (k == 0) return __fsub_rn(f, __fsub_rn(hfsq, __fmul_rn(s, __fadd_rn(hfsq, R))));
+    return __fsub_rn(__fmul_rn(kf, ln2_hi),
+                     __fsub_rn(__fsub_rn(hfsq, __fadd_rn(__fmul_rn(s, __fadd_rn(hfsq, R)),
+                                                         __fadd_rn(__fmul_rn(kf, ln2_lo), c))),
+                               f));
+}
+
+/* The clamped SwiGLU of one element (swiglu_rows in cpu_moe.c): g, u are the bf16 GEMM outputs
+ * widened; silu(g) = g / (1 + expf(-g)); the routing weight, if any, multiplies last. */
+static __device__ __forceinline__ float mo_swiglu(float g, float u, float limit, bool has_wt, float wt) {
+    if (limit > 0.0f) {
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+        g = g > limit ? limit : g;
+    }
+    float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, mo_expf(-g))), u);
+    return has_wt ? __fmul_rn(wt, h) : h;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Router */
+
+#define RT_WARPS 4
+#define RT_MAX_E 2048 /* experts: a lane holds its taken flags in one 64-bit mask */
+#define RT_MAX_K 64
+
+/* One warp per token row (4 per CTA). Shared memory per warp: s [E] and s + bias [E] fp32, the
+ * chosen weights [k]. Scores per lane (e = lane + 32 j), then k rounds of an exact arg-max (max
+ * involves no arithmetic, so the warp reduction's order cannot matter): the CPU scans ids upward
+ * keeping the first candidate and replacing it only on a strictly greater value, i.e. the largest
+ * value with ties to the lower id, except that a NaN first candidate is never replaced; the
+ * reduction does the same (NaN values only win as that first candidate). The normalization sum
+ * runs on lane 0 in slot order, as the CPU's. */
+__global__ void __launch_bounds__(RT_WARPS * 32)
+    router_select_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
+                         const float *__restrict__ bias, int64_t T, int E, int k, float temp, int norm,
+                         float route_scale) {
+    extern __shared__ float rt_sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *s = rt_sm + (size_t)warp * (2 * E + RT_MAX_K), *v = s + E, *wsel = v + E;
+    const int64_t t = (int64_t)blockIdx.x * RT_WARPS + warp;
+    if (t >= T) return; /* no block-wide barrier below */
+    const float *zr = z + t * E;
+    for (int e = lane; e < E; e += 32) {
+        float zt = __fdiv_rn(zr[e], temp);
+        float sp = zt > 20.0f ? zt : mo_log1pf(mo_expf(zt)); /* torch softplus, threshold 20 */
+        float sv = __fsqrt_rn(sp);
+        s[e] = sv;
+        v[e] = bias ? __fadd_rn(sv, bias[e]) : sv;
+    }
+    __syncwarp();
+    const int J = (E + 31) / 32;
+    uint64_t taken = 0;
+    for (int slot = 0; slot < k; slot++) {
+        int first = 0x7fffffff, best = 0x7fffffff;
+        float bv = 0.0f;
+        for (int j = 0; j < J; j++) {
+            int e = lane + 32 * j;
+            if (e >= E || ((taken >> j) & 1)) continue;
+            if (first == 0x7fffffff) first = e;
+            float ve = v[e];
+            if (ve == ve && (best == 0x7fffffff || ve > bv)) {
+                best = e;
+                bv = ve;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            int ob = __shfl_xor_sync(0xffffffffu, best, o), of = __shfl_xor_sync(0xffffffffu, first, o);
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            if (ob != 0x7fffffff && (best == 0x7fffffff || ov > bv || (ov == bv && ob < best))) {
+                best = ob;
+                bv = ov;
+            }
+            first = of < first ? of : first;
+        }
+        const float vf = v[first];
+        const int chosen = vf != vf ? first : best;
+        if ((chosen & 31) == lane) taken |= 1ull << (chosen >> 5);
+        if (lane == 0) {
+            idx[t * k + slot] = chosen;
+            wsel[slot] = s[chosen];
+        }
+    }
+    if (lane == 0) {
+        if (norm && k > 1) {
+            float sum = 0.0f;
+            for (int slot = 0; slot < k; slot++) sum = __fadd_rn(sum, wsel[slot]);
+            float den = __fadd_rn(sum, 1e-20f);
+            for (int slot = 0; slot < k; slot++) wsel[slot] = __fdiv_rn(wsel[slot], den);
+        }
+        for (int slot = 0; slot < k; slot++) wts[t * k + slot] = __fmul_rn(wsel[slot], route_scale);
+    }
+}
+
+void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
+                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
+                    float route_scale) {
+    const int64_t E = gate->n;
+    if (T <= 0) return;
+    if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
+    cudaStream_t st = cuda_be_stream(be);
+    float *z = (float *)cuda_be_scratch(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
+    cuda_op_linear_f32(be, z, x, T, gate); /* fp32, k order: the CPU's linear_f32 */
+    size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
+    if (smem > 48 * 1024)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "too many experts for shared memory");
+    router_select_kernel<<<(unsigned)((T + RT_WARPS - 1) / RT_WARPS), RT_WARPS * 32, smem, st>>>(
+        idx, wts, z, bias, T, (int)E, (int)k, temp, norm ? 1 : 0, route_scale);
+    KERNEL_CHECK();
+    cuda_be_scratch_free(be, z);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Routed experts */
+
+#define MOE_P 4        /* pairs per tile */
+#define MOE_WARPS 16   /* warps per CTA of the expert kernels */
+#define MOE_DOTS 4     /* dot products (weight rows) per warp: 4 x 4 pairs = 16 accumulators per warp */
+#define MOE_CHUNK 64   /* experts per launch (pointer table passed by value) */
+#define MOE_MAX_LOCAL 1024
+
+/* Expert pointers of one launch: [expert - c0][matrix] (gate/up: 0 = w1, 1 = w3; down: 0 = w2). */
+struct moe_wtab {
+    const uint8_t *w[MOE_CHUNK][2];
+    const uint8_t *s[MOE_CHUNK][2];
+};
+
+/* Plan, int32: tstart [n_local + 1] (first tile of each expert; tstart[n_local] = tiles), off
+ * [n_local + 1] (first list entry of each expert), list [M] (flat pair ids t*k + slot). One CTA:
+ * count per expert, prefix sums on thread 0 (n_local <= 1024 adds), then scatter. */
+__global__ void __launch_bounds__(1024)
+    moe_plan_kernel(int32_t *__restrict__ plan, const int32_t *__restrict__ idx, int64_t M, int64_t e0, int n_local) {
+    __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL];
+    int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
+    for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
+        cnt[i] = 0;
+        fill[i] = 0;
+    }
+    __syncthreads();
+    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+        int64_t e = (int64_t)idx[p] - e0;
+        if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int o = 0, ts = 0;
+        for (int e = 0; e < n_local; e++) {
+            offs[e] = o;
+            off[e] = o;
+            tstart[e] = ts;
+            o += cnt[e];
+            ts += (cnt[e] + MOE_P - 1) / MOE_P;
+        }
+        off[n_local] = o;
+        tstart[n_local] = ts;
+    }
+    __syncthreads();
+    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+        int64_t e = (int64_t)idx[p] - e0;
+        if (e >= 0 && e < n_local) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
+    }
+}
+
+/* act_quant_fp8_32 of x rows: one warp per 32-group; q = the e4m3 value as fp16 (exact), s the
+ * group's scale. x [rows, k] bf16 -> q [rows, k], s [rows, k/32]. */
+__global__ void moe_quant_kernel(__half *__restrict__ q, float *__restrict__ s, const uint16_t *__restrict__ x,
+                                 int64_t groups) {
+    const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (g >= groups) return;
+    float sc, v = mo_quant32(mo_bf16f(x[g * 32 + lane]), &sc);
+    q[g * 32 + lane] = __float2half_rn(v);
+    if (lane == 0) s[g] = sc;
+}
+
+/* cp.async (SM80): 16-byte global -> shared copies, bytes beyond src_bytes zero-filled. */
+static __device__ __forceinline__ void mo_cp16(void *dst, const void *src, int src_bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+static __device__ __forceinline__ void mo_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+static __device__ __forceinline__ void mo_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+/* Eight e2m1 weights of one 32-bit word of packed weights (element e = nibble e, low nibble
+ * first), decoded as w·2^-126: the 3 magnitude bits go to float bits 24..22 (exponent low bits and
+ * top mantissa bit), which reads 2^(e-127)(1 + m/2), or the subnormal m·2^-127 for e = 0, and the
+ * sign to bit 31. One shift puts nibbles j and j+4 (16 bits apart) into the two halves of a word
+ * at once, laid out like a bf16 pair: pk[j] << 16 is element j, pk[j] & 0xffff0000 element j+4.
+ * 3 integer ops per weight and no multiply. */
+static __device__ __forceinline__ void mo_e2m1x8p(uint32_t w, uint32_t pk[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t a = j < 2 ? w << (6 - 4 * j) : w >> (4 * j - 6);
+        const uint32_t b = w << (12 - 4 * j);
+        pk[j] = (a & 0x01c001c0u) | (b & 0x80008000u);
+    }
+}
+
+/* Shared memory of both expert kernels (48 KB): x of the tile's pairs for two rounds (cp.async
+ * double buffer; 2 x 4 pairs x 32 blocks x 32 fp16, the four 16-byte chunks of block j stored at
+ * chunk ^ ((j >> 1) & 3) so lanes' 16-byte reads are conflict free) and each warp's block
+ * partials [16 combos][32 blocks] (block j of combo c at j ^ c: conflict free both when lane j
+ * stores and when lane c folds). The gate/up epilogue reuses part[] for g and u. */
+struct moe_smem {
+    __half x[2][MOE_P][32][32];
+    float part[MOE_WARPS][MOE_DOTS * MOE_P][32];
+};
+
+/* The FP4 tile of one CTA (see the header): warp w computes 4 dot products for NP pairs over
+ * k = 32 nb. Dot d of warp w: gate/up (GATEUP) row row0 + 2w + (d >> 1) of matrix d & 1 (w0/s0 =
+ * w1, w1/s1 = w3); down row min(row0 + 4w + d, n_rows - 1) of w0/s0 (clamped rows are computed and
+ * never stored). x of pair t: row xrow[t] of the q values xq [*, k] fp16 and scales xs [*, nb].
+ * Round r (32 blocks): x of round r+1 goes into the other buffer by cp.async and the weights of
+ * round r+1 into registers while round r is computed; lane j forms the 4 x NP partials of block
+ * 32r + j, stores them scaled, and lane d·NP + t folds (d, t)'s 32 in block order.
+ * The weights are decoded as w·2^-126 (mo_e2m1x8p), so the partial is formed in that scaled
+ * domain: every product and running sum is a multiple of 2^-136 (e4m3 = multiples of 2^-9, e2m1
+ * of 2^-1, over 2^-126), which fp32 holds exactly below 2^-126 as a subnormal, and above it the
+ * rounding commutes with the power of two; so the scaled partial is exactly 2^-126 times the
+ * CPU's, and one exact multiply by 2^126 restores it before the two scale multiplies.
+ * Returns the accumulator of combo lane = d NP + t (other lanes: 0). Called by every thread of
+ * the CTA with the same arguments (barriers inside). */
+template <int NP, bool GATEUP>
+static __device__ __forceinline__ float mo_fp4_tile(const uint8_t *w0, const uint8_t *s0, const uint8_t *w1,
+                                                    const uint8_t *s1, int64_t ld, int64_t s_ld, int64_t row0,
+                                                    int64_t n_rows, const __half *xq, const float *xs,
+                                                    const int32_t xrow[MOE_P], int64_t nb, moe_smem &sm) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float(*part)[32] = sm.part[warp];
+    const int64_t wrow0 = row0 + (GATEUP ? 2 : 4) * warp;
+    const int64_t dmax = n_rows - 1 - wrow0; /* down: dots past the last row repeat it */
+    int32_t roff[MOE_DOTS]; /* row of dot d relative to the warp's first row */
+#pragma unroll
+    for (int d = 0; d < MOE_DOTS; d++) roff[d] = GATEUP ? (d >> 1) : (int32_t)(d < dmax ? d : dmax);
+    const uint8_t *wb0 = w0 + wrow0 * ld, *wb1 = w1 + wrow0 * ld, *sb0 = s0 + wrow0 * s_ld, *sb1 = s1 + wrow0 * s_ld;
+    auto load_w = [&](int64_t r, uint4(&wv)[MOE_DOTS], float(&sw)[MOE_DOTS]) { /* block r + lane */
+        if (r + lane < nb) {
+            const int64_t b = r + lane;
+#pragma unroll
+            for (int d = 0; d < MOE_DOTS; d++) {
+                const uint8_t *wm = (GATEUP && (d & 1)) ? wb1 : wb0, *smt = (GATEUP && (d & 1)) ? sb1 : sb0;
+                wv[d] = __ldg(reinterpret_cast<const uint4 *>(wm + roff[d] * ld + b * 16));
+                sw[d] = ds_e8m0(__ldg(smt + roff[d] * s_ld + b));
+            }
+        }
+    };
+    auto load_x = [&](int64_t r, int buf) { /* 16-byte piece tid of each pair's 32 values per block */
+        const int nr = (int)(nb - r < 32 ? nb - r : 32);
+        if (tid < nr * 4) {
+            const int blk = tid >> 2, c = (tid & 3) ^ ((blk >> 1) & 3);
+#pragma unroll
+            for (int t = 0; t < NP; t++)
+                mo_cp16(&sm.x[buf][t][blk][c * 8], xq + (int64_t)xrow[t] * nb * 32 + r * 32 + tid * 8, 16);
+        }
+        mo_cp_commit();
+    };
+    uint4 wv[MOE_DOTS];
+    float sw[MOE_DOTS];
+    __syncthreads(); /* the previous tile's readers of sm.x / part[] are done */
+    load_x(0, 0);
+    load_w(0, wv, sw);
+    float acc = 0.0f;
+    for (int64_t r0 = 0, ri = 0; r0 < nb; r0 += 32, ri++) {
+        const int nr = (int)(nb - r0 < 32 ? nb - r0 : 32), buf = (int)(ri & 1);
+        mo_cp_wait_all(); /* this round's x (the only group in flight) */
+        __syncthreads(); /* ... visible to all; the other buffer's and part[]'s readers are done */
+        uint4 wn[MOE_DOTS];
+        float sn[MOE_DOTS];
+        if (r0 + 32 < nb) { /* the next round is in flight while this one is computed */
+            load_x(r0 + 32, buf ^ 1);
+            load_w(r0 + 32, wn, sn);
+        }
+        if (lane < nr) {
+            const int64_t b = r0 + lane;
+            float sx[NP];
+#pragma unroll
+            for (int t = 0; t < NP; t++) sx[t] = __ldg(xs + (int64_t)xrow[t] * nb + b);
+            float p[MOE_DOTS][NP];
+#pragma unroll
+            for (int d = 0; d < MOE_DOTS; d++)
+#pragma unroll
+                for (int t = 0; t < NP; t++) p[d][t] = 0.0f;
+#pragma unroll
+            for (int qw = 0; qw < 4; qw++) { /* 32-bit word qw of the block: k = 8 qw .. 8 qw + 7 */
+                uint32_t pk[MOE_DOTS][4]; /* weights j | j+4 of each dot, packed (mo_e2m1x8) */
+#pragma unroll
+                for (int d = 0; d < MOE_DOTS; d++)
+                    mo_e2m1x8p(qw == 0 ? wv[d].x : qw == 1 ? wv[d].y : qw == 2 ? wv[d].z : wv[d].w, pk[d]);
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) { /* k = 8 qw + 4 hf .. + 3 */
+                    float xv[NP][4];
+#pragma unroll
+                    for (int t = 0; t < NP; t++) {
+                        const uint2 h = *reinterpret_cast<const uint2 *>(
+                            &sm.x[buf][t][lane][(qw ^ ((lane >> 1) & 3)) * 8 + 4 * hf]);
+                        const float2 f0 = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
+                        const float2 f1 = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
+                        xv[t][0] = f0.x;
+                        xv[t][1] = f0.y;
+                        xv[t][2] = f1.x;
+                        xv[t][3] = f1.y;
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++) /* k order; products exact, so FMA = mul + add */
+#pragma unroll
+                        for (int d = 0; d < MOE_DOTS; d++) {
+                            const float wf = __uint_as_float(hf ? pk[d][e] & 0xffff0000u : pk[d][e] << 16);
+#pragma unroll
+                            for (int t = 0; t < NP; t++) p[d][t] = __fmaf_rn(xv[t][e], wf, p[d][t]);
+                        }
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < MOE_DOTS; d++)
+#pragma unroll
+                for (int t = 0; t < NP; t++) {
+                    const int c = d * NP + t;
+                    part[c][lane ^ c] = __fmul_rn(__fmul_rn(__fmul_rn(p[d][t], 0x1p126f), sx[t]), sw[d]);
+                }
+        }
+        if (r0 + 32 < nb) {
+#pragma unroll
+            for (int d = 0; d < MOE_DOTS; d++) {
+                wv[d] = wn[d];
+                sw[d] = sn[d];
+            }
+        }
+        __syncwarp();
+        if (lane < MOE_DOTS * NP)
+            for (int j = 0; j < nr; j++) acc = __fadd_rn(acc, part[lane][j ^ lane]); /* block order */
+    }
+    return acc;
+}
+
+/* pairs[i] for a runtime i without a local-memory array (i < MOE_P) */
+static __device__ __forceinline__ int32_t mo_sel(const int32_t pairs[MOE_P], int i) {
+    int32_t p = pairs[0];
+#pragma unroll
+    for (int t = 1; t < MOE_P; t++) p = i == t ? pairs[t] : p;
+    return p;
+}
+
+/* The tile j of the plan this CTA takes: expert (le, from a binary search of tstart) and its
+ * pairs (entries past np repeat the first). Returns np (>= 1 for j < tstart[c0 + cn]). */
+static __device__ int mo_tile(const int32_t *plan, int n_local, int64_t j, int c0, int cn, int *le_out,
+                              int32_t pairs[MOE_P]) {
+    const int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
+    int lo = c0, hi = c0 + cn - 1; /* last le with tstart[le] <= j */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    const int64_t first = off[lo] + (j - tstart[lo]) * MOE_P, end = off[lo + 1];
+    const int np = (int)(end - first < MOE_P ? end - first : MOE_P);
+#pragma unroll
+    for (int t = 0; t < MOE_P; t++) pairs[t] = list[first + (t < np ? t : 0)];
+    *le_out = lo;
+    return np;
+}
+
+/* Gate/up + SwiGLU + act_quant of h. Grid: x = tile slot (strides over the chunk's tiles), y =
+ * 32-row tile of I (blockIdx.y * 32). 512 threads; warp w owns rows 2w, 2w+1 of w1 and of w3.
+ * After the tile the CTA holds g and u for 32 consecutive rows, exactly one 32-group of h per
+ * pair: warp t (< np) forms h = bf16(wts · silu(min(g, limit)) · clamp(u)) and quantizes the
+ * group into qh/sh. qx [T, D] fp16, sx [T, D/32]; qh [M, I] fp16, sh [M, I/32] (rows = flat pair
+ * ids t·k + slot). */
+__global__ void __launch_bounds__(MOE_WARPS * 32, 1)
+    moe_gateup_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, int n_local,
+                      const __half *__restrict__ qx, const float *__restrict__ sx, const float *__restrict__ wts,
+                      int64_t kslots, int64_t D, int64_t I, int64_t ld, int64_t s_ld, float limit,
+                      __half *__restrict__ qh, float *__restrict__ sh) {
+    __shared__ __align__(16) moe_smem sm;
+    float(*gu)[MOE_P][32] = reinterpret_cast<float(*)[MOE_P][32]>(&sm.part[0][0][0]); /* [2][P][32] */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t i0 = (int64_t)blockIdx.y * 32;
+    const int64_t tend = plan[c0 + cn];
+    for (int64_t j = plan[c0] + blockIdx.x; j < tend; j += gridDim.x) {
+        int le;
+        int32_t pairs[MOE_P];
+        const int np = mo_tile(plan, n_local, j, c0, cn, &le, pairs);
+        int32_t xrow[MOE_P]; /* token rows of qx */
+#pragma unroll
+        for (int t = 0; t < MOE_P; t++) xrow[t] = (int32_t)(pairs[t] / kslots);
+        const uint8_t *w0 = tab.w[le - c0][0], *s0 = tab.s[le - c0][0], *w1 = tab.w[le - c0][1],
+                      *s1 = tab.s[le - c0][1];
+        float acc;
+        switch (np) {
+        case 1: acc = mo_fp4_tile<1, true>(w0, s0, w1, s1, ld, s_ld, i0, I, qx, sx, xrow, D / 32, sm); break;
+        case 2: acc = mo_fp4_tile<2, true>(w0, s0, w1, s1, ld, s_ld, i0, I, qx, sx, xrow, D / 32, sm); break;
+        case 3: acc = mo_fp4_tile<3, true>(w0, s0, w1, s1, ld, s_ld, i0, I, qx, sx, xrow, D / 32, sm); break;
+        default: acc = mo_fp4_tile<4, true>(w0, s0, w1, s1, ld, s_ld, i0, I, qx, sx, xrow, D / 32, sm); break;
+        }
+        __syncthreads(); /* every fold is done: part[] becomes gu[] */
+        if (lane < MOE_DOTS * np) { /* combo lane = d np + t: row 2 warp + (d >> 1) of matrix d & 1 */
+            int d = lane / np, t = lane % np;
+            gu[d & 1][t][2 * warp + (d >> 1)] = mo_bf16f(mo_bf16_rne(acc));
+        }
+        __syncthreads();
+        if (warp < np) {
+            const int64_t p = mo_sel(pairs, warp);
+            float h = mo_swiglu(gu[0][warp][lane], gu[1][warp][lane], limit, true, __ldg(wts + p));
+            float sc, q = mo_quant32(mo_bf16f(mo_bf16_rne(h)), &sc);
+            qh[p * I + i0 + lane] = __float2half_rn(q);
+            if (lane == 0) sh[p * (I / 32) + i0 / 32] = sc;
+        }
+        __syncthreads(); /* gu (part) is rewritten by the next tile */
+    }
+}
+
+/* Down projection: y[p, :] = bf16(h_p · w2ᵀ) for the tile's pairs. Grid: x = tile slot, y = 64-row
+ * tile of Dout (4 rows per warp). qh [M, I] fp16, sh [M, I/32]; y [M, Dout] bf16 (M = T·k). */
+__global__ void __launch_bounds__(MOE_WARPS * 32, 1)
+    moe_down_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, int n_local,
+                    const __half *__restrict__ qh, const float *__restrict__ sh, int64_t I, int64_t Dout, int64_t ld,
+                    int64_t s_ld, uint16_t *__restrict__ y) {
+    __shared__ __align__(16) moe_smem sm;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t row0 = (int64_t)blockIdx.y * 64;
+    const int64_t tend = plan[c0 + cn];
+    for (int64_t j = plan[c0] + blockIdx.x; j < tend; j += gridDim.x) {
+        int le;
+        int32_t pairs[MOE_P];
+        const int np = mo_tile(plan, n_local, j, c0, cn, &le, pairs);
+        const uint8_t *w0 = tab.w[le - c0][0], *s0 = tab.s[le - c0][0];
+        float acc;
+        switch (np) {
+        case 1: acc = mo_fp4_tile<1, false>(w0, s0, w0, s0, ld, s_ld, row0, Dout, qh, sh, pairs, I / 32, sm); break;
+        case 2: acc = mo_fp4_tile<2, false>(w0, s0, w0, s0, ld, s_ld, row0, Dout, qh, sh, pairs, I / 32, sm); break;
+        case 3: acc = mo_fp4_tile<3, false>(w0, s0, w0, s0, ld, s_ld, row0, Dout, qh, sh, pairs, I / 32, sm); break;
+        default: acc = mo_fp4_tile<4, false>(w0, s0, w0, s0, ld, s_ld, row0, Dout, qh, sh, pairs, I / 32, sm); break;
+        }
+        if (lane < MOE_DOTS * np) {
+            int d = lane / np, t = lane % np;
+            int64_t row = row0 + 4 * warp + d;
+            if (row < Dout) y[(int64_t)mo_sel(pairs, t) * Dout + row] = mo_bf16_rne(acc);
+        }
+    }
+}
+
+static void check_expert(const struct qweight *w, int64_t n, int64_t k, int64_t ld, int64_t s_ld) {
+    if (w->fmt != WF_FP4 || w->n != n || w->k != k || w->ld != ld || w->s_ld != s_ld || ((uintptr_t)w->w % 16) != 0)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts",
+                 "experts must be FP4 of one shape and stride, 16-byte aligned");
+}
+
+static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                         const struct qweight *w3, const struct qweight *w2, float limit) {
+    if (T <= 0 || k <= 0 || n_local <= 0) return;
+    const int64_t D = w1[0].k, I = w1[0].n, Dout = w2[0].n, M = T * k;
+    if (n_local > MOE_MAX_LOCAL || D % 32 || I % 32 || w2[0].k != I || M > 0x7fffffff)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts",
+                 "unsupported shape (D, I multiples of 32; w2 [Dout, I]; <= 1024 local experts)");
+    for (int64_t le = 0; le < n_local; le++) { /* host structs: shapes only, no device read */
+        check_expert(&w1[le], I, D, w1[0].ld, w1[0].s_ld);
+        check_expert(&w3[le], I, D, w1[0].ld, w1[0].s_ld);
+        check_expert(&w2[le], Dout, I, w2[0].ld, w2[0].s_ld);
+    }
+    if (w1[0].ld % 16 || w2[0].ld % 16)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts", "FP4 row stride not 16-byte aligned");
+    cudaStream_t st = cuda_be_stream(be);
+
+    /* scratch: plan int32 [2 (n_local + 1) + M] | qx fp16 [T, D] | sx [T, D/32] | qh fp16 [M, I] |
+     * sh [M, I/32] */
+    size_t b_plan = align256(sizeof(int32_t) * (size_t)(2 * (n_local + 1) + M));
+    size_t b_qx = align256(sizeof(__half) * (size_t)(T * D)), b_sx = align256(sizeof(float) * (size_t)(T * D / 32));
+    size_t b_qh = align256(sizeof(__half) * (size_t)(M * I));
+    size_t b_sh = align256(sizeof(float) * (size_t)(M * I / 32));
+    uint8_t *scr = (uint8_t *)cuda_be_scratch(be, b_plan + b_qx + b_sx + b_qh + b_sh);
+    int32_t *plan = (int32_t *)scr;
+    __half *qx = (__half *)(scr + b_plan);
+    float *sx = (float *)(scr + b_plan + b_qx);
+    __half *qh = (__half *)(scr + b_plan + b_qx + b_sx);
+    float *sh = (float *)(scr + b_plan + b_qx + b_sx + b_qh);
+
+    moe_plan_kernel<<<1, 1024, 0, st>>>(plan, idx, M, e0, (int)n_local);
+    KERNEL_CHECK();
+    int64_t groups = T * D / 32;
+    moe_quant_kernel<<<(unsigned)((groups * 32 + 255) / 256), 256, 0, st>>>(qx, sx, (const uint16_t *)x, groups);
+    KERNEL_CHECK();
+
+    const int sms = cuda_be_sms(be);
+    for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
+        const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
+        /* tiles of this chunk <= (M + min(cn, M)(P - 1)) / P; the grid is capped near 4 CTAs per
+         * SM per kernel and each CTA strides over the tiles that exist */
+        const int64_t busy = cn < M ? cn : M;
+        const int64_t tiles = (M + busy * (MOE_P - 1) + MOE_P - 1) / MOE_P;
+        moe_wtab ta, tb;
+        for (int i = 0; i < cn; i++) {
+            ta.w[i][0] = (const uint8_t *)w1[c0 + i].w;
+            ta.s[i][0] = w1[c0 + i].s;
+            ta.w[i][1] = (const uint8_t *)w3[c0 + i].w;
+            ta.s[i][1] = w3[c0 + i].s;
+            tb.w[i][0] = tb.w[i][1] = (const uint8_t *)w2[c0 + i].w;
+            tb.s[i][0] = tb.s[i][1] = w2[c0 + i].s;
+        }
+        const int64_t ya = I / 32, yb = (Dout + 63) / 64;
+        if (ya > 65535 || yb > 65535)
+            ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts", "too many row tiles");
+        int64_t xa = (4 * (int64_t)sms + ya - 1) / ya, xb = (4 * (int64_t)sms + yb - 1) / yb;
+        xa = xa < tiles ? xa : tiles;
+        xb = xb < tiles ? xb : tiles;
+        moe_gateup_kernel<<<dim3((unsigned)xa, (unsigned)ya), MOE_WARPS * 32, 0, st>>>(
+            ta, (int)c0, cn, plan, (int)n_local, qx, sx, wts, k, D, I, w1[0].ld, w1[0].s_ld, limit, qh, sh);
+        KERNEL_CHECK();
+        moe_down_kernel<<<dim3((unsigned)xb, (unsigned)yb), MOE_WARPS * 32, 0, st>>>(
+            tb, (int)c0, cn, plan, (int)n_local, qh, sh, I, Dout, w2[0].ld, w2[0].s_ld, y);
+        KERNEL_CHECK();
+    }
+    cuda_be_scratch_free(be, scr);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Combine and shared expert */
+
+/* acc[t, :] += y_e in ascending expert id over the token's slots (ties: lower slot, as the CPU's
+ * selection), parts past P skipped. Grid: x over D in 256-wide pieces, y over tokens (strided);
+ * thread 0 orders the slots once per token. y [P, T, k, D] bf16, acc [T, D] fp32. */
+__global__ void moe_combine_kernel(float *__restrict__ acc, const uint16_t *__restrict__ y,
+                                   const int32_t *__restrict__ idx, int64_t T, int k, int64_t D, int64_t per_part,
+                                   int64_t P) {
+    __shared__ int order[RT_MAX_K];
+    __shared__ int64_t part_of[RT_MAX_K];
+    for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+        const int32_t *it = idx + t * k;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint64_t done = 0;
+            for (int r = 0; r < k; r++) {
+                int best = -1;
+                for (int s = 0; s < k; s++)
+                    if (!((done >> s) & 1) && (best < 0 || it[s] < it[best])) best = s;
+                done |= 1ull << best;
+                order[r] = best;
+                part_of[r] = (int64_t)it[best] / per_part;
+            }
+        }
+        __syncthreads();
+        for (int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; d < D; d += (int64_t)gridDim.x * blockDim.x) {
+            float a = acc[t * D + d];
+            for (int r = 0; r < k; r++) {
+                int64_t part = part_of[r];
+                if (part >= P) continue;
+                a = __fadd_rn(a, mo_bf16f(y[((part * T + t) * k + order[r]) * D + d]));
+            }
+            acc[t * D + d] = a;
+        }
+    }
+}
+
+void cuda_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
+                         int64_t D, int64_t per_part, int64_t P) {
+    if (T <= 0 || D <= 0 || k <= 0) return;
+    if (k > RT_MAX_K) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_combine", "top-k exceeds 64");
+    int64_t gx = (D + 255) / 256;
+    dim3 grid((unsigned)(gx < 65535 ? gx : 65535), (unsigned)(T < 65535 ? T : 65535));
+    moe_combine_kernel<<<grid, 256, 0, cuda_be_stream(be)>>>(acc, (const uint16_t *)y, idx, T, (int)k, D, per_part, P);
+    KERNEL_CHECK();
+}
+
+/* h = bf16(silu(min(g, limit)) · clamp(u)) elementwise, in place over g [n]. */
+__global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__restrict__ u, int64_t n, float limit) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        g[i] = mo_bf16_rne(mo_swiglu(mo_bf16f(g[i]), mo_bf16f(u[i]), limit, false, 0.0f));
+}
+
+void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                           const struct qweight *w3, const struct qweight *w2, float limit) {
+    if (T <= 0) return;
+    if (w3->n != w1->n || w3->k != w1->k || w2->k != w1->n)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "inconsistent w1/w3/w2 shapes");
+    const int64_t I = w1->n;
+    bf16_t *g = (bf16_t *)cuda_be_scratch(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
+    cuda_op_linear(be, g, x, T, w1);
+    cuda_op_linear(be, u, x, T, w3);
+    int64_t n = T * I, blocks = (n + 255) / 256;
+    moe_swiglu_kernel<<<(unsigned)(blocks < 8192 ? blocks : 8192), 256, 0, cuda_be_stream(be)>>>(g, u, n, limit);
+    KERNEL_CHECK();
+    cuda_op_linear(be, y, g, T, w2);
+    cuda_be_scratch_free(be, g);
+}

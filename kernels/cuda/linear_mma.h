@@ -1,0 +1,39 @@
+/* C interface of the SM80 tensor-core linear (kernels/cuda/linear_mma_sm80.cu): the prefill path
+ * (T > 16 rows) of the FP8 / FP4 / BF16 linears, callable from host C (no CUDA headers needed).
+ * Pointers are device pointers; shapes and semantics as kernels/backend.h states for `linear`:
+ * y[T, n] bf16 = x[T, k] bf16 · Wᵀ, FP8/FP4 with the reference's per-32 FP8 activation
+ * quantization and per-k-block scaled partials summed in block order, BF16 as one fp32 sum.
+ * Not bit-identical to the CPU backend: the two mma.sync of a 32-wide k-block sum their products
+ * in the tensor core's order (BF16: the whole k sum goes through the mma accumulator), see the
+ * top of the .cu file. Batch invariant: an output's roundings depend only on its row of x and
+ * its row of W (never on T, on the other rows of the call, or on the grid). */
+#ifndef DS_CUDA_LINEAR_MMA_H
+#define DS_CUDA_LINEAR_MMA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Device workspace cuda_linear_mma needs for T rows of k: the quantized activations, T*k bf16
+ * (FP8/FP4; BF16 needs none but the size is the same for every format). */
+size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k);
+
+/* fmt: enum wfmt of kernels/backend.h (WF_BF16, WF_FP8, WF_FP4; WF_F32 is refused).
+ *  WF_FP8: w = e4m3 [n, ld bytes], s = e8m0 [ceil(n/32), s_ld] (one per 32x32 tile);
+ *  WF_FP4: w = packed e2m1 [n, ld bytes] (low nibble = even k), s = e8m0 [n, s_ld];
+ *  WF_BF16: w = bf16 [n, ld elements], s unused (may be NULL).
+ * x [T, k] bf16 (contiguous), y [T, n] bf16. k a multiple of 32; x, w and workspace 16-byte
+ * aligned and the weight row stride (ld bytes; ld * 2 for BF16) a multiple of 16 — true of every
+ * weight weight_prepare lays out. Any T >= 1, any n >= 1 (T or n of 0: nothing is done).
+ * Asynchronous on `stream` (a cudaStream_t; NULL = the legacy default stream). */
+void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s, int64_t n,
+                     int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DS_CUDA_LINEAR_MMA_H */

@@ -1,0 +1,479 @@
+/* Tensor-core (mma.sync) linear layers for prefill-sized batches (T > 16) on SM80: FP8 (32x32 tile
+ * scales), FP4 (per-row per-32 scales) and BF16 weights, y[T, n] bf16 = x[T, k] bf16 · Wᵀ. SM80
+ * instructions only (mma.sync.m16n8k16 bf16 -> fp32, ldmatrix, cp.async, prmt, fma.bf16x2): no
+ * wgmma, TMA or FP8 mma, so the same code runs on SM80/SM86 and, JIT-compiled, on later parts.
+ *
+ * Two kernels per call:
+ *  - mma_act_quant_kernel (FP8/FP4 only): the reference's per-32 FP8 activation quantization with
+ *    act_quant_kernel's arithmetic (linear_sm80.cu: amax as a max, power-of-two scale by the
+ *    exponent bits, __fdiv_rn, clamp, RNE satfinite e4m3), 4 threads per 32-group. It stores the
+ *    dequantized value q·s_x as bf16 in the workspace ([T, k] bf16): q has at most 4 significant
+ *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
+ *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
+ *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
+ *  - mma_linear_kernel: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
+ *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
+ *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
+ *      BF16: 8 warps as 2 (T) x 4 (n), warp tile 64 x 32 (4 x 4 m16n8 fragments), 48 KB of
+ *            shared memory, 122 registers, two CTAs per SM;
+ *      FP8/FP4: 4 warps along n, warp tile 128 x 32 (8 x 4 fragments, 128 accumulators per
+ *            thread): every weight is decoded once per CTA and shared by all 128 rows; 36 KB
+ *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
+ *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
+ *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
+ *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
+ *    without padding) and decodes them in registers to exact bf16 (prmt + shift/mask + one bf16x2
+ *    multiply by 2^120 / 2^126, which also places the e4m3/e2m1 subnormals exactly). So for FP8 /
+ *    FP4 the block's first mma sums k = 8t + {0..3} over t, the second k = 8t + {4..7}: a fixed
+ *    set of 16 products each, the same for A and B. Weight scales: FP8's one per warp per block
+ *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
+ *    blocks ahead by one thread per row and staged as fp32 in shared memory.
+ *
+ * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
+ * call, or on the grid/tile choice: no split-K, one CTA owns an output from k = 0 to k, and the
+ * tensor core's per-element dot product does not depend on the fragment position):
+ *  - FP8/FP4: for each k-block b in increasing order, P'_b = mma(mma(0, first 16), second 16)
+ *    over the activations q·s_x and the weight codes q_w (all exact in bf16, every product exact
+ *    in fp32), then acc = fma(P'_b, s_w[b], acc) in fp32; y = bf16_rn(acc).
+ *    Versus the reference acc += (P_b · s_x) · s_w, P_b the k-order fp32 sum of q_x·q_w:
+ *      · the tensor core's sum scales exactly with its inputs while everything stays in the fp32
+ *        normal range (checked on the H200 over 8M random fragments: bit-identical to
+ *        mma(q_x, q_w) · s_x for s_x up to 2^77), so P'_b = (mma-order P_b) · s_x: the one
+ *        difference is the order / internal rounding in which the mma adds a block's 32 products;
+ *      · fma(P'_b, s_w, acc) equals the separately rounded mul + add because s_w is a power of
+ *        two (an exact product) unless P'_b · s_w leaves the fp32 normal range (e8m0 scales below
+ *        about 2^-86, or overflow), which real checkpoints never reach.
+ *    The scaled block partials are folded in block order exactly like the CPU backend.
+ *  - BF16: acc = mma(... mma(mma(0, k 0..15), k 16..31) ..., last 16), one fp32 accumulation over
+ *    the whole k in k order, whose order inside each group of 16 products (plus the running sum) is
+ *    the tensor core's; y = bf16_rn(acc).
+ *  - e4m3 NaN codes (0x7F/0xFF) in the weights decode as ±480 here, not NaN (the checkpoint has
+ *    none: the reference quantizer saturates at ±448). NaN scales propagate as in the reference.
+ */
+#include "backend.h"
+#include "cuda_common.cuh"
+#include "linear_mma.h"
+
+namespace {
+
+constexpr int BM = 128;    /* rows of x (T) per CTA */
+constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
+constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
+
+enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
+
+/* A kernel configuration: WM x WN warps, warp tile (BM / WM) x 8 NJ, CTA tile BM x (8 NJ WN), MINB
+ * CTAs per SM asked of the register allocator. Shared memory per stage: the activation tile, the
+ * raw weight tile (B_ROW bytes per n row per block) and, for FP4, the BN weight scales as fp32
+ * (FP8's one scale per warp per block lives in registers). */
+template <int F, int WM_, int WN_, int NJ_, int MINB_> struct cfg {
+    static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_;
+    static constexpr int MT = BM / 16 / WM; /* m16 tiles per warp */
+    static constexpr int WNC = 8 * NJ;      /* n columns per warp (NJ n8 tiles) */
+    static constexpr int BN = WNC * WN;
+    static constexpr int THREADS = 32 * WM * WN;
+    static constexpr int B_ROW = F == K_BF16 ? 64 : (F == K_FP8 ? 32 : 16);
+    static constexpr int S_N = F == K_FP4 ? BN : 0;
+    static constexpr int A_BYTES = BM * A_ROW;
+    static constexpr int B_BYTES = BN * B_ROW;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_N * 4;
+    static constexpr int SMEM = STAGES * STAGE_BYTES;
+    static_assert(SMEM <= 48 * 1024, "tile exceeds 48 KB of shared memory (SM86)");
+    static_assert(MT * 16 * WM == BM && THREADS >= S_N && 32 % WNC == 0, "tile shape");
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16-byte async copy global -> shared; valid == false zero-fills the 16 bytes (src is not read). */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* d = A(16x16, row) · B(16x8, col) + c, bf16 inputs, fp32 accumulation. */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1, float c0, float c1, float c2, float c3) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
+}
+
+/* e8m0 byte -> fp32 exactly as ds_e8m0 (255 = NaN, 0 = 2^-127), without branches; 0x100 (not a
+ * byte: a missing row) -> 0. */
+__device__ __forceinline__ float e8m0f(uint32_t b) {
+    uint32_t bits = b << 23;
+    bits = b == 0u ? 0x00400000u : bits;
+    bits = b == 255u ? 0x7fc00000u : bits;
+    bits = b > 255u ? 0u : bits;
+    return __uint_as_float(bits);
+}
+
+/* Four 8x8 b16 matrices from shared memory: lane L gives the address of row L % 8 of matrix L / 8
+ * (16 contiguous bytes); register j receives row (lane / 4), elements 2 (lane % 4) + {0, 1} of
+ * matrix j. */
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* bf16x2 a·b + c, round to nearest (subnormal inputs and results are kept). */
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+/* Two e4m3 bytes of u (chosen by sel: 0x1404 = bytes 0,1; 0x3424 = bytes 2,3) -> bf16x2 (lower
+ * byte in the low half). prmt puts each byte in the high byte of its 16-bit lane; the 7 magnitude
+ * bits move to bf16 bits 4..10 (exponent field = the e4m3 exponent, top 3 mantissa bits = its
+ * mantissa) and the sign stays at bit 15, which is the value times 2^-120 for normals and
+ * subnormals alike (an e4m3 subnormal m·2^-9 lands on the bf16 subnormal m·2^-129); the bf16
+ * multiply by 2^120 (0x7B80) is then exact. -0 as the addend keeps the sign of zeros. */
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t u, uint32_t sel) {
+    uint32_t p = __byte_perm(u, 0u, sel);
+    uint32_t r = ((p >> 4) & 0x07f007f0u) | (p & 0x80008000u);
+    return fma_bf16x2(r, 0x7B807B80u, 0x80008000u);
+}
+
+/* Eight e2m1 codes (one 32-bit word, byte i = codes 2i (low nibble) and 2i+1 (high)) -> four
+ * bf16x2 (code 2i in the low half of out[i]). Each code is put in the top nibble of its 16-bit
+ * lane (sign at bit 15), the 3 magnitude bits move to bits 6..8 (exponent field = e, top mantissa
+ * bit = m): the value times 2^-126 (code 1 = 0.5 lands on the bf16 subnormal 2^-127), then an exact
+ * multiply by 2^126 (0x7E80). */
+__device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t u, uint32_t (&out)[4]) {
+    const uint32_t u4 = u << 4; /* code 2i in the high nibble of byte i */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        /* byte 1 = u4 byte i (code 2i on top), byte 3 = u byte i (code 2i+1 on top); bytes 0 and 2
+         * only feed bits the masks drop */
+        const uint32_t sel = (uint32_t)(((4 + i) << 12) | (i << 8) | (i << 4) | i);
+        uint32_t p = __byte_perm(u4, u, sel);
+        uint32_t r = ((p >> 6) & 0x01c001c0u) | (p & 0x80008000u);
+        out[i] = fma_bf16x2(r, 0x7E807E80u, 0x80008000u);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Activation quantization: 4 threads per 32-value group, 8 values (16 bytes) per thread. The
+ * group amax is a max (exact in any order), so every thread derives act_quant_kernel's scale. */
+__global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 *__restrict__ x,
+                                                            __nv_bfloat16 *__restrict__ xq, int64_t n8) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = i < n8; /* n8 is a multiple of 4, so a group is all in or all out */
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (ok) raw = __ldg(reinterpret_cast<const uint4 *>(x) + i);
+    const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = __uint_as_float(((wd[j / 2] >> (16 * (j % 2))) & 0xffffu) << 16);
+    float amax = fabsf(v[0]);
+#pragma unroll
+    for (int j = 1; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = fmaxf(amax, 1e-4f);
+    /* 2^ceil(log2(amax / 448)) by the exponent bits, as the reference's fast_round_scale */
+    float t = __fmul_rn(amax, 1.0f / 448.0f);
+    int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
+    float sc = __int_as_float((e + 127) << 23);
+    uint32_t o[4];
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+        uint32_t h[2];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            float r = fminf(fmaxf(__fdiv_rn(v[j + q], sc), -448.0f), 448.0f);
+            __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
+            __nv_bfloat16 b = __float2bfloat16_rn(__fmul_rn(ds_e4m3((uint8_t)c), sc));
+            h[q] = (uint32_t)__bfloat16_as_ushort(b);
+        }
+        o[j / 2] = h[0] | (h[1] << 16);
+    }
+    /* k-permuted store (see the top of the file): value pair c of this thread (k = 8t' + 2c + {0,1}
+     * of the group, t' = i % 4) goes to group word 4c + t' */
+    if (ok) {
+        uint32_t *dst = reinterpret_cast<uint32_t *>(xq) + (i >> 2) * 16 + (i & 3);
+#pragma unroll
+        for (int c = 0; c < 4; c++) dst[4 * c] = o[c];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The GEMM. a: [T, k] bf16 (the k-permuted quantized activations for FP8/FP4, x itself for BF16);
+ * w rows ld_b bytes apart; s: e8m0 scales (FP8 [ceil(n/32), s_ld], FP4 [n, s_ld]). Grid: x = n
+ * tiles, y = T tiles. */
+template <int F, class C>
+__global__ void __launch_bounds__(C::THREADS, C::MINB)
+    mma_linear_kernel(__nv_bfloat16 *__restrict__ y, const __nv_bfloat16 *__restrict__ a,
+                      const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
+                      int64_t ld_b, int64_t s_ld, int pair_store) {
+    constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
+                  B_ROW = C::B_ROW;
+    __shared__ __align__(16) uint8_t smem[C::SMEM];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;      /* mma groupID, thread in group */
+    const int wm = warp % WM, wn = warp / WM;   /* warp tile: rows wm*MT*16.., cols wn*WNC.. */
+    const int64_t n0 = (int64_t)blockIdx.x * BN, m0 = (int64_t)blockIdx.y * BM;
+    const int nb = (int)(k / 32); /* the host keeps k / 32 < 2^31 */
+
+    /* Per-thread copy assignments, fixed for the whole k loop. Thread tid copies 16-byte chunk
+     * tid % 4 of activation rows tid / 4 + c * A_RS (c < A_CH), and chunk tid % B_PER_ROW of
+     * weight rows tid / B_PER_ROW + c * B_RS: one running source pointer per operand (advanced one
+     * block per issued stage) plus a constant row stride. Chunks past T / n are zero-filled
+     * (src-size 0, source clamped to the operand's base, which is not read). The shared-memory
+     * offsets repeat per stage; activation (and BF16 weight) chunks are swizzled for ldmatrix. */
+    constexpr int A_CH = BM * 4 / THREADS, A_RS = THREADS / 4;
+    constexpr int B_PER_ROW = B_ROW / 16;
+    constexpr int B_CH = (BN * B_PER_ROW + THREADS - 1) / THREADS, B_RS = THREADS / B_PER_ROW;
+    static_assert(A_CH * THREADS == BM * 4 && A_RS % 8 == 0 && (B_CH == 1 || B_RS % 8 == 0), "copy layout");
+    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+    const int ra = tid >> 2, qa = tid & 3;
+    const uint8_t *gA = abase + (m0 + ra) * k * 2 + qa * 16;
+    const int64_t strideA = (int64_t)A_RS * k * 2;
+    const int nvA = m0 + ra >= T ? 0 : (int)min((int64_t)A_CH, (T - 1 - m0 - ra) / A_RS + 1); /* valid chunks */
+    const uint32_t oA = (uint32_t)(ra * A_ROW + ((qa ^ ((ra >> 1) & 3)) << 4));
+    const int rb = tid / B_PER_ROW, qb = tid % B_PER_ROW;
+    const uint8_t *gB = w + (n0 + rb) * ld_b + qb * 16;
+    const int64_t strideB = (int64_t)B_RS * ld_b;
+    const int nvB = rb >= BN || n0 + rb >= n ? 0 : (int)min((int64_t)B_CH, (n - 1 - n0 - rb) / B_RS + 1);
+    /* BF16 rows are read with ldmatrix: swizzled like A; FP8/FP4 rows are read whole */
+    const uint32_t oB = (uint32_t)(C::A_BYTES + rb * B_ROW + ((F == K_BF16 ? qb ^ ((rb >> 1) & 3) : qb) << 4));
+    const uint32_t sbase = smem_addr(smem);
+
+    /* issue the cp.async of the next k-block into stage st (on == false: past the last block,
+     * zero-fill instead); the source pointers advance one block */
+    auto load_stage = [&](int st, bool on) {
+        const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
+#pragma unroll
+        for (int c = 0; c < A_CH; c++) {
+            const bool v = on && c < nvA;
+            cp_async16(so + oA + (uint32_t)(c * A_RS * A_ROW), v ? gA + c * strideA : abase, v);
+        }
+        gA += A_ROW;
+#pragma unroll
+        for (int c = 0; c < B_CH; c++) {
+            const bool v = on && c < nvB;
+            if (B_CH > 1 || BN * B_PER_ROW >= THREADS || rb < BN)
+                cp_async16(so + oB + (uint32_t)(c * B_RS * B_ROW), v ? gB + c * strideB : w, v);
+        }
+        gB += B_ROW;
+    };
+
+    /* Weight scales, both read two blocks ahead of their use with plain loads:
+     *  FP4: thread tid < BN stages row n0 + tid's byte of each block in shared memory as fp32
+     *       (0 past n), written after the block's math so the load latency is hidden;
+     *  FP8: the warp's columns lie in one 32-row scale group, so every lane keeps
+     *       the group's scales of blocks i+1 and i+2 in registers (0 past n). */
+    const uint8_t *const sC = s + (F == K_FP8 ? n0 / 32 : n0) * s_ld; /* CTA-uniform */
+    uint32_t offS = 0;
+    bool okS = false;
+    if (F == K_FP4 && tid < BN) {
+        okS = n0 + tid < n;
+        offS = (uint32_t)(tid * s_ld);
+    } else if (F == K_FP8) {
+        okS = (n0 + wn * WNC) / 32 * 32 < n;
+        offS = (uint32_t)(wn * WNC / 32 * s_ld);
+    }
+    /* the raw scale byte of the next block (blocks are read in order; 0x100 = no scale, i.e. 0),
+     * decoded by e8m0f only where it is used, so the load's latency is not waited on early */
+    auto scale_next = [&](bool on) -> uint32_t {
+        uint32_t v = 0x100u;
+        if (okS && on) v = __ldg(sC + offS);
+        offS++;
+        return v;
+    };
+    auto sS = [&](int st) -> float * { return reinterpret_cast<float *>(smem + st * C::STAGE_BYTES + C::A_BYTES + C::B_BYTES); };
+
+    /* Fragment read addresses (stage-relative). A: ldmatrix.x4 per m16 tile and half block, lane L
+     * addresses row (L / 8 % 2) * 8 + L % 8 of the tile, chunk 2h + L / 16 (h = 0: the block's
+     * first mma, chunks 0-1; h = 1: chunks 2-3). BF16 B: ldmatrix.x4 per n8 tile, lane L addresses
+     * n row L % 8, chunk L / 8. Swizzle: chunk c of row r sits at c ^ ((r / 2) % 4), which puts the
+     * 8 rows of one 8x8 matrix on 8 distinct 16-byte bank groups; r % 8 == L % 8 here.
+     * FP8/FP4 B: thread (g, t) reads bytes [8t, 8t+8) (FP8) / [4t, 4t+4) (FP4) of n row g. */
+    const int swz = (lane >> 1) & 3;
+    const int arow = wm * MT * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+    const uint32_t ldA0 = (uint32_t)(arow * A_ROW + (((lane >> 4) ^ swz) << 4));
+    const uint32_t ldA1 = (uint32_t)(arow * A_ROW + (((2 + (lane >> 4)) ^ swz) << 4));
+    const uint32_t ldB = (uint32_t)(C::A_BYTES + (wn * WNC + (lane & 7)) * B_ROW + (((lane >> 3) ^ swz) << 4));
+    const int rdB = C::A_BYTES + (wn * WNC + g) * B_ROW + t * (B_ROW / 4);
+
+    float acc[MT][NJ][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; mi++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[mi][j][r] = 0.0f;
+
+    uint32_t sc_cur = 0x100u, sc_nxt = 0x100u; /* FP8: raw scales of blocks i and i+1 */
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        load_stage(st, st < nb);
+        if (F == K_FP4 && tid < BN) sS(st)[tid] = e8m0f(scale_next(st < nb));
+        if (F == K_FP8) (st == 0 ? sc_cur : sc_nxt) = scale_next(st < nb);
+        cp_async_commit();
+    }
+
+    int st = 0, st_pf = STAGES - 1; /* stage read this iteration, stage written by its prefetch */
+    for (int i = 0; i < nb; i++) {
+        cp_async_wait<STAGES - 2>(); /* this thread's copies of block i have landed */
+        __syncthreads();             /* everyone's have, and block i-1's readers are done */
+        const bool do_pf = i + STAGES - 1 < nb;
+        uint32_t sv = 0x100u; /* raw scale of block i+2 */
+        if (do_pf) {
+            load_stage(st_pf, true);
+            if ((F == K_FP4 && tid < BN) || F == K_FP8) sv = scale_next(true);
+        }
+        cp_async_commit();
+
+        const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
+
+        /* B fragments of the warp's NJ n8 tiles: b[j][0..1] feed the block's first mma,
+         * b[j][2..3] the second */
+        uint32_t b[NJ][4];
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const uint8_t *raw = smem + st * C::STAGE_BYTES + rdB + j * 8 * B_ROW;
+            if (F == K_BF16) {
+                ldmatrix_x4(b[j], so + ldB + (uint32_t)(j * 8 * B_ROW));
+            } else if (F == K_FP8) {
+                const uint2 v = *reinterpret_cast<const uint2 *>(raw);
+                b[j][0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
+                b[j][1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
+                b[j][2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
+                b[j][3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
+            } else {
+                e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(raw), b[j]);
+            }
+        }
+        const float sw8 = e8m0f(sc_cur); /* FP8: the warp's weight scale of block i */
+
+#pragma unroll
+        for (int mi = 0; mi < MT; mi++) {
+            uint32_t a0[4], a1[4]; /* A fragments of the block's first and second mma */
+            ldmatrix_x4(a0, so + ldA0 + (uint32_t)(mi * 16 * A_ROW));
+            ldmatrix_x4(a1, so + ldA1 + (uint32_t)(mi * 16 * A_ROW));
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                float *c = acc[mi][j];
+                if (F == K_BF16) {
+                    float d[4];
+                    mma_bf16(d, a0[0], a0[1], a0[2], a0[3], b[j][0], b[j][1], c[0], c[1], c[2], c[3]);
+                    mma_bf16(d, a1[0], a1[1], a1[2], a1[3], b[j][2], b[j][3], d[0], d[1], d[2], d[3]);
+                    c[0] = d[0], c[1] = d[1], c[2] = d[2], c[3] = d[3];
+                } else {
+                    float p[4];
+                    mma_bf16(p, a0[0], a0[1], a0[2], a0[3], b[j][0], b[j][1], 0.0f, 0.0f, 0.0f, 0.0f);
+                    mma_bf16(p, a1[0], a1[1], a1[2], a1[3], b[j][2], b[j][3], p[0], p[1], p[2], p[3]);
+                    /* C layout: p[0] (row g, col 2t), p[1] (g, 2t+1), p[2] (g+8, 2t), p[3] (g+8, 2t+1) */
+                    /* weight scales of the accumulator columns 2t, 2t+1; FP4's are re-read from
+                     * shared memory at each use (volatile: not hoisted), which keeps 2 NJ
+                     * registers free and the kernel spill-free */
+                    float2 q = make_float2(sw8, sw8);
+                    if (F == K_FP4) {
+                        const volatile float *vp = sS(st) + wn * WNC + j * 8 + 2 * t;
+                        q = make_float2(vp[0], vp[1]);
+                    }
+                    c[0] = __fmaf_rn(p[0], q.x, c[0]);
+                    c[1] = __fmaf_rn(p[1], q.y, c[1]);
+                    c[2] = __fmaf_rn(p[2], q.x, c[2]);
+                    c[3] = __fmaf_rn(p[3], q.y, c[3]);
+                }
+            }
+        }
+
+        /* past the last block this fills a stage nobody reads again */
+        if (F == K_FP4 && tid < BN) sS(st_pf)[tid] = e8m0f(sv);
+        if (F == K_FP8) sc_cur = sc_nxt, sc_nxt = sv;
+        st = st == STAGES - 1 ? 0 : st + 1;
+        st_pf = st_pf == STAGES - 1 ? 0 : st_pf + 1;
+    }
+    cp_async_wait<0>(); /* nothing may be in flight into shared memory when the CTA exits */
+
+#pragma unroll
+    for (int mi = 0; mi < MT; mi++) {
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int64_t col = n0 + wn * WNC + j * 8 + 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int64_t row = m0 + wm * MT * 16 + mi * 16 + g + 8 * h;
+                if (row >= T) continue;
+                __nv_bfloat16 *yr = y + row * n;
+                const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
+                if (pair_store) { /* n even, y 4-byte aligned: col < n implies col + 1 < n */
+                    if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (col < n) yr[col] = __float2bfloat16_rn(v0);
+                    if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
+                }
+            }
+        }
+    }
+}
+
+template <int F, class C>
+void launch(cudaStream_t st, __nv_bfloat16 *y, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s, int64_t T,
+            int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+    const int64_t mt = (T + BM - 1) / BM, nt = (n + C::BN - 1) / C::BN;
+    if (mt > 65535 || nt > 0x7fffffff)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T or n too large for the grid");
+    mma_linear_kernel<F, C><<<dim3((unsigned)nt, (unsigned)mt), C::THREADS, 0, st>>>(y, a, w, s, T, n, k, ld_b, s_ld,
+                                                                                    pair);
+}
+
+} /* namespace */
+
+/* The configurations in use (warps along T, warps along n, n8 tiles per warp, CTAs per SM), tuned
+ * on the lent H200 (SM80 code): BF16 8 warps of 64 x 32 (122 registers, two CTAs per SM); FP8 and
+ * FP4 4 warps of 128 x 32 (weights decoded once per 128 rows, 255 registers, two CTAs per SM). */
+typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
+typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
+typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
+
+extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k) {
+    return T > 0 && k > 0 ? sizeof(uint16_t) * (size_t)T * (size_t)k : 0;
+}
+
+extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s,
+                                int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream) {
+    if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
+    if (T <= 0 || n <= 0) return;
+    if (k < 0 || k % 32 || k / 32 > 0x7fffffff)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "k is not a multiple of 32");
+    const int64_t ld_b = fmt == WF_BF16 ? ld * 2 : ld;
+    const bool quant = fmt != WF_BF16;
+    if (((uintptr_t)x & 15) || ((uintptr_t)w & 15) || (ld_b & 15) || (quant && ((uintptr_t)workspace & 15)))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
+                 "x, w and workspace must be 16-byte aligned and the weight row stride a multiple of 16 bytes");
+    if (k > (1 << 22) || ld_b > (1 << 22) || (quant && s_ld > (1 << 22)))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "k or a row stride above 4 Mi");
+    if (quant && (!s || !workspace))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "FP8/FP4 need scales and a workspace");
+    cudaStream_t st = (cudaStream_t)stream;
+    const __nv_bfloat16 *a = (const __nv_bfloat16 *)x;
+    if (quant && k > 0) {
+        const int64_t n8 = T * k / 8;
+        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
+                                                                           (__nv_bfloat16 *)workspace, n8);
+        KERNEL_CHECK();
+        a = (const __nv_bfloat16 *)workspace;
+    }
+    const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
+    __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
+    const uint8_t *wb = (const uint8_t *)w;
+    switch (fmt) {
+    case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+    case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+    default: launch<K_FP4, cfg_fp4>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+    }
+    KERNEL_CHECK();
+}

@@ -1,0 +1,291 @@
+/* A profiling decorator for any backend: the same op table, each op timed by the host clock
+ * from its call until the inner backend's sync returns. It answers "where does a step's time go"
+ * without a GPU profiler on the machine: the per-op sums are kernel time plus one launch each, and
+ * the step's unprofiled time minus their sum is what the host adds between ops (allocation,
+ * index-list building, downloads). The syncs serialize the ops, so a profiled step is slower than
+ * a real one; only the split is meant, never the total. */
+#include "prof_backend.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <stdlib.h>
+#include <time.h>
+
+struct prof {
+    struct backend *inner;
+    struct backend_ops ops;
+    double sec[PROF_N_OPS_PUBLIC];
+    long calls[PROF_N_OPS_PUBLIC];
+};
+
+enum prof_op {
+    PROF_LINEAR,
+    PROF_LINEAR_F32,
+    PROF_GROUPED_LINEAR,
+    PROF_HEAD,
+    PROF_RMSNORM,
+    PROF_ROPE,
+    PROF_QDQ_FP8_32,
+    PROF_QDQ_FP4_32,
+    PROF_QDQ_FP4_16,
+    PROF_HC_MIXES,
+    PROF_HC_COLLAPSE,
+    PROF_HC_EXPAND,
+    PROF_HC_INIT,
+    PROF_EMBED,
+    PROF_ENGRAM_GATHER,
+    PROF_ENGRAM_GATE,
+    PROF_SPARSE_ATTN,
+    PROF_COMPRESS_POOL,
+    PROF_INDEX_SCORES,
+    PROF_ROUTER,
+    PROF_MOE_EXPERTS,
+    PROF_MOE_COMBINE,
+    PROF_SHARED_EXPERT,
+    PROF_ADD_F32_BF16,
+    PROF_INTERLEAVE,
+    PROF_COPY,
+    PROF_UPLOAD,
+    PROF_DOWNLOAD,
+    PROF_N_OPS
+};
+
+_Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download"};
+
+static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* the inner backend is drained first, so an op is charged only for itself */
+static double prof_begin(struct backend *be) {
+    PR(be)->inner->ops->sync(PR(be)->inner);
+    return now_s();
+}
+
+static void prof_end(struct backend *be, int op, double t0) {
+    PR(be)->inner->ops->sync(PR(be)->inner);
+    PR(be)->sec[op] += now_s() - t0;
+    PR(be)->calls[op]++;
+}
+
+static void *prof_alloc(struct backend *be, size_t b) { return PR(be)->inner->ops->alloc(PR(be)->inner, b); }
+static void prof_free(struct backend *be, void *p) { PR(be)->inner->ops->free(PR(be)->inner, p); }
+static void prof_upload(struct backend *be, void *d, const void *s, size_t b) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->upload(PR(be)->inner, d, s, b);
+    prof_end(be, PROF_UPLOAD, t0);
+}
+static void prof_download(struct backend *be, void *d, const void *s, size_t b) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->download(PR(be)->inner, d, s, b);
+    prof_end(be, PROF_DOWNLOAD, t0);
+}
+static void prof_copy(struct backend *be, void *d, const void *s, size_t b) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->copy(PR(be)->inner, d, s, b);
+    prof_end(be, PROF_COPY, t0);
+}
+static void prof_sync(struct backend *be) { PR(be)->inner->ops->sync(PR(be)->inner); }
+static int prof_weight_prepare(struct backend *be, struct qweight *w, bool dq) { return PR(be)->inner->ops->weight_prepare(PR(be)->inner, w, dq); }
+static void prof_weight_release(struct backend *be, struct qweight *w) { PR(be)->inner->ops->weight_release(PR(be)->inner, w); }
+static const void *prof_tensor_prepare(struct backend *be, const void *h, size_t b, bool r) { return PR(be)->inner->ops->tensor_prepare(PR(be)->inner, h, b, r); }
+static void prof_tensor_release(struct backend *be, const void *p) { PR(be)->inner->ops->tensor_release(PR(be)->inner, p); }
+
+static void prof_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->linear(PR(be)->inner, y, x, T, W);
+    prof_end(be, PROF_LINEAR, t0);
+}
+static void prof_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->linear_f32(PR(be)->inner, y, x, T, W);
+    prof_end(be, PROF_LINEAR_F32, t0);
+}
+static void prof_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G, const struct qweight *W) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->grouped_linear(PR(be)->inner, y, x, T, G, W);
+    prof_end(be, PROF_GROUPED_LINEAR, t0);
+}
+static void prof_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->head(PR(be)->inner, logits, x, T, W);
+    prof_end(be, PROF_HEAD, t0);
+}
+static void prof_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n, float eps) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->rmsnorm(PR(be)->inner, y, x, w, T, n, eps);
+    prof_end(be, PROF_RMSNORM, t0);
+}
+static void prof_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->rope(PR(be)->inner, x, T, nh, ld_row, ld_head, off, rd, pos, freqs, inverse);
+    prof_end(be, PROF_ROPE, t0);
+}
+static void prof_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->qdq_fp8_32(PR(be)->inner, x, n);
+    prof_end(be, PROF_QDQ_FP8_32, t0);
+}
+static void prof_qdq_fp4_32(struct backend *be, bf16_t *x, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->qdq_fp4_32(PR(be)->inner, x, n);
+    prof_end(be, PROF_QDQ_FP4_32, t0);
+}
+static void prof_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->qdq_fp4_16(PR(be)->inner, x, n);
+    prof_end(be, PROF_QDQ_FP4_16, t0);
+}
+static void prof_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T, int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters, float norm_eps, float hc_eps) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->hc_mixes(PR(be)->inner, pre, post, comb, X, T, hc, D, fn, scale, base, iters, norm_eps, hc_eps);
+    prof_end(be, PROF_HC_MIXES, t0);
+}
+static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc, int64_t D) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D);
+    prof_end(be, PROF_HC_COLLAPSE, t0);
+}
+static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post, const float *comb, int64_t T, int64_t hc, int64_t D) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->hc_expand(PR(be)->inner, Xo, y, X, post, comb, T, hc, D);
+    prof_end(be, PROF_HC_EXPAND, t0);
+}
+static void prof_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc, int64_t D) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->hc_init(PR(be)->inner, X, pre, e, T, hc, D);
+    prof_end(be, PROF_HC_INIT, t0);
+}
+static void prof_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table, int64_t row0, int64_t nrows, int64_t D) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->embed(PR(be)->inner, e, ids, T, table, row0, nrows, D);
+    prof_end(be, PROF_EMBED, t0);
+}
+static void prof_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C, const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->engram_gather(PR(be)->inner, rows, ids, T, C, table, scale, row0, nrows, hd);
+    prof_end(be, PROF_ENGRAM_GATHER, t0);
+}
+static void prof_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T, int64_t hc, int64_t D, float eps) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->engram_gate(PR(be)->inner, X, kv, w, T, hc, D, eps);
+    prof_end(be, PROF_ENGRAM_GATE, t0);
+}
+static void prof_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->sparse_attn(PR(be)->inner, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
+    prof_end(be, PROF_SPARSE_ATTN, t0);
+}
+static void prof_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G, int64_t r, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->compress_pool(PR(be)->inner, lat, kv, score, G, r, n);
+    prof_end(be, PROF_COMPRESS_POOL, t0);
+}
+static void prof_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q, const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->index_scores(PR(be)->inner, S, ld_s, q, ld_q, K, w, w_scale, visible, T, nh, d, nk);
+    prof_end(be, PROF_INDEX_SCORES, t0);
+}
+static void prof_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T, const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm, float route_scale) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->router(PR(be)->inner, idx, wts, x, T, gate, bias, k, temp, norm, route_scale);
+    prof_end(be, PROF_ROUTER, t0);
+}
+static void prof_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts, int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->moe_experts(PR(be)->inner, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
+    prof_end(be, PROF_MOE_EXPERTS, t0);
+}
+static void prof_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->moe_combine(PR(be)->inner, acc, y, idx, T, k, D, per_part, P);
+    prof_end(be, PROF_MOE_COMBINE, t0);
+}
+static void prof_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->shared_expert(PR(be)->inner, y, x, T, w1, w3, w2, limit);
+    prof_end(be, PROF_SHARED_EXPERT, t0);
+}
+static void prof_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->add_f32_bf16(PR(be)->inner, out, acc, y, n);
+    prof_end(be, PROF_ADD_F32_BF16, t0);
+}
+static void prof_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->interleave(PR(be)->inner, dst, src, S, T, bytes);
+    prof_end(be, PROF_INTERLEAVE, t0);
+}
+
+static const struct backend_ops prof_ops = {
+    .name = "profiled",
+    .alloc = prof_alloc,
+    .free = prof_free,
+    .upload = prof_upload,
+    .download = prof_download,
+    .copy = prof_copy,
+    .sync = prof_sync,
+    .weight_prepare = prof_weight_prepare,
+    .weight_release = prof_weight_release,
+    .tensor_prepare = prof_tensor_prepare,
+    .tensor_release = prof_tensor_release,
+    .linear = prof_linear,
+    .linear_f32 = prof_linear_f32,
+    .grouped_linear = prof_grouped_linear,
+    .head = prof_head,
+    .rmsnorm = prof_rmsnorm,
+    .rope = prof_rope,
+    .qdq_fp8_32 = prof_qdq_fp8_32,
+    .qdq_fp4_32 = prof_qdq_fp4_32,
+    .qdq_fp4_16 = prof_qdq_fp4_16,
+    .hc_mixes = prof_hc_mixes,
+    .hc_collapse = prof_hc_collapse,
+    .hc_expand = prof_hc_expand,
+    .hc_init = prof_hc_init,
+    .embed = prof_embed,
+    .engram_gather = prof_engram_gather,
+    .engram_gate = prof_engram_gate,
+    .sparse_attn = prof_sparse_attn,
+    .compress_pool = prof_compress_pool,
+    .index_scores = prof_index_scores,
+    .router = prof_router,
+    .moe_experts = prof_moe_experts,
+    .moe_combine = prof_moe_combine,
+    .shared_expert = prof_shared_expert,
+    .add_f32_bf16 = prof_add_f32_bf16,
+    .interleave = prof_interleave,
+};
+
+void prof_backend_init(struct backend *be, struct backend *inner) {
+    struct prof *p = calloc(1, sizeof *p);
+    p->inner = inner;
+    be->ops = &prof_ops;
+    be->priv = p;
+}
+
+void prof_backend_reset(struct backend *be) {
+    memset(PR(be)->sec, 0, sizeof PR(be)->sec);
+    memset(PR(be)->calls, 0, sizeof PR(be)->calls);
+}
+
+double prof_backend_report(struct backend *be, FILE *f, const char *label, int per) {
+    double total = 0;
+    for (int i = 0; i < PROF_N_OPS; i++) total += PR(be)->sec[i];
+    if (per < 1) per = 1;
+    for (int i = 0; i < PROF_N_OPS; i++)
+        if (PR(be)->calls[i])
+            fprintf(f, "%s,%s,%.1f,%.3f,%.1f\n", label, prof_names[i], (double)PR(be)->calls[i] / per,
+                    1e3 * PR(be)->sec[i] / per, total > 0 ? 100.0 * PR(be)->sec[i] / total : 0.0);
+    return total / per;
+}
+
+void prof_backend_free(struct backend *be) {
+    free(be->priv);
+    be->ops = NULL;
+    be->priv = NULL;
+}

@@ -1,0 +1,19 @@
+/* A profiling decorator for any backend (prof_backend.c): per-op host-clock time, each op followed
+ * by the inner backend's sync, for the step breakdown of the benchmarks. */
+#ifndef DS_PROF_BACKEND_H
+#define DS_PROF_BACKEND_H
+
+#include <stdio.h>
+
+#include "backend.h"
+
+#define PROF_N_OPS_PUBLIC 28
+
+/* be becomes a backend whose ops run on inner and are timed; inner stays owned by the caller. */
+void prof_backend_init(struct backend *be, struct backend *inner);
+void prof_backend_reset(struct backend *be);
+/* CSV rows "label,op,calls,ms,share%" per op (divided by `per`, e.g. steps); returns seconds per `per`. */
+double prof_backend_report(struct backend *be, FILE *f, const char *label, int per);
+void prof_backend_free(struct backend *be);
+
+#endif /* DS_PROF_BACKEND_H */

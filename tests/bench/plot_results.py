@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Plots of the GPU benchmark results (make bench writes the CSVs; this draws the PNGs beside them).
+
+cuda_linear_decode.csv   -> cuda_linear_decode.png: each FP8/FP4 linear at the per-rank decode shapes,
+                            fraction of the device-to-device copy bandwidth, per T (graph replays).
+cuda_step.csv            -> cuda_step.png: the decode step of one rank's shard (TP8 x PP2 rank 0) as
+                            weight bytes / time against the copy bandwidth, per batch.
+cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's time goes, per op family
+                            (synchronized per-op times) next to the plain step time.
+Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
+"""
+import csv
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def main():
+    d = sys.argv[1] if len(sys.argv) > 1 else "results"
+    copy_bw = float(sys.argv[2]) if len(sys.argv) > 2 else None
+    lin = os.path.join(d, "cuda_linear_decode.csv")
+    if os.path.exists(lin):
+        r = rows(lin)
+        copy_bw = copy_bw or float(r[0]["copy_gb_per_s"])
+        ops = []
+        for x in r:
+            if x["op"] not in ops:
+                ops.append(x["op"])
+        ts = sorted({int(x["T"]) for x in r})
+        fig, ax = plt.subplots(figsize=(9, 4))
+        w = 0.8 / len(ts)
+        for i, t in enumerate(ts):
+            vals = [next((100 * float(x["graph_fraction_of_copy_bw"]) for x in r if x["op"] == o and int(x["T"]) == t), 0)
+                    for o in ops]
+            ax.bar([j + i * w for j in range(len(ops))], vals, w, label="T=%d" % t)
+        ax.axhline(70, color="k", ls="--", lw=0.8)
+        ax.text(len(ops) - 0.5, 71, "target 70 %", ha="right", fontsize=8)
+        ax.set_xticks([j + w * (len(ts) - 1) / 2 for j in range(len(ops))])
+        ax.set_xticklabels(ops)
+        ax.set_ylabel("%% of copy bandwidth (%.0f GB/s)" % copy_bw)
+        ax.set_title("FP8/FP4 decode linears, per-rank V4.1-Flash shapes (%s)" % r[0]["device"])
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, "cuda_linear_decode.png"), dpi=110)
+    step = os.path.join(d, "cuda_step.csv")
+    if os.path.exists(step) and copy_bw:
+        r = [x for x in rows(step) if x["kind"] == "decode"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        b = [int(x["batch_or_tokens"]) for x in r]
+        frac = [100 * float(x["gbps"]) / copy_bw for x in r]
+        ax.plot(b, frac, "o-", label="dsbatch decode step")
+        ax.axhline(70, color="k", ls="--", lw=0.8, label="target (batch >= 8)")
+        ax.axhline(50, color="gray", ls=":", lw=0.8, label="target (batch 1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences per step)")
+        ax.set_ylabel("weight bytes / step time, % of copy bandwidth")
+        ax.set_title("Decode step, TP8xPP2 rank 0 shard (20 layers)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, "cuda_step.png"), dpi=110)
+    prof = os.path.join(d, "cuda_step_profile.csv")
+    if os.path.exists(prof):
+        r = rows(prof)
+        runs = []
+        for x in r:
+            if x["run"] not in runs:
+                runs.append(x["run"])
+        ops = sorted({x["op"] for x in r if not x["op"].startswith("_")},
+                     key=lambda o: -sum(float(x["ms_per_step"]) for x in r if x["op"] == o))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for i, run in enumerate(runs):
+            bottom = 0.0
+            for j, o in enumerate(ops[:12]):
+                v = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == o)
+                ax.bar(i - 0.2, v, 0.4, bottom=bottom, color=plt.cm.tab20(j), label=o if i == 0 else None)
+                bottom += v
+            rest = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] in ops[12:])
+            ax.bar(i - 0.2, rest, 0.4, bottom=bottom, color="lightgray", label="other ops" if i == 0 else None)
+            plain = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == "_step_plain")
+            ax.bar(i + 0.2, plain, 0.4, color="black", label="plain step" if i == 0 else None)
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels(runs)
+        ax.set_ylabel("ms per step")
+        ax.set_title("Decode step: synchronized per-op time (left) vs plain step (right)")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, "cuda_step_profile.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()

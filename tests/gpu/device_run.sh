@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carry=["carry"]): set up the carried libraries without
+# shadowing the machine's own (a library is linked in only where its soname is missing), then run
+# the steps named in $@ (test, engine, bench, mpi) with every log and result under $OUT.
+set -u
+cd "$(dirname "$0")/../.."
+[ -f carry/pkg.tgz ] && tar -C carry -xzf carry/pkg.tgz
+FILL=/tmp/ds-fill; mkdir -p $FILL
+for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
+export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export DSBATCH=$PWD/carry/gpu/dsbatch GOLDEN=$PWD/carry/golden
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi -L > "$OUT/device.txt" 2>&1
+ldd carry/gpu/dsbatch | grep "not found" >> "$OUT/device.txt"
+for step in "$@"; do
+  case $step in
+    test)
+      for t in carry/gpu/tests/test_cuda_*; do echo "== $t"; timeout ${T_TEST:-300} "$t" 2>&1; done > "$OUT/test_cuda.txt" 2>&1 ;;
+    engine)
+      timeout ${T_ENGINE:-500} bash tests/cli/test_cuda_engine.sh > "$OUT/test_cuda_engine.txt" 2>&1 ;;
+    nccl)
+      MPITESTS=$PWD/carry/gpu/mpitests timeout 120 bash tests/cli/test_nccl.sh > "$OUT/test_nccl.txt" 2>&1 ;;
+    bench)
+      ( timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --csv "$OUT/cuda_step.csv" \
+          --profile "$OUT/cuda_step_profile.csv" ${BENCH_STEP_ARGS:-}
+        timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --prefill-mma --csv "$OUT/cuda_step_mma.csv" \
+          ${BENCH_MMA_ARGS:-}
+        timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;
+  esac
+done

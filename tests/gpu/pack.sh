@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Pack what a run on the GPU machine needs into carry/ (ignored by git; name it in the device
+# tool's `carry`): the CUDA build's binaries, the shared libraries the GPU machine may lack
+# (../shared/notes/INFRA.md §5: it has Open MPI, NCCL, CUDA and zstd, not parallel HDF5), and the
+# golden fixtures the tests read. tests/gpu/device_run.sh is the other half.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+GOLDEN=${GOLDEN:-../shared/golden}
+C=carry
+rm -rf $C/gpu $C/lib $C/golden
+mkdir -p $C/gpu/tests $C/gpu/bench $C/gpu/mpitests $C/lib $C/golden
+cp build/dsbatch $C/gpu/
+for f in build/tests/test_cuda_*; do cp "$f" $C/gpu/tests/; done
+for f in build/bench/*; do [ -f "$f" ] && cp "$f" $C/gpu/bench/; done
+for f in build/mpitests/*; do cp "$f" $C/gpu/mpitests/; done
+strip $C/gpu/dsbatch $C/gpu/tests/* $C/gpu/bench/* $C/gpu/mpitests/* 2>/dev/null || true
+# every library the binaries load except the C runtime and MPI (the GPU machine's own 4.1 is used)
+ldd $C/gpu/dsbatch $C/gpu/tests/* | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+  case "${lib##*/}" in
+    libc.so*|libm.so*|ld-linux*|libmpi.so*|libopen-rte*|libopen-pal*|libstdc++*|libgcc_s*|libpthread*|libdl.so*|librt.so*|libcuda.so*|libnccl.so*|libcudart.so*|libresolv.so*) ;;
+    *) cp -L "$lib" $C/lib/ ;;
+  esac
+done
+for g in small6 tp8pp2; do cp -r "$GOLDEN/$g" $C/golden/; done
+rm -f $C/golden/*/run.log
+# one compressed archive travels (the device tool carries 64 MiB in all); device_run.sh unpacks it
+tar -C $C -czf $C/pkg.tgz gpu lib golden
+du -sh $C/pkg.tgz
