@@ -118,32 +118,23 @@ static void *stage_host(struct mpi_priv *p, size_t bytes) {
 /* ------------------------------------------------------------------------------------------------
  * Watchdog */
 
-/* One operation in flight: what the watchdog names, and when it started (the deadline covers the
- * whole operation, every piece of it, not each piece separately). */
-struct op {
-    const char *comm_name;
-    char desc[96]; /* "allreduce_sum", "send (to 3, tag 0)", ... */
-    const char *what;
-    double start;
-};
-
-static double now_s(void) {
+double comm_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void op_begin(struct op *o, const struct comm *c, const char *what, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void op_begin(struct op *o, const struct comm *c, const char *what, const char *fmt, ...) {
+void comm_op_begin(struct comm_op *o, const char *comm_name, const char *what, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(o->desc, sizeof o->desc, fmt, ap);
     va_end(ap);
-    o->comm_name = priv_of(c)->name;
+    o->comm_name = comm_name;
     o->what = what ? what : "";
-    o->start = now_s();
+    o->start = comm_now_s();
 }
+
+static inline double now_s(void) { return comm_now_s(); }
 
 static void fmt_id(char *buf, size_t n, int v) {
     if (v >= 0)
@@ -167,7 +158,7 @@ void comm_watchdog_print(const char *comm_name, const char *desc, const char *wh
     fflush(stderr);
 }
 
-static void __attribute__((noreturn)) watchdog_fire(const struct op *o, double waited) {
+static void __attribute__((noreturn)) watchdog_fire(const struct comm_op *o, double waited) {
     comm_watchdog_print(o->comm_name, o->desc, o->what, waited);
     MPI_Abort(MPI_COMM_WORLD, 3);
     _exit(3); /* MPI_Abort does not return; this only keeps the contract if it ever does */
@@ -175,7 +166,7 @@ static void __attribute__((noreturn)) watchdog_fire(const struct op *o, double w
 
 /* Complete one request under the watchdog. A short spin first: on an idle machine most small
  * operations finish within a few polls, and sleeping at once would add latency to every one. */
-static void op_wait(const struct op *o, MPI_Request *req, MPI_Status *st) {
+static void op_wait(const struct comm_op *o, MPI_Request *req, MPI_Status *st) {
     enum { SPIN_POLLS = 64 };
     long sleep_ns = 50000;
     for (long polls = 0;; polls++) {
@@ -196,7 +187,7 @@ static void op_wait(const struct op *o, MPI_Request *req, MPI_Status *st) {
 /* ------------------------------------------------------------------------------------------------
  * Operations */
 
-static void allgather_op(struct comm *c, const struct op *o, const void *send, void *recv, size_t bytes) {
+static void allgather_op(struct comm *c, const struct comm_op *o, const void *send, void *recv, size_t bytes) {
     MPI_Comm mc = priv_of(c)->comm;
     if (bytes == 0) return;
     char *rbuf = recv;
@@ -227,8 +218,8 @@ static void allgather_op(struct comm *c, const struct op *o, const void *send, v
 }
 
 static void mpi_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
-    struct op o;
-    op_begin(&o, c, what, "allgather (%zu bytes per rank)", bytes);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "allgather (%zu bytes per rank)", bytes);
     struct mpi_priv *p = priv_of(c);
     if (!p->stage_be || bytes == 0) {
         allgather_op(c, &o, send, recv, bytes);
@@ -311,7 +302,7 @@ static void sum_rank_order(void *out, const void *in, size_t n, int size, enum c
 }
 
 /* The host reduction: gather, then sum_rank_order, in rounds. */
-static void allreduce_host(struct comm *c, const struct op *o, void *buf, size_t count, enum comm_dtype dt) {
+static void allreduce_host(struct comm *c, const struct comm_op *o, void *buf, size_t count, enum comm_dtype dt) {
     size_t esz = dtype_size(dt);
     /* Elements per round so that the gathered copy (size x round) stays within g_max_tmp. */
     size_t per_round = g_max_tmp / (esz * (size_t)c->size);
@@ -334,8 +325,8 @@ static void allreduce_host(struct comm *c, const struct op *o, void *buf, size_t
 
 static void mpi_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
     static const char *const names[] = {"f32", "bf16", "i32", "i64", "u8"};
-    struct op o;
-    op_begin(&o, c, what, "allreduce_sum (%zu x %s)", count, names[dt]);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "allreduce_sum (%zu x %s)", count, names[dt]);
     if (count == 0) return;
     struct mpi_priv *p = priv_of(c);
     if (!p->stage_be) {
@@ -350,7 +341,7 @@ static void mpi_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm
     be->ops->upload(be, buf, h, bytes);
 }
 
-static void bcast_host(struct comm *c, const struct op *o, void *buf, size_t bytes, int root) {
+static void bcast_host(struct comm *c, const struct comm_op *o, void *buf, size_t bytes, int root) {
     for (size_t off = 0; off < bytes; off += g_max_msg) {
         size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
         MPI_Request req;
@@ -360,8 +351,8 @@ static void bcast_host(struct comm *c, const struct op *o, void *buf, size_t byt
 }
 
 static void mpi_bcast(struct comm *c, void *buf, size_t bytes, int root, const char *what) {
-    struct op o;
-    op_begin(&o, c, what, "bcast (%zu bytes from %d)", bytes, root);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "bcast (%zu bytes from %d)", bytes, root);
     struct mpi_priv *p = priv_of(c);
     if (!p->stage_be || bytes == 0) {
         bcast_host(c, &o, buf, bytes, root);
@@ -378,8 +369,8 @@ static void mpi_bcast(struct comm *c, void *buf, size_t bytes, int root, const c
 /* Pieces of one send go out in order with the same tag; MPI's non-overtaking rule for one
  * (source, tag, communicator) keeps them in order at the receiver. */
 static void mpi_send(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
-    struct op o;
-    op_begin(&o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
     struct mpi_priv *p = priv_of(c);
     if (p->stage_be && bytes) {
         void *h = stage_host(p, bytes);
@@ -395,7 +386,7 @@ static void mpi_send(struct comm *c, const void *buf, size_t bytes, int dst, int
 }
 
 struct comm_req {
-    struct op o;
+    struct comm_op o;
     int n;
     MPI_Request *reqs;
     void *host; /* staged isend: the host copy in flight, freed by wait */
@@ -403,7 +394,7 @@ struct comm_req {
 
 static struct comm_req *mpi_isend(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
     struct comm_req *r = ds_calloc(1, sizeof *r);
-    op_begin(&r->o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    comm_op_begin(&r->o, priv_of(c)->name, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
     struct mpi_priv *p = priv_of(c);
     if (p->stage_be && bytes) {
         /* its own copy, not the comm's: the comm's is reused by the next operation while this
@@ -432,8 +423,8 @@ static void mpi_wait(struct comm *c, struct comm_req *r) {
 }
 
 static void mpi_recv(struct comm *c, void *buf, size_t bytes, int src, int tag, const char *what) {
-    struct op o;
-    op_begin(&o, c, what, "recv (%zu bytes from %d, tag %d)", bytes, src, tag);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "recv (%zu bytes from %d, tag %d)", bytes, src, tag);
     struct mpi_priv *p = priv_of(c);
     void *dev = NULL; /* staged: the device buffer the host copy goes up to at the end */
     if (p->stage_be && bytes) {
@@ -461,8 +452,8 @@ static void mpi_recv(struct comm *c, void *buf, size_t bytes, int src, int tag, 
 }
 
 static void mpi_barrier(struct comm *c, const char *what) {
-    struct op o;
-    op_begin(&o, c, what, "barrier");
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "barrier");
     MPI_Request req;
     CHECK_MPI(MPI_Ibarrier(priv_of(c)->comm, &req));
     op_wait(&o, &req, NULL);
@@ -498,8 +489,8 @@ struct comm *comm_mpi_new_named(MPI_Comm c, const char *name) {
     cm->priv = p;
     snprintf(p->name, sizeof p->name, "%s", name && name[0] ? name : "communicator");
     /* The duplicate is collective too, so it gets the watchdog like everything else. */
-    struct op o;
-    op_begin(&o, cm, "comm_mpi_new", "MPI_Comm_idup");
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(cm)->name, "comm_mpi_new", "MPI_Comm_idup");
     MPI_Request req;
     CHECK_MPI(MPI_Comm_idup(c, &p->comm, &req));
     op_wait(&o, &req, NULL);

@@ -51,6 +51,17 @@ void comm_get_context(int *pp_stage, int *micro_batch);
 /* The watchdog's one line on stderr, the same for every backend: "dsbatch: watchdog: rank R (pp S,
  * tp T, micro-batch M) host H: <desc> '<what>' on <comm_name> pending after W s". Prints only;
  * the caller aborts (the NCCL backend first aborts its NCCL communicator). */
+/* One operation in flight, shared by the comm backends: what the watchdog names, and when it
+ * started (the deadline covers the whole operation, every piece of it, not each piece). */
+struct comm_op {
+    const char *comm_name;
+    char desc[96]; /* "allreduce_sum", "send (to 3, tag 0)", ... */
+    const char *what;
+    double start;
+};
+void comm_op_begin(struct comm_op *o, const char *comm_name, const char *what, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+double comm_now_s(void); /* monotonic seconds */
 void comm_watchdog_print(const char *comm_name, const char *desc, const char *what, double waited);
 
 #endif /* DS_COMM_MPI_H */

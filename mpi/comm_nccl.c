@@ -550,30 +550,7 @@ static struct nccl_priv *priv_of(const struct comm *c) { return (struct nccl_pri
 /* ------------------------------------------------------------------------------------------------
  * Watchdog */
 
-struct op {
-    const char *comm_name;
-    char desc[96];
-    const char *what;
-    double start;
-};
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static void op_begin(struct op *o, const struct comm *c, const char *what, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void op_begin(struct op *o, const struct comm *c, const char *what, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(o->desc, sizeof o->desc, fmt, ap);
-    va_end(ap);
-    o->comm_name = priv_of(c)->name;
-    o->what = what ? what : "";
-    o->start = now_s();
-}
+static inline double now_s(void) { return comm_now_s(); }
 
 static atomic_int g_nccl_aborted;
 
@@ -587,7 +564,7 @@ static void *abort_comm(void *nc) {
  * work that is not NCCL's (a stream stalled by a host function kept it waiting for as long as the
  * stall, in the test). So it runs on a thread of its own for at most ABORT_WAIT_S, and the job is
  * aborted either way: ending the job is the watchdog's promise. */
-static void __attribute__((noreturn)) watchdog_fire(struct nccl_priv *p, const struct op *o, double waited) {
+static void __attribute__((noreturn)) watchdog_fire(struct nccl_priv *p, const struct comm_op *o, double waited) {
     enum { ABORT_WAIT_S = 5 };
     comm_watchdog_print(o->comm_name, o->desc, o->what, waited);
     pthread_t th;
@@ -603,7 +580,7 @@ static void __attribute__((noreturn)) watchdog_fire(struct nccl_priv *p, const s
 
 /* A failure reported while polling: NCCL's asynchronous error (a peer's connection lost) or a
  * CUDA error on the stream (which may come from an earlier kernel of the caller's). */
-static void __attribute__((noreturn)) op_failed(const struct op *o, const char *lib, const char *call, const char *err) {
+static void __attribute__((noreturn)) op_failed(const struct comm_op *o, const char *lib, const char *call, const char *err) {
     char msg[768];
     snprintf(msg, sizeof msg, "%s '%s' on %s: %s", o->desc, o->what, o->comm_name, err);
     ds_fatal(__FILE__, __LINE__, "nccl_op_wait", lib, call, msg);
@@ -612,7 +589,7 @@ static void __attribute__((noreturn)) op_failed(const struct op *o, const char *
 /* Wait for `ev` (NULL: everything enqueued on the comm's stream so far) under the watchdog. A
  * short spin first: most ops finish within microseconds and sleeping at once would add latency
  * to every one; one rank per GPU means the spinning rank takes no core a peer needs. */
-static void op_wait(struct nccl_priv *p, const struct op *o, cudaEvent_t ev) {
+static void op_wait(struct nccl_priv *p, const struct comm_op *o, cudaEvent_t ev) {
     const double spin_s = 2e-3;
     long sleep_ns = 20000;
     double deadline = comm_get_deadline();
@@ -634,7 +611,7 @@ static void op_wait(struct nccl_priv *p, const struct op *o, cudaEvent_t ev) {
 
 /* NCCL reads whatever address it is given: a host pointer would fault on the device (or, with
  * HMM, silently crawl over the bus). Say which op and which argument instead. */
-static void require_device(const struct nccl_priv *p, const struct op *o, const void *ptr, size_t bytes, const char *arg) {
+static void require_device(const struct nccl_priv *p, const struct comm_op *o, const void *ptr, size_t bytes, const char *arg) {
     if (!bytes) return;
     struct cudaPointerAttributes a;
     CHECK_CUDART(cudaPointerGetAttributes(&a, ptr));
@@ -683,8 +660,8 @@ static void flush_pending(struct nccl_priv *p) {
 
 static void nccl_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, what, "allgather (%zu bytes per rank)", bytes);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "allgather (%zu bytes per rank)", bytes);
     if (bytes == 0) return;
     require_device(p, &o, send, bytes, "send");
     require_device(p, &o, recv, bytes * (size_t)c->size, "recv");
@@ -696,9 +673,9 @@ static void nccl_allgather(struct comm *c, const void *send, void *recv, size_t 
 
 static void nccl_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
+    struct comm_op o;
     if ((unsigned)dt >= 5) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "allreduce_sum", "unknown comm_dtype");
-    op_begin(&o, c, what, "allreduce_sum (%zu x %s)", count, dtype_names[dt]);
+    comm_op_begin(&o, priv_of(c)->name, what, "allreduce_sum (%zu x %s)", count, dtype_names[dt]);
     if (count == 0) return;
     size_t esz = dtype_bytes[dt];
     require_device(p, &o, buf, count * esz, "buf");
@@ -726,8 +703,8 @@ static void nccl_allreduce_sum(struct comm *c, void *buf, size_t count, enum com
 
 static void nccl_bcast(struct comm *c, void *buf, size_t bytes, int root, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, what, "bcast (%zu bytes from %d)", bytes, root);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "bcast (%zu bytes from %d)", bytes, root);
     if (bytes == 0) return;
     require_device(p, &o, buf, bytes, "buf");
     flush_pending(p);
@@ -737,8 +714,8 @@ static void nccl_bcast(struct comm *c, void *buf, size_t bytes, int root, const 
 
 static void nccl_send(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
     if (bytes == 0) return; /* NCCL would send nothing too; the MPI backend's zero-byte send matches a zero-byte recv */
     require_device(p, &o, buf, bytes, "buf");
     flush_pending(p);
@@ -748,8 +725,8 @@ static void nccl_send(struct comm *c, const void *buf, size_t bytes, int dst, in
 
 static void nccl_recv(struct comm *c, void *buf, size_t bytes, int src, int tag, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, what, "recv (%zu bytes from %d, tag %d)", bytes, src, tag);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "recv (%zu bytes from %d, tag %d)", bytes, src, tag);
     if (bytes == 0) return;
     require_device(p, &o, buf, bytes, "buf");
     /* One group with the pending isends: NCCL progresses them together, which is what lets two
@@ -764,8 +741,8 @@ static void nccl_recv(struct comm *c, void *buf, size_t bytes, int src, int tag,
 
 static struct comm_req *nccl_isend(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "send (%zu bytes to %d, tag %d)", bytes, dst, tag);
     require_device(p, &o, buf, bytes, "buf");
     struct comm_req *r = ds_calloc(1, sizeof *r);
     memcpy(r->desc, o.desc, sizeof r->desc);
@@ -791,7 +768,7 @@ static void nccl_wait(struct comm *c, struct comm_req *r) {
     if (!r) return;
     struct nccl_priv *p = priv_of(c);
     if (!r->enqueued) flush_pending(p); /* r and the isends before it go out now, in order */
-    struct op o;
+    struct comm_op o;
     o.comm_name = p->name;
     memcpy(o.desc, r->desc, sizeof o.desc);
     o.what = r->what;
@@ -810,8 +787,8 @@ static void nccl_barrier(struct comm *c, const char *what) {
 static void nccl_free(struct comm *c) {
     if (!c) return;
     struct nccl_priv *p = priv_of(c);
-    struct op o;
-    op_begin(&o, c, "comm free", "free");
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, "comm free", "free");
     flush_pending(p);
     if (p->tmp) CHECK_CUDART(cudaFreeAsync(p->tmp, p->stream));
     op_wait(p, &o, NULL); /* nothing of ours may still run when the communicator goes */

@@ -22,29 +22,40 @@ void log_set_identity(int world_rank, int pp_stage, int tp_rank) {
 
 void log_set_quiet(int quiet) { g_quiet = quiet; }
 
-static void prefix(FILE *f, const char *kind) {
-    if (g_rank >= 0)
-        fprintf(f, "dsbatch[r%d pp%d tp%d]: %s", g_rank, g_stage, g_tp, kind);
-    else
-        fprintf(f, "dsbatch: %s", kind);
+/* One whole line per write: stderr is unbuffered, and under mpirun the lines of many ranks share one
+ * stream, so a prefix written apart from its message can be split by another rank's line. */
+static void emit_line(const char *kind, const char *fmt, va_list ap) {
+    char line[2048];
+    int n = g_rank >= 0 ? snprintf(line, sizeof line, "dsbatch[r%d pp%d tp%d]: %s", g_rank, g_stage, g_tp, kind)
+                        : snprintf(line, sizeof line, "dsbatch: %s", kind);
+    if (n < 0) n = 0;
+    if ((size_t)n < sizeof line) vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    size_t len = strlen(line);
+    if (len == sizeof line - 1) len--; /* truncated: keep room for the newline */
+    line[len++] = '\n';
+    fwrite(line, 1, len, stderr);
+}
+
+static void emit(const char *kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void emit(const char *kind, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    emit_line(kind, fmt, ap);
+    va_end(ap);
 }
 
 void log_info(const char *fmt, ...) {
     if (g_quiet) return;
     va_list ap;
     va_start(ap, fmt);
-    prefix(stderr, "");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    emit_line("", fmt, ap);
     va_end(ap);
 }
 
 void log_warn(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    prefix(stderr, "warning: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    emit_line("warning: ", fmt, ap);
     va_end(ap);
 }
 
@@ -78,8 +89,7 @@ static void __attribute__((noreturn)) end_job(int code, bool abort_job) {
 }
 
 void ds_die_err(void) {
-    prefix(stderr, "error: ");
-    fprintf(stderr, "%s\n", ds_err_get());
+    emit("error: ", "%s", ds_err_get());
     end_job(1, false);
 }
 

@@ -4,7 +4,7 @@
  * product is one thread's sequential chain over its whole length (never split across lanes), and
  * every add/multiply/divide at a rounding point is an explicit __fadd_rn/__fmul_rn/__fdiv_rn, since
  * nvcc would otherwise contract a*b+c into an FMA. expf is glibc's algorithm ported exactly
- * (at_expf below), not CUDA's. So all three ops are bit-identical to the CPU backend built against
+ * (ds_expf, cuda_libm.cuh), not CUDA's. So all three ops are bit-identical to the CPU backend built against
  * glibc >= 2.28 on an x86-64 with FMA (the exp port matches that build on every float; a non-FMA
  * glibc build differs from it on 2 of the 2.24e9 floats with |x| < 88, a different libm would be
  * the one source of last-bit differences in P, the rescale factor, the denominator and the sink
@@ -24,6 +24,7 @@
  *     P·V), and each lane owns 2 (or 4) output columns whose P·V chains run over the valid entries in
  *     order. */
 #include "cuda_internal.h"
+#include "cuda_libm.cuh"
 
 #define ATTN_BLOCK 64          /* idx entries per online-softmax block (backend.h) */
 #define SMEM_LIMIT 49152       /* per CTA, static + dynamic: no opt-in to larger carve-outs */
@@ -62,50 +63,6 @@ __device__ __forceinline__ float at_dot8(float a, float4 q0, float4 q1, const fl
     a = __fadd_rn(a, __fmul_rn(q1.z, k[6]));
     a = __fadd_rn(a, __fmul_rn(q1.w, k[7]));
     return a;
-}
-
-/* glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, ARM optimized-routines, every glibc since 2.28),
- * which the CPU oracle calls, ported operation for operation instead of CUDA's expf (a different
- * algorithm: it disagrees with glibc in the last bit on ~30% of arguments in [-30, 0], which after
- * the bf16 roundings changed ~2e-4 of sparse_attn outputs). exp(x) = 2^(k/32) · 2^(r/32) with
- * k = round(x·32/ln2) by the 0x1.8p52 shift trick, the 2^(i/32) table, a cubic in r, all in double
- * and rounded to float once. The fused multiply-adds are where GCC contracts them in glibc's x86-64
- * FMA build (e_expf-fma.c, selected on every AVX2 machine): checked exhaustively against glibc 2.36
- * for all 2.24e9 floats with |x| < 88, no difference (the non-FMA build differs from it on 2 of
- * them). Special cases as glibc: -inf -> 0, NaN/+inf -> x + x, overflow -> inf, x < -103.97 -> 0;
- * the subnormal range goes through the same core and one correctly rounded double -> float. */
-__device__ const uint64_t at_exp2f_tab[32] = {
-    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
-    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
-    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
-    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
-    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
-    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
-    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
-    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
-};
-
-__device__ __forceinline__ float at_expf(float x) {
-    constexpr double INVLN2N = 0x1.71547652b82fep+0 * 32, SHIFT = 0x1.8p+52;
-    constexpr double C0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, C1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
-                     C2 = 0x1.62e42ff0c52d6p-1 / 32;
-    const uint32_t ux = __float_as_uint(x), abstop = (ux >> 20) & 0x7ffu;
-    if (abstop >= 0x42bu) { /* |x| >= 88 or NaN */
-        if (ux == 0xff800000u) return 0.0f;
-        if (abstop >= 0x7f8u) return __fadd_rn(x, x);
-        if (x > 0x1.62e42ep6f) return __int_as_float(0x7f800000);
-        if (x < -0x1.9fe368p6f) return 0.0f;
-    }
-    const double xd = (double)x;
-    double kd = __fma_rn(INVLN2N, xd, SHIFT); /* k in the low bits, rounded to nearest even */
-    const uint64_t ki = (uint64_t)__double_as_longlong(kd);
-    kd = __dsub_rn(kd, SHIFT);
-    const double r = __fma_rn(INVLN2N, xd, -kd); /* in [-1/2, 1/2] */
-    const double s = __longlong_as_double((long long)(__ldg(&at_exp2f_tab[ki & 31]) + (ki << 47)));
-    const double z = __fma_rn(C0, r, C1), r2 = __dmul_rn(r, r);
-    double y = __fma_rn(C2, r, 1.0);
-    y = __fma_rn(z, r2, y);
-    return __double2float_rn(__dmul_rn(y, s));
 }
 
 __device__ __forceinline__ void at_cp_async16(void *smem, const void *gmem) {
@@ -335,15 +292,15 @@ __global__ void __launch_bounds__(256)
                 mx = y > mx ? y : mx;
             }
             const float mn = mx > m ? mx : m;
-            alpha = at_expf(__fsub_rn(m, mn));
+            alpha = ds_expf(__fsub_rn(m, mn));
             if (ic0 >= 0) {
-                const float p = at_expf(__fsub_rn(s0, mn));
+                const float p = ds_expf(__fsub_rn(s0, mn));
                 const int ps = __popc(m0 & ltm);
                 pfs[warp][ps] = p;
                 pbs[warp][ps] = at_bf16r(p);
             }
             if (ic1 >= 0) {
-                const float p = at_expf(__fsub_rn(s1, mn));
+                const float p = ds_expf(__fsub_rn(s1, mn));
                 const int ps = __popc(m0) + __popc(m1 & ltm);
                 pfs[warp][ps] = p;
                 pbs[warp][ps] = at_bf16r(p);
@@ -407,7 +364,7 @@ __global__ void __launch_bounds__(256)
         __syncwarp(); /* this warp's pbs/pfs readers are done before the next block's softmax writes */
     }
     if (!hval) return;
-    if (any && sink) l = __fadd_rn(l, at_expf(__fsub_rn(sink[h], m)));
+    if (any && sink) l = __fadd_rn(l, ds_expf(__fsub_rn(sink[h], m)));
     uint16_t *orow = o + (t * H + h) * (int64_t)hd;
 #pragma unroll
     for (int k = 0; k < CPT; k++) {
@@ -519,10 +476,10 @@ __global__ void __launch_bounds__(256)
             continue;
         }
         float sum = 0.0f;
-        for (int j = 0; j < r; j++) sum = __fadd_rn(sum, at_expf(__fsub_rn(sg[j * n], mx)));
+        for (int j = 0; j < r; j++) sum = __fadd_rn(sum, ds_expf(__fsub_rn(sg[j * n], mx)));
         float acc = 0.0f;
         for (int j = 0; j < r; j++) {
-            const float w = at_expf(__fsub_rn(sg[j * n], mx));
+            const float w = ds_expf(__fsub_rn(sg[j * n], mx));
             if (w == 0.0f) continue;
             acc = __fadd_rn(acc, __fmul_rn(kg[j * n], __fdiv_rn(w, sum)));
         }

@@ -33,6 +33,7 @@
  * about 1 TB/s of expert weights; the kernels are instruction bound (~5 instructions per FP4
  * weight at one pair per expert, mostly the e2m1 decode, at 25% occupancy). */
 #include "cuda_internal.h"
+#include "cuda_libm.cuh"
 #include "cuda_linear.h"
 
 #include <cuda_fp16.h>
@@ -88,44 +89,6 @@ static __device__ __forceinline__ float mo_quant32(float v, float *scale) {
 
 /* ---------------------------------------------------------------------------------------------
  * glibc's expf and log1pf (see the header) */
-
-static __device__ const uint64_t mo_exp2f_tab[32] = {
-    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
-    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
-    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
-    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
-    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
-    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
-    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
-    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
-};
-
-/* glibc sysdeps/ieee754/flt-32/e_expf.c as its x86-64 FMA build computes it: k and r from one
- * fused x·(32/ln2) each, the cubic as three FMAs, then y·2^(k/32) and one rounding to float. */
-static __device__ __forceinline__ float mo_expf(float x) {
-    const uint32_t ux = __float_as_uint(x), abstop = (ux >> 20) & 0x7ffu;
-    if (abstop >= 0x42bu) { /* |x| >= 88 or NaN */
-        if (ux == 0xff800000u) return 0.0f;
-        if (abstop >= 0x7f8u) return __fadd_rn(x, x);
-        if (x > 0x1.62e42ep6f) return __int_as_float(0x7f800000);  /* overflow */
-        if (x < -0x1.9fe368p6f) return 0.0f;                        /* underflow */
-        if (x < -0x1.9d1d9ep6f) return __int_as_float(1);           /* 0x1.4p-75f^2 = 2^-149 */
-    }
-    const double invln2n = 0x1.71547652b82fep+0 * 32, shift = 0x1.8p+52;
-    const double c0 = 0x1.c6af84b912394p-5 / 32 / 32 / 32, c1 = 0x1.ebfce50fac4f3p-3 / 32 / 32,
-                 c2 = 0x1.62e42ff0c52d6p-1 / 32;
-    const double xd = (double)x;
-    double kd = __fma_rn(invln2n, xd, shift);
-    const uint64_t ki = (uint64_t)__double_as_longlong(kd);
-    kd = __dsub_rn(kd, shift);
-    const double r = __fma_rn(invln2n, xd, -kd);
-    const uint64_t t = mo_exp2f_tab[ki & 31] + (ki << 47);
-    const double s = __longlong_as_double((long long)t);
-    const double z = __fma_rn(r, c0, c1), r2 = __dmul_rn(r, r);
-    double y = __fma_rn(r, c2, 1.0);
-    y = __fma_rn(z, r2, y);
-    return __double2float_rn(__dmul_rn(y, s));
-}
 
 /* glibc sysdeps/ieee754/flt-32/s_log1pf.c (fdlibm), every float operation rounded as written. */
 static __device__ float mo_log1pf(float x) {
@@ -211,7 +174,7 @@ static __device__ __forceinline__ float mo_swiglu(float g, float u, float limit,
         u = u < -limit ? -limit : (u > limit ? limit : u);
         g = g > limit ? limit : g;
     }
-    float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, mo_expf(-g))), u);
+    float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, ds_expf(-g))), u);
     return has_wt ? __fmul_rn(wt, h) : h;
 }
 
@@ -241,7 +204,7 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
     const float *zr = z + t * E;
     for (int e = lane; e < E; e += 32) {
         float zt = __fdiv_rn(zr[e], temp);
-        float sp = zt > 20.0f ? zt : mo_log1pf(mo_expf(zt)); /* torch softplus, threshold 20 */
+        float sp = zt > 20.0f ? zt : mo_log1pf(ds_expf(zt)); /* torch softplus, threshold 20 */
         float sv = __fsqrt_rn(sp);
         s[e] = sv;
         v[e] = bias ? __fadd_rn(sv, bias[e]) : sv;

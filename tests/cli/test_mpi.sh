@@ -10,31 +10,7 @@ MPITESTS=${MPITESTS:-build/mpitests}
 GOLDEN=${GOLDEN:-../shared/golden}
 CHECK=$MPITESTS/mpi_comm_check
 CFG=$GOLDEN/tp8pp2/config.json
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-ok() { echo "ok - $1"; }
-nok() { echo "not ok - $1"; }
-# root in CI containers; --oversubscribe: 16 ranks on 2 cores
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
-
-if [ ! -x "$CHECK" ]; then
-  nok "mpi_comm_check is built ($CHECK missing)"
-  exit 1
-fi
-
-now() { date +%s.%N; }
-elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
-
-# run NAME TIMEOUT NP ARGS...: output in $T/NAME.log, exit code in $rc, seconds in $secs
-run() {
-  local name=$1 limit=$2 np=$3
-  shift 3
-  local t0
-  t0=$(now)
-  "${MPIRUN[@]}" --timeout "$limit" -np "$np" "$CHECK" "$@" > "$T/$name.log" 2>&1
-  rc=$?
-  secs=$(elapsed "$t0" "$(now)")
-}
+. "$(dirname "$0")/mpi_check_lib.sh"
 
 # Successful layouts: exit 0 and rank 0's summary with 0 failed.
 for spec in "16 8 2" "8 4 2" "8 2 2" "16 0 0"; do

@@ -10,31 +10,7 @@
 set -u
 MPITESTS=${MPITESTS:-build/mpitests}
 CHECK=$MPITESTS/nccl_comm_check
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-ok() { echo "ok - $1"; }
-nok() { echo "not ok - $1"; }
-# root in CI containers; --oversubscribe: more ranks than cores (and than GPUs)
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
-
-if [ ! -x "$CHECK" ]; then
-  nok "nccl_comm_check is built ($CHECK missing)"
-  exit 1
-fi
-
-now() { date +%s.%N; }
-elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
-
-# run NAME TIMEOUT NP ARGS...: output in $T/NAME.log, exit code in $rc, seconds in $secs
-run() {
-  local name=$1 limit=$2 np=$3
-  shift 3
-  local t0
-  t0=$(now)
-  "${MPIRUN[@]}" --timeout "$limit" -np "$np" "$CHECK" "$@" > "$T/$name.log" 2>&1
-  rc=$?
-  secs=$(elapsed "$t0" "$(now)")
-}
+. "$(dirname "$0")/mpi_check_lib.sh"
 
 # expect_summary NAME TITLE: exit 0 and rank 0's "N passed, 0 failed"; a skip line passes through.
 expect_summary() {
