@@ -68,7 +68,7 @@ $(BUILD_DIR)/dsbatch: $(BUILD_DIR)/obj/src/main.o $(BUILD_DIR)/libdsbatch.a
 
 $(BUILD_DIR)/tests/%: tests/unit/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
-	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS) -lcmocka
+	$(MPICC) $(CFLAGS) -MMD -MP -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS) -lcmocka
 
 $(BUILD_DIR)/mpitests/%: tests/mpi/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
@@ -86,6 +86,7 @@ test: all
 test-cuda: all
 	$(BUILD_DIR)/tests/test_cuda_linear
 	$(BUILD_DIR)/tests/test_cuda_ops
+	$(BUILD_DIR)/tests/test_cuda_ops_misc
 	GOLDEN=$(abspath $(GOLDEN)) DSBATCH=$(BUILD_DIR)/dsbatch bash tests/cli/test_cuda_engine.sh
 	MPITESTS=$(BUILD_DIR)/mpitests bash tests/cli/test_nccl.sh
 	BUILD_DIR=$(BUILD_DIR) bash tests/cli/test_ptxas.sh
@@ -113,4 +114,4 @@ help:
 	@echo "make clean      remove $(BUILD_DIR)"
 	@echo "variables: SM=80|86  GOLDEN=$(GOLDEN)  BUILD_DIR=$(BUILD_DIR)  MPICC=$(MPICC)  CUDA_HOME=$(CUDA_HOME)"
 
--include $(HOST_OBJ:.o=.d) $(BUILD_DIR)/obj/src/main.d
+-include $(HOST_OBJ:.o=.d) $(BUILD_DIR)/obj/src/main.d $(TEST_BIN:=.d)

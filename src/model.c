@@ -51,6 +51,11 @@ static void bfree(struct model *m, void *p) {
     if (p) OPS->free(m->be, p);
 }
 
+/* A weight the backend cannot take is a bug or a resource limit, never a state to run on. */
+static void prep_weight(struct backend *be, struct qweight *w, bool dequant_bf16) {
+    if (be->ops->weight_prepare(be, w, dequant_bf16)) ds_die_err();
+}
+
 /* Hand one raw weight tensor of m->w to the backend: the field then holds the backend's pointer and
  * the host pointer is remembered for model_free. */
 static void prep_tensor(struct model *m, const void *field_addr, size_t bytes, bool host_resident) {
@@ -123,24 +128,24 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
         /* prepare every weight of the layer for the backend; wo_a goes to bf16 as in the reference */
         struct qweight *qs[] = {&lw->attn.wq_a, &lw->attn.wq_b, &lw->attn.wkv, &lw->attn.wo_b, &lw->ffn.gate,
                                 &lw->ffn.sh_w1, &lw->ffn.sh_w3, &lw->ffn.sh_w2};
-        for (size_t i = 0; i < sizeof qs / sizeof *qs; i++) be->ops->weight_prepare(be, qs[i], false);
-        be->ops->weight_prepare(be, &lw->attn.wo_a, true);
+        for (size_t i = 0; i < sizeof qs / sizeof *qs; i++) prep_weight(be, qs[i], false);
+        prep_weight(be, &lw->attn.wo_a, true);
         for (int e = 0; e < lw->ffn.n_local; e++) {
-            be->ops->weight_prepare(be, &lw->ffn.w1[e], false);
-            be->ops->weight_prepare(be, &lw->ffn.w3[e], false);
-            be->ops->weight_prepare(be, &lw->ffn.w2[e], false);
+            prep_weight(be, &lw->ffn.w1[e], false);
+            prep_weight(be, &lw->ffn.w3[e], false);
+            prep_weight(be, &lw->ffn.w2[e], false);
         }
         if (r->owns_compressor) {
-            be->ops->weight_prepare(be, &lw->attn.cmp_wkv, false);
-            if (r->ratio > 1) be->ops->weight_prepare(be, &lw->attn.cmp_wgate, false);
+            prep_weight(be, &lw->attn.cmp_wkv, false);
+            if (r->ratio > 1) prep_weight(be, &lw->attn.cmp_wgate, false);
         }
         if (r->is_index_source) {
-            be->ops->weight_prepare(be, &lw->attn.idx_wq_b, false);
-            be->ops->weight_prepare(be, &lw->attn.idx_weights_proj, false);
-            if (r->owns_index_keys) be->ops->weight_prepare(be, &lw->attn.idx_wk, false);
+            prep_weight(be, &lw->attn.idx_wq_b, false);
+            prep_weight(be, &lw->attn.idx_weights_proj, false);
+            if (r->owns_index_keys) prep_weight(be, &lw->attn.idx_wk, false);
         }
         if (lw->has_engram) {
-            be->ops->weight_prepare(be, &lw->engram.wkv, false);
+            prep_weight(be, &lw->engram.wkv, false);
             float *ew = ds_malloc(sizeof(float) * (size_t)(hc * D));
             for (int64_t i = 0; i < hc * D; i++)
                 ew[i] = bf16_to_f32(lw->engram.q_weight[i]) * bf16_to_f32(lw->engram.k_weight[i]);
@@ -169,7 +174,7 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
         lc->kidx = balloc(m, (size_t)(S * lc->cap + 1) * cfg->index_head_dim * 2);
     }
     if (w->opt.last_stage) {
-        be->ops->weight_prepare(be, &w->head, false);
+        prep_weight(be, &w->head, false);
         prep_tensor(m, &w->norm, 2 * (size_t)D, false);
     }
     if (w->opt.first_stage) prep_tensor(m, &w->embed, 2 * (size_t)(w->vocab_rows * D), false);

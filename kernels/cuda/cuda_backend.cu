@@ -9,6 +9,7 @@
  * mapping); the original description is parked in be_priv so release restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
  * as mapped pinned memory and read by the kernels over the bus. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -43,10 +44,28 @@ bool cuda_be_mma(struct backend *be) { return cb(be)->mma; }
 
 extern "C" void backend_cuda_set_mma(struct backend *be, bool on) { cb(be)->mma = on; }
 
+/* Out of device memory is the user's sizing, not a fault: say what was being placed, how much, and
+ * what to change, then end the whole job (one rank cannot continue without the others). */
+static void __attribute__((noreturn)) out_of_memory(struct backend *be, const char *what, size_t bytes,
+                                                    const char *advice) {
+    size_t free_b = 0, total_b = 0;
+    (void)cudaGetLastError();
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "not enough GPU memory on device %d for %s: %zu MiB asked, %zu MiB free of %zu MiB (%s)", cb(be)->device,
+             what, bytes >> 20, free_b >> 20, total_b >> 20, advice);
+    ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cudaMalloc", msg);
+    abort(); /* ds_fatal does not return */
+}
+
 void *cuda_be_scratch(struct backend *be, size_t bytes) {
     void *p = NULL;
     if (!bytes) bytes = 16;
-    CUDA_CHECK(cudaMallocAsync(&p, bytes, cb(be)->stream));
+    cudaError_t e = cudaMallocAsync(&p, bytes, cb(be)->stream);
+    if (e == cudaErrorMemoryAllocation)
+        out_of_memory(be, "activations and caches", bytes, "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
+    CUDA_CHECK(e);
     CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, cb(be)->stream));
     return p;
 }
@@ -80,7 +99,10 @@ static void cu_sync(struct backend *be) { CUDA_CHECK(cudaStreamSynchronize(cb(be
 static void *upload_rows(struct backend *be, const void *src, int64_t rows, size_t row_bytes, size_t ld_bytes) {
     void *d = NULL;
     size_t total = (size_t)rows * row_bytes;
-    CUDA_CHECK(cudaMalloc(&d, total ? total : 16));
+    cudaError_t e = cudaMalloc(&d, total ? total : 16);
+    if (e == cudaErrorMemoryAllocation)
+        out_of_memory(be, "this rank's weights", total, "the rank's slice is larger than the GPU: use a larger --tp or --pp");
+    CUDA_CHECK(e);
     if (total)
         CUDA_CHECK(cudaMemcpy2DAsync(d, row_bytes, src, ld_bytes, row_bytes, (size_t)rows, cudaMemcpyHostToDevice,
                                      cb(be)->stream));
@@ -169,6 +191,7 @@ static const void *cu_tensor_prepare(struct backend *be, const void *host, size_
     struct prep *p = (struct prep *)ds_calloc(1, sizeof *p);
     if (!host_resident) {
         p->kind = PREP_DEVICE;
+        /* upload_rows reports running out of memory itself */
         p->base = upload_rows(be, host, 1, bytes, bytes);
         p->dptr = p->base;
     } else {
