@@ -15,7 +15,8 @@ HDF5_PC   ?= hdf5-openmpi
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g -Wall -Wextra -Wno-unused-parameter -ffp-contract=off -fno-fast-math -fopenmp
 OPT         ?= -O2
-CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc) -DDS_GIT_COMMIT='"$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)"'
+GIT_COMMIT  := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+CFLAGS      := $(CFLAGS_BASE) $(OPT) -Isrc -Ikernels -Impi $(shell pkg-config --cflags libcjson $(HDF5_PC) 2>/dev/null) $(shell pkg-config --cflags libpcre2-8 libutf8proc) -DDS_GIT_COMMIT='"$(GIT_COMMIT)"'
 LDLIBS      := $(shell pkg-config --libs libcjson $(HDF5_PC) 2>/dev/null) -lzstd -lm -lpthread -fopenmp $(shell pkg-config --libs libpcre2-8 libutf8proc)
 
 HOST_SRC  := $(filter-out src/main.c,$(wildcard src/*.c)) $(wildcard kernels/*.c) $(wildcard kernels/cpu/*.c) $(wildcard mpi/*.c)
@@ -58,6 +59,11 @@ $(BUILD_DIR)/obj/%.o: %.c
 $(BUILD_DIR)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@ 2> $(BUILD_DIR)/obj/$*.ptxas.log || (cat $(BUILD_DIR)/obj/$*.ptxas.log; exit 1)
+
+# the commit goes into every output file (/meta): its one user is rebuilt when HEAD moves
+$(BUILD_DIR)/obj/src/jobout.o: $(BUILD_DIR)/commit-$(GIT_COMMIT)
+$(BUILD_DIR)/commit-$(GIT_COMMIT):
+	@mkdir -p $(BUILD_DIR) && rm -f $(BUILD_DIR)/commit-* && touch $@
 
 $(BUILD_DIR)/libdsbatch.a: $(HOST_OBJ) $(CU_OBJ)
 	@rm -f $@
