@@ -244,8 +244,8 @@ gpu_job() {
   fi
 }
 export OMPI_MCA_mpi_yield_when_idle=1   # 8 or 16 ranks on this machine's cores
-gpu_job 1x8 8 -- TP=2 PP=1 slurm/dsbatch_1x8.sbatch
-gpu_job 2x8 16 --nodes=1 --ntasks-per-node=16 -- LAUNCHER=mpirun TP=2 PP=2 slurm/dsbatch_2x8_a800.sbatch
+gpu_job 1x8 8 -- BACKEND=cpu TP=2 PP=1 slurm/dsbatch_1x8.sbatch
+gpu_job 2x8 16 --nodes=1 --ntasks-per-node=16 -- BACKEND=cpu LAUNCHER=mpirun TP=2 PP=2 slurm/dsbatch_2x8_a800.sbatch
 unset OMPI_MCA_mpi_yield_when_idle
 
 # --- 6. a failing job is reported as failed: dsbatch refuses the layout (TP4 on 2 output groups)
@@ -282,14 +282,14 @@ grep -q '^#SBATCH --gpus-per-node=8' slurm/dsbatch_2x8_a800.sbatch || bad="$bad 
 grep -q '^#SBATCH --gpus-per-node=8' slurm/dsbatch_1x8.sbatch || bad="$bad 1x8:gpus"
 d2=$(env -u DSBATCH DRY_RUN=1 SLURM_SUBMIT_DIR="$T/sub" SLURM_JOB_ID=42 SLURM_JOB_NUM_NODES=2 SLURM_NTASKS_PER_NODE=8 \
      SLURM_NTASKS=16 bash slurm/dsbatch_2x8_a800.sbatch 2>&1)
-grep -q "^+ srun --mpi=pmix --nodes=2 --ntasks=16 --ntasks-per-node=8 --distribution=block .*$T/sub/build/dsbatch generate --model $T/sub/models/DeepSeek-V4.1-Flash --prompts $T/sub/data/prompts/tiny.jsonl --out $T/sub/dsbatch-42.jsonl --tp 8 --pp 2" <<<"$d2" \
+grep -q "^+ srun --mpi=pmix --nodes=2 --ntasks=16 --ntasks-per-node=8 --distribution=block .*$T/sub/build/dsbatch generate --model $T/sub/models/DeepSeek-V4.1-Flash --prompts $T/sub/data/prompts/tiny.jsonl --out $T/sub/dsbatch-42.jsonl --tp 8 --pp 2 --backend cuda" <<<"$d2" \
   || bad="$bad 2x8:dry-run"
 d2m=$(env -u DSBATCH DRY_RUN=1 LAUNCHER=mpirun TP=8 PP=2 PP_LAYERS=4,4 WATCHDOG=60 TRACE=t.csv EXTRA_ARGS="--max-seqs 4" \
       SLURM_SUBMIT_DIR="$T/sub" SLURM_JOB_NUM_NODES=2 SLURM_NTASKS_PER_NODE=8 bash slurm/dsbatch_2x8_a800.sbatch 2>&1)
-grep -q "^+ mpirun -np 16 --map-by ppr:8:node .* generate .* --tp 8 --pp 2 --pp-layers 4,4 --watchdog 60 --trace t.csv --max-seqs 4" <<<"$d2m" \
+grep -q "^+ mpirun -np 16 --map-by ppr:8:node .* generate .* --tp 8 --pp 2 --pp-layers 4,4 --watchdog 60 --trace t.csv --backend cuda --max-seqs 4" <<<"$d2m" \
   || bad="$bad 2x8:dry-run-mpirun"
 d1=$(env -u DSBATCH DRY_RUN=1 SLURM_SUBMIT_DIR="$T/sub" SLURM_JOB_ID=43 bash slurm/dsbatch_1x8.sbatch 2>&1)
-grep -q "^+ srun --mpi=pmix --nodes=1 --ntasks=8 .* generate .* --tp 8 --pp 1" <<<"$d1" || bad="$bad 1x8:dry-run"
+grep -q "^+ srun --mpi=pmix --nodes=1 --ntasks=8 .* generate .* --tp 8 --pp 1 --backend cuda" <<<"$d1" || bad="$bad 1x8:dry-run"
 if [ -z "$bad" ]; then
   ok "slurm: GPU scripts (2x8 TP8xPP2, 1x8 TP8) print the expected srun/mpirun commands; #SBATCH lines, set -euo pipefail, no hard-coded paths, hosts, partitions or accounts"
 else
