@@ -97,12 +97,15 @@ test-cuda: all
 	MPITESTS=$(BUILD_DIR)/mpitests bash tests/cli/test_nccl.sh
 	BUILD_DIR=$(BUILD_DIR) bash tests/cli/test_ptxas.sh
 
-# on the GPU machine: the linear kernels per shape, the decode step and prefill of one rank's
+# on the GPU machine: the linear kernels per shape next to PyTorch (bf16 matmul on dequantized
+# weights), the decode step and prefill of one rank's
 # shard with its per-op profile, then the plots (results/*.png)
 bench: all
 	@mkdir -p results
 	$(BUILD_DIR)/bench/bench_linear_cuda results/cuda_linear_decode.csv
+	python3 tests/bench/torch_linear_baseline.py results/torch_linear_decode.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --csv results/cuda_step.csv --profile results/cuda_step_profile.csv
+	$(BUILD_DIR)/bench/bench_step --backend cuda --prefill-mma --batch 64 --csv results/cuda_step_mma.csv
 	python3 tests/bench/plot_results.py results
 
 demo: all
