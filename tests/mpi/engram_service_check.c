@@ -24,19 +24,7 @@
 #include "log.h"
 #include "topo.h"
 
-static int g_pass, g_fail, g_rank;
-
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        if (cond) {                                                               \
-            g_pass++;                                                             \
-        } else {                                                                  \
-            g_fail++;                                                             \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fputc('\n', stderr);                                                  \
-        }                                                                         \
-    } while (0)
+#include "mpi/mpi_check.h"
 
 static uint64_t fnv(uint64_t h, const uint8_t *p, size_t n) {
     for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;

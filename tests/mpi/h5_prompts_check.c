@@ -22,19 +22,7 @@
 #include "h5io.h"
 #include "log.h"
 
-static int g_pass, g_fail, g_rank;
-
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        if (cond) {                                                               \
-            g_pass++;                                                             \
-        } else {                                                                  \
-            g_fail++;                                                             \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fputc('\n', stderr);                                                  \
-        }                                                                         \
-    } while (0)
+#include "mpi/mpi_check.h"
 
 static int64_t plen(int64_t i) { return 1 + (i * 11) % 29; }
 static int32_t ptok(int64_t i, int64_t k) { return (int32_t)((i * 7919 + k * 104729) % 32000); }

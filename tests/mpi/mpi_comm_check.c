@@ -26,19 +26,7 @@
 #include "log.h"
 #include "topo.h"
 
-static int g_pass, g_fail, g_rank;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (cond) {                                                        \
-            g_pass++;                                                      \
-        } else {                                                           \
-            g_fail++;                                                      \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-        }                                                                  \
-    } while (0)
+#include "mpi/mpi_check.h"
 
 /* ------------------------------------------------------------------------------------------------
  * Groups: which world rank is member r of each sub-communicator (from the documented layout) */
@@ -69,25 +57,8 @@ static int member(const struct topo *t, enum group g, int r) {
 /* ------------------------------------------------------------------------------------------------
  * Known per-rank data */
 
-static uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
-/* Signed values spread over 2^-20 .. 2^20 so that additions round and partly cancel. */
-static float f32_value(int world_rank, size_t i) {
-    uint32_t h = mix32(mix32((uint32_t)world_rank + 0x9e3779b9u) ^ (uint32_t)i);
-    float v = ldexpf(1.0f + (float)(h & 0xffffu) / 65536.0f, (int)((h >> 16) % 41u) - 20);
-    return (h >> 31) ? -v : v;
-}
 
 static bf16_t bf16_value(int world_rank, size_t i) { return bf16_from_f32(f32_value(world_rank + 1000, i)); }
-static int64_t i64_value(int world_rank, size_t i) { return ((int64_t)(world_rank + 1) << 40) - (int64_t)i * 977; }
-static int32_t i32_value(int world_rank, size_t i) { return (int32_t)(world_rank * 100003) - (int32_t)i; }
 static uint8_t u8_value(int world_rank, size_t i) { return (uint8_t)(world_rank * 37 + (int)i * 11 + 200); }
 static uint8_t byte_value(int world_rank, size_t i) { return (uint8_t)mix32((uint32_t)world_rank * 7919u + (uint32_t)i); }
 

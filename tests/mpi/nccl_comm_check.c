@@ -42,42 +42,13 @@
 #include "comm_nccl.h"
 #endif
 
-static int g_pass, g_fail, g_rank;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (cond) {                                                        \
-            g_pass++;                                                      \
-        } else {                                                           \
-            g_fail++;                                                      \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-        }                                                                  \
-    } while (0)
+#include "mpi/mpi_check.h"
 
 /* ------------------------------------------------------------------------------------------------
  * Known per-rank data (the generators of mpi_comm_check) */
 
-static uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
-/* Signed values spread over 2^-20 .. 2^20 so that additions round and partly cancel. */
-static float f32_value(int rank, size_t i) {
-    uint32_t h = mix32(mix32((uint32_t)rank + 0x9e3779b9u) ^ (uint32_t)i);
-    float v = ldexpf(1.0f + (float)(h & 0xffffu) / 65536.0f, (int)((h >> 16) % 41u) - 20);
-    return (h >> 31) ? -v : v;
-}
 /* element 7 is a NaN with a payload: the sum must give bf16_from_f32's canonical 0x7FC0 */
 static bf16_t bf16_value(int rank, size_t i) { return i == 7 ? (bf16_t)0x7F81u : bf16_from_f32(f32_value(rank + 1000, i)); }
-static int64_t i64_value(int rank, size_t i) { return ((int64_t)(rank + 1) << 40) - (int64_t)i * 977; }
-static int32_t i32_value(int rank, size_t i) { return (int32_t)(rank * 100003) - (int32_t)i; }
 static uint8_t u8_value(int rank, size_t i) { return (uint8_t)(rank * 37 + (int)i * 11 + 200); }
 static uint8_t byte_value(int rank, size_t i) { return (uint8_t)mix32((uint32_t)rank * 7919u + (uint32_t)i); }
 
