@@ -197,6 +197,15 @@ void dequant_fp8_tiles(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k,
     }
 }
 
+void dequant_fp8_tiles_bf16(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld,
+                            bf16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *srow = s + (i / 32) * s_ld;
+        for (int64_t j = 0; j < k; j++)
+            out[i * k + j] = bf16_from_f32(e4m3_to_f32(w[i * ld + j]) * e8m0_to_f32(srow[j / 32]));
+    }
+}
+
 void dequant_fp4_rows(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k, float *out) {
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *wrow = w + i * (k / 2);

@@ -50,6 +50,10 @@ void qdq_fp4_16_e4m3(bf16_t *x, size_t n);
  * FP8 32x32 tiles: w [n, k] e4m3 (row stride ld), s [ceil(n/32), ceil(k/32)] e8m0 (row stride s_ld). */
 void dequant_fp8_tiles(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld,
                        float *out);
+/* The same to bf16 (each fp32 value rounded once): the weight the reference dequantizes at load
+ * (wo_a), for every backend. */
+void dequant_fp8_tiles_bf16(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld,
+                            bf16_t *out);
 /* FP4 experts: w [n, k/2] packed (low nibble = even element), s [n, k/32] e8m0. */
 void dequant_fp4_rows(const uint8_t *w, const uint8_t *s, int64_t n, int64_t k, float *out);
 /* One Engram row: w [dim] e4m3, s [dim/32] e8m0 -> bf16 (the reference casts to bf16 on lookup). */

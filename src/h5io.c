@@ -401,18 +401,25 @@ void h5_prompts_close(struct h5_prompts *p) {
     p->file = p->dxpl = -1;
 }
 
-/* Collective read of the rows idx[0..n) of a per-prompt dataset (a strided hyperslab). */
-static void read_strided(struct h5_prompts *p, const char *name, hid_t mtype, int64_t i0, int64_t stride, int64_t n,
-                         void *buf) {
+/* /prompts/NAME (already validated) opened for a read of `mlen` values: the dataset, its file space
+ * and a memory space of mlen (at least 1, so an empty read is still a valid call). */
+static hid_t open_for_read(struct h5_prompts *p, const char *name, int64_t mlen, hid_t *fs, hid_t *ms) {
     char full[64];
     snprintf(full, sizeof full, "/prompts/%s", name);
     hid_t d = H5Dopen2(p->file, full, H5P_DEFAULT);
     CHECK_H5(d);
-    hid_t fs = H5Dget_space(d);
-    CHECK_H5(fs);
-    hsize_t mdim = (hsize_t)(n > 0 ? n : 1);
-    hid_t ms = H5Screate_simple(1, &mdim, NULL);
-    CHECK_H5(ms);
+    *fs = H5Dget_space(d);
+    CHECK_H5(*fs);
+    hsize_t mdim = (hsize_t)(mlen > 0 ? mlen : 1);
+    *ms = H5Screate_simple(1, &mdim, NULL);
+    CHECK_H5(*ms);
+    return d;
+}
+
+/* Collective read of the rows idx[0..n) of a per-prompt dataset (a strided hyperslab). */
+static void read_strided(struct h5_prompts *p, const char *name, hid_t mtype, int64_t i0, int64_t stride, int64_t n,
+                         void *buf) {
+    hid_t fs, ms, d = open_for_read(p, name, n, &fs, &ms);
     if (n > 0) {
         hsize_t st = (hsize_t)i0, sd = (hsize_t)stride, cnt = (hsize_t)n;
         CHECK_H5(H5Sselect_hyperslab(fs, H5S_SELECT_SET, &st, &sd, &cnt, NULL));
@@ -451,15 +458,7 @@ static hid_t select_blocks(hid_t base, const hsize_t *start, const hsize_t *coun
  * increasing order, lands packed in buf. Adjacent ranges are merged (dp 1 reads one block). */
 static void read_rows(struct h5_prompts *p, const char *name, hid_t mtype, const int64_t *off, const int64_t *idx,
                       int64_t n, void *buf, int64_t total) {
-    char full[64];
-    snprintf(full, sizeof full, "/prompts/%s", name);
-    hid_t d = H5Dopen2(p->file, full, H5P_DEFAULT);
-    CHECK_H5(d);
-    hid_t fs = H5Dget_space(d);
-    CHECK_H5(fs);
-    hsize_t mdim = (hsize_t)(total > 0 ? total : 1);
-    hid_t ms = H5Screate_simple(1, &mdim, NULL);
-    CHECK_H5(ms);
+    hid_t fs, ms, d = open_for_read(p, name, total, &fs, &ms);
     hsize_t *start = ds_malloc(sizeof *start * (size_t)(n + 1)), *count = ds_malloc(sizeof *count * (size_t)(n + 1));
     int64_t nb = 0;
     for (int64_t j = 0; j < n;) {

@@ -29,10 +29,6 @@ static void cpu_copy(struct backend *be, void *dst, const void *src, size_t byte
 
 static void cpu_sync(struct backend *be) {}
 
-/* Rows dequantized per step: one 32-row tile band, so the fp32 scratch stays small however large
- * the weight is. */
-#define PREP_ROWS 32
-
 static int cpu_weight_prepare(struct backend *be, struct qweight *w, bool dequant_bf16) {
     if (!dequant_bf16 || w->fmt == WF_BF16) return 0;
     if (w->fmt != WF_FP8) {
@@ -46,15 +42,7 @@ static int cpu_weight_prepare(struct backend *be, struct qweight *w, bool dequan
     }
     int64_t n = w->n, k = w->k;
     bf16_t *copy = ds_malloc((size_t)(n * k) * sizeof(bf16_t));
-    float *rows = ds_malloc((size_t)(PREP_ROWS * k) * sizeof(float));
-    const uint8_t *src = w->w;
-    for (int64_t i0 = 0; i0 < n; i0 += PREP_ROWS) {
-        int64_t nr = n - i0 < PREP_ROWS ? n - i0 : PREP_ROWS;
-        /* i0 is a multiple of 32, so the band's scales start at scale row i0 / 32. */
-        dequant_fp8_tiles(src + i0 * w->ld, w->s + (i0 / 32) * w->s_ld, nr, k, w->ld, w->s_ld, rows);
-        for (int64_t i = 0; i < nr * k; i++) copy[i0 * k + i] = bf16_from_f32(rows[i]);
-    }
-    free(rows);
+    dequant_fp8_tiles_bf16(w->w, w->s, n, k, w->ld, w->s_ld, copy);
     struct qweight *orig = ds_malloc(sizeof *orig);
     *orig = *w;
     w->be_priv = orig;

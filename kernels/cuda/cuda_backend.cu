@@ -109,8 +109,6 @@ static void *upload_rows(struct backend *be, const void *src, int64_t rows, size
     return d;
 }
 
-#define PREP_ROWS 32
-
 static int cu_weight_prepare(struct backend *be, struct qweight *w, bool dequant_bf16) {
     if (w->be_priv) {
         ds_err_set("cuda weight_prepare: weight is already prepared");
@@ -120,16 +118,9 @@ static int cu_weight_prepare(struct backend *be, struct qweight *w, bool dequant
     *orig = *w;
     int64_t n = w->n, k = w->k;
     if (dequant_bf16 && w->fmt == WF_FP8) {
-        /* wo_a: the reference dequantizes to bf16 at load; the same host code as the CPU backend */
+        /* wo_a: the reference dequantizes to bf16 at load (formats.c, as the CPU backend) */
         bf16_t *copy = (bf16_t *)ds_malloc((size_t)(n * k) * sizeof(bf16_t));
-        float *rows = (float *)ds_malloc((size_t)(PREP_ROWS * k) * sizeof(float));
-        const uint8_t *src = (const uint8_t *)w->w;
-        for (int64_t i0 = 0; i0 < n; i0 += PREP_ROWS) {
-            int64_t nr = n - i0 < PREP_ROWS ? n - i0 : PREP_ROWS;
-            dequant_fp8_tiles(src + i0 * w->ld, w->s + (i0 / 32) * w->s_ld, nr, k, w->ld, w->s_ld, rows);
-            for (int64_t i = 0; i < nr * k; i++) copy[i0 * k + i] = bf16_from_f32(rows[i]);
-        }
-        free(rows);
+        dequant_fp8_tiles_bf16((const uint8_t *)w->w, w->s, n, k, w->ld, w->s_ld, copy);
         w->w = upload_rows(be, copy, n, (size_t)k * 2, (size_t)k * 2);
         CUDA_CHECK(cudaStreamSynchronize(cb(be)->stream));
         free(copy);

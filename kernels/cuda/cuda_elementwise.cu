@@ -581,8 +581,11 @@ __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scal
 #pragma unroll
         for (int k = 0; k < HC; k++) row[k] = __fadd_rn(__fdiv_rn(row[k], sum), eps);
     }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) { /* the softmax made the rows sum to one: the first pass is a column step alone */
+    /* a column step always (the CPU's first one runs even for iters <= 0), then iters - 1 passes of
+     * row then column; the softmax made the rows sum to one, so the first pass is a column step alone */
+    const int passes = iters > 1 ? iters : 1;
+    for (int it = 0; it < passes; it++) {
+        if (it > 0) {
 #pragma unroll
             for (int j = 0; j < HC; j++) {
                 float sum = 0.0f;
@@ -593,17 +596,6 @@ __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scal
                 for (int k = 0; k < HC; k++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
             }
         }
-#pragma unroll
-        for (int k = 0; k < HC; k++) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < HC; j++) sum = __fadd_rn(sum, C[j * HC + k]);
-            const float den = __fadd_rn(sum, eps);
-#pragma unroll
-            for (int j = 0; j < HC; j++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
-        }
-    }
-    if (iters < 1) { /* the CPU's first column step runs even for iters <= 0 */
 #pragma unroll
         for (int k = 0; k < HC; k++) {
             float sum = 0.0f;

@@ -55,6 +55,7 @@
 #include "backend.h"
 #include "comm.h"
 #include "config.h"
+#include "engine_cli.h"
 #include "engram_hash.h"
 #include "log.h"
 #include "model.h"
@@ -546,16 +547,9 @@ int main(int argc, char **argv) {
 
     /* ---- backend, engine ---- */
     struct backend be;
-    if (!strcmp(a.backend, "cpu")) {
-        if (backend_cpu_init(&be)) ds_die_err();
-    } else {
-#ifdef DS_HAVE_CUDA
-        if (backend_cuda_init(&be, a.device)) ds_die_err();
-        backend_cuda_set_mma(&be, a.mma);
-#else
-        ds_die("--backend cuda: this build has no CUDA backend (build with nvcc present)");
-#endif
-    }
+    const struct engine_flags ef = {.backend = strcmp(a.backend, "cuda") ? ENGINE_BACKEND_CPU : ENGINE_BACKEND_CUDA,
+                                    .prefill_mma = a.mma};
+    engine_backend_init(&be, &ef, a.device);
     g_real_ops = be.ops;
     g_wrap_ops = *be.ops;
     g_wrap_ops.router = wrap_router;
@@ -759,11 +753,7 @@ int main(int argc, char **argv) {
     free(B.X_out);
     free(B.P_out);
     model_free(B.m);
-#ifdef DS_HAVE_CUDA
-    if (strcmp(a.backend, "cpu")) backend_cuda_free(&be);
-    else
-#endif
-        backend_cpu_free(&be);
+    engine_backend_free(&be, &ef);
     engram_consts_free(&ec);
     weights_free(&mw);
     st_close(&st);
