@@ -47,6 +47,18 @@ struct qweight {
 
 struct backend;
 
+/* One device-to-device copy of a copy_segs batch. */
+struct copy_seg {
+    void *dst;
+    const void *src;
+    size_t bytes;
+};
+
+/* Per-row parameters of index_topk and cand_mask (host-computed from the batch, uploaded as
+ * int32 [T, 4]). Entry j of score row r is read as -inf when j >= n_valid; only the first n
+ * entries take part. */
+enum { TOPK_P_N = 0, TOPK_P_VALID, TOPK_P_K, TOPK_P_VISIBLE, TOPK_P_COUNT };
+
 struct backend_ops {
     const char *name;
 
@@ -56,6 +68,10 @@ struct backend_ops {
     void (*upload)(struct backend *be, void *dst, const void *src_host, size_t bytes);
     void (*download)(struct backend *be, void *dst_host, const void *src, size_t bytes);
     void (*copy)(struct backend *be, void *dst, const void *src, size_t bytes);
+    /* n copies in one call (the per-sequence rows a forward moves between caches and scratch):
+     * segs is a HOST array; the segments are independent — no destination overlaps another
+     * segment's source or destination — so a backend may run them in any order or at once. */
+    void (*copy_segs)(struct backend *be, const struct copy_seg *segs, int64_t n);
     void (*sync)(struct backend *be);
     /* Make a host weight (pointing into the checkpoint mmap) usable by the backend; the CPU
      * backend keeps the host pointers. `dequant_bf16` asks for a bf16 copy of an FP8 weight
@@ -160,6 +176,25 @@ struct backend_ops {
     void (*index_scores)(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
                          const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
                          int64_t nh, int64_t d, int64_t nk);
+    /* Top-k rows of the indexer (MODEL.md §3.7–§3.8) for T score rows S [T, ld_s] fp32; p int32
+     * [T, TOPK_P_COUNT] per row: n entries scored, n_valid (entries at or past it read as -inf: a
+     * key cache shorter than the row), k selected, visible. With mask (uint8 [T, ld_m], NULL: none)
+     * entry j also reads as -inf when j >= ld_m or mask[j] == 0. The k selected are those of
+     * torch.topk on CPU (tie order of kernels/topk_core.h: libstdc++ introselect / heap select), then sorted
+     * ascending, and positions >= visible become -1; top[r, k..ld_top) = -1. Bit-exact everywhere:
+     * the selection is an algorithm, not arithmetic (kernels/topk_core.h, shared by both backends). */
+    void (*index_topk)(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
+                       const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
+    /* Candidate blocks of the candidate source (§3.8) per row, entries read as index_topk reads
+     * them without a mask: block maxima over `bs` entries of the first n, the block of the last
+     * visible entry forced to +inf, the top min(topk_blocks, blocks) blocks by torch.topk's order;
+     * mask[r, j] = 1 for j < n in a selected block whose maximum is > -inf, else 0 (up to ld_m). */
+    void (*cand_mask)(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
+                      const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
+    /* Index-list assembly: for row r < T and j < k, c = src[r·ld_src + j]:
+     * dst[r·ld_dst + at[2r] + j] = c < 0 ? -1 : c + at[2r+1]. at int32 [T, 2] (column, offset). */
+    void (*idx_remap)(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
+                      const int32_t *at, int64_t T, int64_t k);
 
     /* ---- MoE (MODEL.md §3.10) ---- */
     /* Router: z = x_f32 · gate_f32ᵀ / temp; s = sqrtf(softplus(z)) (z > 20 → z); selection =

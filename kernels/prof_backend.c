@@ -1,8 +1,8 @@
 /* A profiling decorator for any backend: the same op table, each op timed by the host clock
  * from its call until the inner backend's sync returns. It answers "where does a step's time go"
  * without a GPU profiler on the machine: the per-op sums are kernel time plus one launch each, and
- * the step's unprofiled time minus their sum is what the host adds between ops (allocation,
- * index-list building, downloads). The syncs serialize the ops, so a profiled step is slower than
+ * the step's unprofiled time minus their sum is what the host adds between ops (index-list
+ * building, the model's own bookkeeping). Allocations and frees are counted and timed too. The syncs serialize the ops, so a profiled step is slower than
  * a real one; only the split is meant, never the total. */
 #include "prof_backend.h"
 
@@ -47,11 +47,17 @@ enum prof_op {
     PROF_COPY,
     PROF_UPLOAD,
     PROF_DOWNLOAD,
+    PROF_COPY_SEGS,
+    PROF_INDEX_TOPK,
+    PROF_CAND_MASK,
+    PROF_IDX_REMAP,
+    PROF_ALLOC,
+    PROF_FREE,
     PROF_N_OPS
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -73,8 +79,23 @@ static void prof_end(struct backend *be, int op, double t0) {
     PR(be)->calls[op]++;
 }
 
-static void *prof_alloc(struct backend *be, size_t b) { return PR(be)->inner->ops->alloc(PR(be)->inner, b); }
-static void prof_free(struct backend *be, void *p) { PR(be)->inner->ops->free(PR(be)->inner, p); }
+/* allocations are counted and timed like ops: on a GPU each is host work (and a zero fill) */
+static void *prof_alloc(struct backend *be, size_t b) {
+    double t0 = prof_begin(be);
+    void *p = PR(be)->inner->ops->alloc(PR(be)->inner, b);
+    prof_end(be, PROF_ALLOC, t0);
+    return p;
+}
+static void prof_free(struct backend *be, void *p) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->free(PR(be)->inner, p);
+    prof_end(be, PROF_FREE, t0);
+}
+static void prof_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->copy_segs(PR(be)->inner, segs, n);
+    prof_end(be, PROF_COPY_SEGS, t0);
+}
 static void prof_upload(struct backend *be, void *d, const void *s, size_t b) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->upload(PR(be)->inner, d, s, b);
@@ -222,6 +243,22 @@ static void prof_interleave(struct backend *be, void *dst, const void *src, int6
     prof_end(be, PROF_INTERLEAVE, t0);
 }
 
+static void prof_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->index_topk(PR(be)->inner, top, ld_top, S, ld_s, p, mask, ld_m, T);
+    prof_end(be, PROF_INDEX_TOPK, t0);
+}
+static void prof_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s, const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->cand_mask(PR(be)->inner, mask, ld_m, S, ld_s, p, T, topk_blocks, bs);
+    prof_end(be, PROF_CAND_MASK, t0);
+}
+static void prof_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src, const int32_t *at, int64_t T, int64_t k) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->idx_remap(PR(be)->inner, dst, ld_dst, src, ld_src, at, T, k);
+    prof_end(be, PROF_IDX_REMAP, t0);
+}
+
 static const struct backend_ops prof_ops = {
     .name = "profiled",
     .alloc = prof_alloc,
@@ -229,6 +266,7 @@ static const struct backend_ops prof_ops = {
     .upload = prof_upload,
     .download = prof_download,
     .copy = prof_copy,
+    .copy_segs = prof_copy_segs,
     .sync = prof_sync,
     .weight_prepare = prof_weight_prepare,
     .weight_release = prof_weight_release,
@@ -253,6 +291,9 @@ static const struct backend_ops prof_ops = {
     .sparse_attn = prof_sparse_attn,
     .compress_pool = prof_compress_pool,
     .index_scores = prof_index_scores,
+    .index_topk = prof_index_topk,
+    .cand_mask = prof_cand_mask,
+    .idx_remap = prof_idx_remap,
     .router = prof_router,
     .moe_experts = prof_moe_experts,
     .moe_combine = prof_moe_combine,
@@ -272,6 +313,14 @@ void prof_backend_reset(struct backend *be) {
     memset(PR(be)->sec, 0, sizeof PR(be)->sec);
     memset(PR(be)->calls, 0, sizeof PR(be)->calls);
 }
+
+long prof_backend_calls(struct backend *be, const char *op) {
+    for (int i = 0; i < PROF_N_OPS; i++)
+        if (!strcmp(prof_names[i], op)) return PR(be)->calls[i];
+    return -1;
+}
+
+const char *prof_backend_op_name(int i) { return i >= 0 && i < PROF_N_OPS ? prof_names[i] : NULL; }
 
 double prof_backend_report(struct backend *be, FILE *f, const char *label, int per) {
     double total = 0;

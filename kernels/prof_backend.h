@@ -7,7 +7,7 @@
 
 #include "backend.h"
 
-#define PROF_N_OPS_PUBLIC 28
+#define PROF_N_OPS_PUBLIC 34
 
 /* be becomes a backend whose ops run on inner and are timed; inner stays owned by the caller. */
 void prof_backend_init(struct backend *be, struct backend *inner);
@@ -15,5 +15,9 @@ void prof_backend_reset(struct backend *be);
 /* CSV rows "label,op,calls,ms,share%" per op (divided by `per`, e.g. steps); returns seconds per `per`. */
 double prof_backend_report(struct backend *be, FILE *f, const char *label, int per);
 void prof_backend_free(struct backend *be);
+/* Calls of op `op` (its name in the report) since the last reset; -1 for an unknown name. */
+long prof_backend_calls(struct backend *be, const char *op);
+/* The name of counter i < PROF_N_OPS_PUBLIC (the report's op column), else NULL. */
+const char *prof_backend_op_name(int i);
 
 #endif /* DS_PROF_BACKEND_H */

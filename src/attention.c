@@ -3,15 +3,17 @@
  * compressor (pooled latents -> index keys and compressed KV), the indexer with candidate blocks
  * and top-k, or the top-k published by this layer's index source — then sparse attention with
  * sink, inverse RoPE and the grouped low-rank output. Host code only orchestrates: every number
- * is produced by the op table. The index lists are built on the host because their order is part
- * of the numerics (sparse_attn rounds P per block of 64 entries). */
+ * is produced by the op table, the indexer's top-k too, so a forward never waits for the device.
+ * The window part of the index lists is built on the host from the batch (its order is part of
+ * the numerics: sparse_attn rounds P per block of 64 entries); the compressed part is the
+ * backend's top-k, placed by idx_remap. Rows move between caches and scratch in one copy_segs
+ * call per batch, not one copy per sequence. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "log.h"
 #include "model_internal.h"
-#include "topk.h"
 
 #define OPS (m->be->ops)
 
@@ -49,27 +51,40 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
         float *kvf = balloc(m, (size_t)T * hd * 4), *scf = balloc(m, (size_t)T * hd * 4);
         OPS->linear_f32(m->be, kvf, x, T, &aw->cmp_wkv);
         OPS->linear_f32(m->be, scf, x, T, &aw->cmp_wgate);
-        /* Walk positions through the open-group state exactly as decode does; a prefill chunk pools
-         * the same fp32 rows, so both paths give the same latent. */
+        /* Every closing group pools its `ratio` fp32 rows: those of this call from kvf/scf, the
+         * earlier ones from the slot's open-group state (written by previous calls). Then the
+         * state takes this call's last row of each group slot, as a token-by-token walk leaves
+         * it, so decode steps and prefill chunks pool the same rows. Two batches of copies: the
+         * group reads see the state from before this call. */
         float *gkv = balloc(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
         float *gsc = balloc(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
         size_t rowb = (size_t)hd * 4;
+        struct seg_list groups = {0}, state = {0};
         for (int i = 0; i < b->n; i++) {
             const struct fwd_seq *s = &b->seqs[i];
             float *skv = lc->cmp_kv + (size_t)s->slot * ratio * hd, *ssc = lc->cmp_sc + (size_t)s->slot * ratio * hd;
             for (int64_t t = 0; t < s->len; t++) {
-                int64_t p = s->start + t, row = b->row0[i] + t;
-                int64_t k = p % ratio;
-                OPS->copy(m->be, skv + k * hd, kvf + row * hd, rowb);
-                OPS->copy(m->be, ssc + k * hd, scf + row * hd, rowb);
-                if ((p + 1) % ratio == 0) {
-                    OPS->copy(m->be, gkv + em->n * ratio * hd, skv, rowb * ratio);
-                    OPS->copy(m->be, gsc + em->n * ratio * hd, ssc, rowb * ratio);
-                    em->chunk[em->n] = i;
-                    em->group[em->n++] = p / ratio;
+                int64_t p = s->start + t;
+                if ((p + 1) % ratio) continue;
+                for (int64_t k = 0; k < ratio; k++) {
+                    int64_t q = p + 1 - ratio + k, row = b->row0[i] + (q - s->start);
+                    size_t dst = ((size_t)em->n * ratio + k) * hd;
+                    seg_push(&groups, gkv + dst, q >= s->start ? kvf + row * hd : skv + k * hd, rowb);
+                    seg_push(&groups, gsc + dst, q >= s->start ? scf + row * hd : ssc + k * hd, rowb);
                 }
+                em->chunk[em->n] = i;
+                em->group[em->n++] = p / ratio;
+            }
+            for (int64_t t = i64max(0, s->len - ratio); t < s->len; t++) {
+                int64_t k = (s->start + t) % ratio, row = b->row0[i] + t;
+                seg_push(&state, skv + k * hd, kvf + row * hd, rowb);
+                seg_push(&state, ssc + k * hd, scf + row * hd, rowb);
             }
         }
+        seg_flush(m, &groups);
+        seg_flush(m, &state);
+        seg_free(&groups);
+        seg_free(&state);
         lat = balloc(m, (size_t)(em->n ? em->n : 1) * hd * 2);
         if (em->n) OPS->compress_pool(m->be, lat, gkv, gsc, em->n, ratio, hd);
         bfree(m, kvf);
@@ -103,11 +118,14 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps);
     OPS->rope(m->be, k, n, 1, id, id, id - rd, rd, lpos, m->freqs[l], false);
     OPS->qdq_fp4_32(m->be, k, n * id);
+    struct seg_list sl = {0};
     for (int64_t i = 0; i < n; i++) {
         int slot = b->seqs[em->chunk[i]].slot;
-        OPS->copy(m->be, lc->kidx + ((size_t)slot * lc->cap + em->group[i]) * id, k + i * id, (size_t)id * 2);
+        seg_push(&sl, lc->kidx + ((size_t)slot * lc->cap + em->group[i]) * id, k + i * id, (size_t)id * 2);
         m->slots[slot].index_k_src = l;
     }
+    seg_flush(m, &sl);
+    seg_free(&sl);
     bfree(m, k);
 }
 
@@ -119,48 +137,13 @@ static void write_compressed_kv(struct model *m, int l, struct batch *b, bf16_t 
     int64_t hd = c->head_dim, rd = c->rope_dim, n = em->n;
     OPS->rope(m->be, lat, n, 1, hd, hd, hd - rd, rd, lpos, m->freqs[l], false);
     OPS->qdq_fp4_16(m->be, lat, n * hd);
+    struct seg_list sl = {0};
     for (int64_t i = 0; i < n; i++) {
         int slot = b->seqs[em->chunk[i]].slot;
-        OPS->copy(m->be, lc->ckv + ((size_t)slot * lc->cap + em->group[i]) * hd, lat + i * hd, (size_t)hd * 2);
+        seg_push(&sl, lc->ckv + ((size_t)slot * lc->cap + em->group[i]) * hd, lat + i * hd, (size_t)hd * 2);
     }
-}
-
-/* Level one of the two-level top-k (§3.8): a per-position mask of the best candidate blocks. */
-static void candidate_mask(const float *S, int64_t nk, int64_t visible, int64_t topk_blocks, int64_t bs,
-                           uint8_t *mask) {
-    int64_t nb = (nk + bs - 1) / bs;
-    float *sc = ds_malloc(sizeof(float) * (size_t)(nb + 1));
-    uint8_t *keep = ds_calloc((size_t)nb + 1, 1);
-    for (int64_t k = 0; k < nb; k++) {
-        float mx = -INFINITY;
-        for (int64_t j = k * bs; j < (k + 1) * bs && j < nk; j++)
-            if (S[j] > mx) mx = S[j];
-        sc[k] = mx;
-    }
-    if (visible > 0) sc[(visible - 1) / bs] = INFINITY;
-    int64_t want = i64min(topk_blocks, nb);
-    int32_t *sel = ds_malloc(sizeof(int32_t) * (size_t)(want + 1));
-    torch_topk(sc, nb, want, sel);
-    for (int64_t r = 0; r < want; r++)
-        if (sc[sel[r]] > -INFINITY) keep[sel[r]] = 1;
-    free(sel);
-    for (int64_t j = 0; j < nk; j++) mask[j] = keep[j / bs];
-    free(sc);
-    free(keep);
-}
-
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* Top-k of one score row, ties broken as torch.topk does (topk.h), re-sorted by position;
- * positions the query cannot see yet become -1 (they sort last). */
-static void topk_row(const float *S, int64_t nk, int64_t k, int64_t visible, int32_t *out) {
-    torch_topk(S, nk, k, out);
-    qsort(out, (size_t)k, sizeof *out, cmp_i32);
-    for (int64_t r = 0; r < k; r++)
-        if (out[r] >= visible) out[r] = -1;
+    seg_flush(m, &sl);
+    seg_free(&sl);
 }
 
 /* Indexer of an index source (§3.7): scores every visible compressed row, applies candidate
@@ -178,8 +161,8 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         nk_max = i64max(nk_max, nk);
         kmax = i64max(kmax, i64min(c->index_topk, nk));
     }
-    int32_t *top = ds_malloc(sizeof(int32_t) * (size_t)(T * kmax + 1));
-    for (int64_t i = 0; i < T * kmax; i++) top[i] = -1;
+    /* a forward with nothing to select still publishes its (empty) rows for the layers reading them */
+    int32_t *top = balloc(m, sizeof(int32_t) * (size_t)(T * kmax + 1));
     b->topk[l] = top;
     b->topk_w[l] = kmax;
     if (kmax == 0) return;
@@ -193,26 +176,19 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
     /* the reference scales the projected weights by index_head_dim^-0.5 · n_heads^-0.5 (all heads) */
     float w_scale = (float)(pow((double)id, -0.5) * pow((double)c->index_n_heads, -0.5));
 
-    if (r->is_candidate_source) {
-        free(b->cand);
-        b->cand = ds_calloc((size_t)(T * nk_max + 1), 1);
-        b->cand_w = nk_max;
-    }
-    /* every sequence's rows scored into one [T, nk_max] buffer, then one download for the batch
-     * (a download waits for the device: one wait per layer, not one per sequence) */
+    /* every sequence's rows scored into one [T, nk_max] buffer; the selection runs on the backend
+     * from per-row parameters, so nothing comes back to the host mid-forward */
     float *S_d = balloc(m, (size_t)(T * nk_max + 1) * 4);
-    float *S = ds_malloc(sizeof(float) * (size_t)(T * nk_max + 1));
     int32_t *vis_h = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
-    int32_t *vis_d = balloc(m, sizeof(int32_t) * (size_t)(T + 1));
-    int64_t *nkk_of = ds_malloc(sizeof(int64_t) * (size_t)b->n);
+    int32_t *prm = ds_calloc((size_t)(T * TOPK_P_COUNT + 1), sizeof(int32_t));
     for (int i = 0; i < b->n; i++)
         for (int64_t t = 0; t < b->seqs[i].len; t++)
             vis_h[b->row0[i] + t] = (int32_t)((b->seqs[i].start + t + 1) / ratio);
+    int32_t *vis_d = balloc(m, sizeof(int32_t) * (size_t)(T + 1));
     OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i];
-        nkk_of[i] = 0;
         if (nk == 0) continue;
         /* Which keys: the owner's own, or (quirk) whatever key owner published last for this
          * sequence — on an open-group decode step that is a later layer's cache from the step before. */
@@ -220,39 +196,40 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         if (m->opt.stale_index_keys && m->slots[s->slot].index_k_src >= 0) ks = m->slots[s->slot].index_k_src;
         struct layer_cache *klc = &m->lc[ks];
         int64_t nkk = i64min(nk, klc->cap);
-        nkk_of[i] = nkk;
         OPS->index_scores(m->be, S_d + r0 * nk_max, nk_max, iq + r0 * ihl * id, ihl * id,
                           klc->kidx + (size_t)s->slot * klc->cap * id, wr + r0 * ihl, w_scale, vis_d + r0, s->len,
                           ihl, id, nkk);
-    }
-    OPS->download(m->be, S, S_d, sizeof(float) * (size_t)(T * nk_max));
-    for (int i = 0; i < b->n; i++) {
-        const struct fwd_seq *s = &b->seqs[i];
-        int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i], nkk = nkk_of[i];
-        if (nk == 0) continue;
         for (int64_t t = 0; t < s->len; t++) {
-            float *row = S + (r0 + t) * nk_max;
-            for (int64_t j = nkk; j < nk; j++) row[j] = -INFINITY;
+            int32_t *pr = prm + (r0 + t) * TOPK_P_COUNT;
             int64_t vis = vis_h[r0 + t];
             /* A decode step scores exactly its visible rows; the reference's single-shot prefill
              * scores the chunk's whole width. The width decides how exact ties break, so the
              * chunk-invariant layout scores every row like a decode step. */
             int64_t n_row = m->opt.window_layout == WINDOW_LAYOUT_DECODE ? vis : nk;
-            int64_t k_row = i64min(c->index_topk, n_row);
-            if (r->is_candidate_source)
-                candidate_mask(row, n_row, vis, c->candidate_topk_blocks, c->candidate_block_size,
-                               b->cand + (r0 + t) * b->cand_w);
-            else if (r->uses_candidates && b->cand) {
-                const uint8_t *mk = b->cand + (r0 + t) * b->cand_w;
-                for (int64_t j = 0; j < nk; j++)
-                    if (j >= b->cand_w || !mk[j]) row[j] = -INFINITY;
-            }
-            topk_row(row, n_row, k_row, vis, top + (r0 + t) * kmax);
+            pr[TOPK_P_N] = (int32_t)n_row;
+            pr[TOPK_P_VALID] = (int32_t)nkk;
+            pr[TOPK_P_K] = (int32_t)i64min(c->index_topk, n_row);
+            pr[TOPK_P_VISIBLE] = (int32_t)vis;
         }
     }
-    free(nkk_of);
-    free(S);
+    int32_t *prm_d = balloc(m, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    OPS->upload(m->be, prm_d, prm, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    const uint8_t *mask = NULL;
+    int64_t ld_m = 0;
+    if (r->is_candidate_source) {
+        bfree(m, b->cand);
+        b->cand = balloc(m, (size_t)(T * nk_max + 1));
+        b->cand_w = nk_max;
+        OPS->cand_mask(m->be, b->cand, nk_max, S_d, nk_max, prm_d, T, c->candidate_topk_blocks,
+                       c->candidate_block_size);
+    } else if (r->uses_candidates && b->cand) {
+        mask = b->cand;
+        ld_m = b->cand_w;
+    }
+    OPS->index_topk(m->be, top, kmax, S_d, nk_max, prm_d, mask, ld_m, T);
+    free(prm);
     free(vis_h);
+    bfree(m, prm_d);
     bfree(m, vis_d);
     bfree(m, S_d);
     bfree(m, iq);
@@ -297,7 +274,14 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     }
     if (r->is_index_source) {
         run_indexer(m, l, b, x, qr);
-        if (hooks && hooks->topk) hooks->topk(hooks->ctx, l, b->topk[l], T, b->topk_w[l]);
+        if (hooks && hooks->topk) {
+            /* replay/verify look at the sets on the host: the one download this path adds */
+            size_t nb = sizeof(int32_t) * (size_t)(T * b->topk_w[l]);
+            int32_t *h = ds_malloc(nb + 4);
+            OPS->download(m->be, h, b->topk[l], nb);
+            hooks->topk(hooks->ctx, l, h, T, b->topk_w[l]);
+            free(h);
+        }
     }
     const int32_t *ctop = src >= 0 ? b->topk[r->topk_src] : NULL;
     int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0;
@@ -320,16 +304,19 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     }
     bf16_t *kvs = balloc(m, (size_t)(kv_rows + 1) * hd * 2);
     int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 1));
+    int32_t *at = ds_malloc(sizeof(int32_t) * (size_t)(2 * T + 1));
     struct layer_cache *lc = &m->lc[l];
+    /* two batches of copies: the scratch reads the ring before the ring takes this call's rows */
+    struct seg_list fill = {0}, ring = {0};
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         size_t rb = (size_t)hd * 2;
-        if (s->start > 0) OPS->copy(m->be, kvs + base[i] * hd, lc->ring + (size_t)s->slot * W * hd, rb * W);
-        OPS->copy(m->be, kvs + (base[i] + W) * hd, kv + b->row0[i] * hd, rb * s->len);
+        if (s->start > 0) seg_push(&fill, kvs + base[i] * hd, lc->ring + (size_t)s->slot * W * hd, rb * W);
+        seg_push(&fill, kvs + (base[i] + W) * hd, kv + b->row0[i] * hd, rb * s->len);
         int64_t ncomp = src >= 0 ? (s->start + s->len) / r->ratio : 0;
         if (ncomp) {
             struct layer_cache *sc = &m->lc[src];
-            OPS->copy(m->be, kvs + (base[i] + W + s->len) * hd, sc->ckv + (size_t)s->slot * sc->cap * hd, rb * ncomp);
+            seg_push(&fill, kvs + (base[i] + W + s->len) * hd, sc->ckv + (size_t)s->slot * sc->cap * hd, rb * ncomp);
         }
         for (int64_t t = 0; t < s->len; t++) {
             int64_t p = s->start + t, row = b->row0[i] + t;
@@ -344,20 +331,30 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
                 else
                     ir[e++] = (int32_t)(qp >= s->start ? base[i] + W + (qp - s->start) : base[i] + qp % W);
             }
-            for (int64_t j = 0; j < kc; j++) {
-                int32_t cj = ctop[row * kc + j];
-                ir[e++] = cj < 0 ? -1 : (int32_t)(base[i] + W + s->len + cj);
-            }
+            /* the compressed part [nw, nw + kc) comes from the top-k on the backend (idx_remap) */
+            at[2 * row] = (int32_t)e;
+            at[2 * row + 1] = (int32_t)(base[i] + W + s->len);
             while (e < n_idx) ir[e++] = -1;
         }
         /* the ring keeps the last W positions for later steps */
         for (int64_t t = i64max(0, s->len - W); t < s->len; t++) {
             int64_t p = s->start + t;
-            OPS->copy(m->be, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, rb);
+            seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, rb);
         }
     }
+    seg_flush(m, &fill);
+    seg_flush(m, &ring);
+    seg_free(&fill);
+    seg_free(&ring);
     int32_t *idx_d = balloc(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
     OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx));
+    if (kc) {
+        int32_t *at_d = balloc(m, sizeof(int32_t) * (size_t)(2 * T));
+        OPS->upload(m->be, at_d, at, sizeof(int32_t) * (size_t)(2 * T));
+        OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, at_d, T, kc);
+        bfree(m, at_d);
+    }
+    free(at);
     bf16_t *o = balloc(m, (size_t)T * Hl * hd * 2);
     float scale = (float)pow((double)hd, -0.5);
     OPS->sparse_attn(m->be, o, q, kvs, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);

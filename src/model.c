@@ -263,6 +263,29 @@ void model_free(struct model *m) {
     free(m);
 }
 
+void seg_push(struct seg_list *l, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    if (l->n) {
+        struct copy_seg *t = &l->s[l->n - 1];
+        if ((uint8_t *)t->dst + t->bytes == (uint8_t *)dst && (const uint8_t *)t->src + t->bytes == (const uint8_t *)src) {
+            t->bytes += bytes;
+            return;
+        }
+    }
+    if (l->n == l->cap) l->s = ds_realloc(l->s, sizeof *l->s * (size_t)(l->cap = l->cap ? 2 * l->cap : 64));
+    l->s[l->n++] = (struct copy_seg){dst, src, bytes};
+}
+
+void seg_flush(struct model *m, struct seg_list *l) {
+    if (l->n) OPS->copy_segs(m->be, l->s, l->n);
+    l->n = 0;
+}
+
+void seg_free(struct seg_list *l) {
+    free(l->s);
+    *l = (struct seg_list){0};
+}
+
 void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T, size_t row_bytes,
                           const char *what) {
     if (m->tp_size == 1) {
@@ -594,12 +617,15 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         OPS->rmsnorm(m->be, h, h, m->w->norm, T, D, (float)c->norm_eps);
         if (hooks && hooks->final_hidden) hooks->final_hidden(hooks->ctx, h, T);
         int64_t o = 0;
+        struct seg_list sl = {0};
         for (int i = 0; i < n; i++) {
             int64_t cnt = seqs[i].all_logits ? seqs[i].len : 1;
             int64_t from = b.row0[i] + seqs[i].len - cnt;
-            OPS->copy(m->be, hr + o * D, h + from * D, (size_t)(cnt * D) * 2);
+            seg_push(&sl, hr + o * D, h + from * D, (size_t)(cnt * D) * 2);
             o += cnt;
         }
+        seg_flush(m, &sl);
+        seg_free(&sl);
         /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
         if (R > g_head_rows_max) g_head_rows_max = R;
@@ -615,13 +641,13 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     if (rc == 0)
         for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
     for (int l = 0; l < c->n_layers; l++) {
-        free(b.topk[l]);
+        bfree(m, b.topk[l]);
         bfree(m, erows[l]);
     }
     free(erows);
     free(b.topk);
     free(b.topk_w);
-    free(b.cand);
+    bfree(m, b.cand);
     free(b.row0);
     free(b.pos_h);
     free(tok);

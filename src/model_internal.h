@@ -52,12 +52,24 @@ struct batch {
     int64_t *row0;     /* [n] host */
     int32_t *pos_h;    /* [T] host positions */
     int32_t *pos;      /* [T] backend positions */
-    /* per-forward products shared between layers (host, owned by the forward) */
-    int32_t **topk;    /* [n_layers] index sources: [T, topk_w[l]] compressed ids, -1 unused */
-    int64_t *topk_w;   /* [n_layers] */
-    uint8_t *cand;     /* candidate source: [T, cand_w] mask */
+    /* per-forward products shared between layers (owned by the forward) */
+    int32_t **topk;    /* [n_layers] index sources: backend [T, topk_w[l]] compressed ids, -1 unused */
+    int64_t *topk_w;   /* [n_layers] (host) */
+    uint8_t *cand;     /* candidate source: backend [T, cand_w] mask */
     int64_t cand_w;
 };
+
+/* A batch of independent device copies for be->ops->copy_segs: a forward moves rows between
+ * caches and scratch per sequence, and one call per batch (not per row) keeps the host's work per
+ * step independent of the batch size. Adjacent rows merge into one segment. */
+struct seg_list {
+    struct copy_seg *s;
+    int64_t n, cap;
+};
+void seg_push(struct seg_list *l, void *dst, const void *src, size_t bytes);
+/* Runs the pending copies (one backend call) and empties the list. */
+void seg_flush(struct model *m, struct seg_list *l);
+void seg_free(struct seg_list *l);
 
 /* attention.c: x [T, D] normed input -> out [T, D] (before TP reduction). */
 int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *out,

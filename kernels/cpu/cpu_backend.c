@@ -27,6 +27,11 @@ static void cpu_copy(struct backend *be, void *dst, const void *src, size_t byte
     if (bytes) memmove(dst, src, bytes);
 }
 
+static void cpu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (segs[i].bytes) memcpy(segs[i].dst, segs[i].src, segs[i].bytes);
+}
+
 static void cpu_sync(struct backend *be) {}
 
 static int cpu_weight_prepare(struct backend *be, struct qweight *w, bool dequant_bf16) {
@@ -76,6 +81,7 @@ static const struct backend_ops cpu_ops = {
     .upload = cpu_upload,
     .download = cpu_download,
     .copy = cpu_copy,
+    .copy_segs = cpu_copy_segs,
     .sync = cpu_sync,
     .weight_prepare = cpu_weight_prepare,
     .weight_release = cpu_weight_release,
@@ -100,6 +106,9 @@ static const struct backend_ops cpu_ops = {
     .sparse_attn = cpu_op_sparse_attn,
     .compress_pool = cpu_op_compress_pool,
     .index_scores = cpu_op_index_scores,
+    .index_topk = cpu_op_index_topk,
+    .cand_mask = cpu_op_cand_mask,
+    .idx_remap = cpu_op_idx_remap,
     .router = cpu_op_router,
     .moe_experts = cpu_op_moe_experts,
     .shared_expert = cpu_op_shared_expert,

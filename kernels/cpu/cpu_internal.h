@@ -71,6 +71,14 @@ void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_
                          const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
                          int64_t nh, int64_t d, int64_t nk);
 
+/* ---- cpu_index.c ---- */
+void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
+                       const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
+void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
+                      const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
+void cpu_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
+                      const int32_t *at, int64_t T, int64_t k);
+
 /* ---- cpu_moe.c ---- */
 void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,

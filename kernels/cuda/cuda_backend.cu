@@ -3,8 +3,8 @@
  * One backend = one device and one stream; every op enqueues on that stream and nothing here
  * waits except download and sync, so the host runs ahead of the GPU until the model needs a value.
  * Activations come from the stream-ordered pool (cudaMallocAsync with an unbounded release
- * threshold): the forward allocates and frees its temporaries per layer, and the pool turns that
- * into a free list without a device synchronization per free. Weights are copied once, compactly,
+ * threshold) through a host-side free list by size (cuda_be_scratch): the forward allocates and
+ * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are copied once, compactly,
  * into device memory by weight_prepare (TP slices arrive as strided views into the checkpoint
  * mapping); the original description is parked in be_priv so release restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
@@ -19,6 +19,7 @@
 
 extern "C" void *ds_malloc(size_t n);
 extern "C" void *ds_calloc(size_t n, size_t m);
+extern "C" void *ds_realloc(void *p, size_t n);
 
 /* A prepared tensor: what release must undo. */
 enum prep_kind { PREP_DEVICE, PREP_REGISTERED, PREP_PINNED_COPY };
@@ -29,11 +30,27 @@ struct prep {
     struct prep *next;
 };
 
+/* Scratch blocks kept for reuse (see cuda_be_scratch): free lists by rounded size, and the rounded
+ * size of every block handed out. */
+struct scratch_class {
+    size_t bytes;
+    void **free; /* [n_free] */
+    int n_free, cap_free;
+};
+struct scratch_live {
+    void *p;      /* NULL: empty slot */
+    size_t bytes; /* rounded size, or 0: allocated outside the classes */
+};
+
 struct cuda_be {
     int device, sms;
     bool mma;
     cudaStream_t stream;
     struct prep *preps;
+    struct scratch_class *cls; /* [n_cls] */
+    int n_cls;
+    struct scratch_live *live; /* open-addressing table [cap_live], power of two */
+    size_t cap_live, n_live;
 };
 
 static struct cuda_be *cb(struct backend *be) { return (struct cuda_be *)be->priv; }
@@ -59,19 +76,178 @@ static void __attribute__((noreturn)) out_of_memory(struct backend *be, const ch
     abort(); /* ds_fatal does not return */
 }
 
-void *cuda_be_scratch(struct backend *be, size_t bytes) {
+/* Temporaries: the forward allocates and frees the same sizes layer after layer, a few dozen a
+ * layer, and each cudaMallocAsync/cudaFreeAsync is host time on the step's critical path. So freed
+ * blocks go on a host free list of their rounded size (four sizes per power of two: at most 25 %
+ * slack) and the next request of that size takes one back with no CUDA call. This is safe
+ * without events because every user of a block is on the backend's one stream: work enqueued
+ * after the free runs after the work enqueued before it. Blocks over SCRATCH_CLASS_MAX (caches,
+ * whole-prompt buffers) are allocated exactly, outside the classes. The zero fill stays: one
+ * memset per request. */
+#define SCRATCH_CLASS_MAX ((size_t)1 << 30)
+
+static size_t scratch_round(size_t bytes) {
+    if (bytes <= 256) return 256;
+    int e = 63 - __builtin_clzll((unsigned long long)(bytes - 1)); /* 2^e < bytes <= 2^(e+1) */
+    size_t step = (size_t)1 << (e - 2);                            /* quarters of 2^e */
+    return (bytes + step - 1) / step * step;
+}
+
+static size_t live_slot(const struct cuda_be *c, const void *p) {
+    uintptr_t h = (uintptr_t)p;
+    h ^= h >> 17;
+    h *= (uintptr_t)0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 20) & (c->cap_live - 1);
+}
+
+static void live_put(struct cuda_be *c, void *p, size_t bytes);
+
+static void live_grow(struct cuda_be *c) {
+    struct scratch_live *old = c->live;
+    size_t oc = c->cap_live;
+    c->cap_live = oc ? 2 * oc : 1024;
+    c->live = (struct scratch_live *)ds_calloc(c->cap_live, sizeof *c->live);
+    c->n_live = 0;
+    for (size_t i = 0; i < oc; i++)
+        if (old[i].p) live_put(c, old[i].p, old[i].bytes);
+    free(old);
+}
+
+static void live_put(struct cuda_be *c, void *p, size_t bytes) {
+    if (2 * (c->n_live + 1) > c->cap_live) live_grow(c);
+    size_t i = live_slot(c, p);
+    while (c->live[i].p) i = (i + 1) & (c->cap_live - 1);
+    c->live[i].p = p;
+    c->live[i].bytes = bytes;
+    c->n_live++;
+}
+
+/* Removes p from the table; returns its rounded size (0: an exact allocation). */
+static size_t live_take(struct cuda_be *c, void *p) {
+    size_t i = c->cap_live ? live_slot(c, p) : 0;
+    while (c->cap_live && c->live[i].p && c->live[i].p != p) i = (i + 1) & (c->cap_live - 1);
+    if (!c->cap_live || c->live[i].p != p)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cuda_be_scratch_free", "pointer was not handed out by this backend");
+    size_t bytes = c->live[i].bytes;
+    c->live[i].p = NULL;
+    c->n_live--;
+    /* close the gap: re-insert the rest of the probe run */
+    for (size_t j = (i + 1) & (c->cap_live - 1); c->live[j].p; j = (j + 1) & (c->cap_live - 1)) {
+        struct scratch_live e = c->live[j];
+        c->live[j].p = NULL;
+        c->n_live--;
+        live_put(c, e.p, e.bytes);
+    }
+    return bytes;
+}
+
+static struct scratch_class *scratch_class_of(struct cuda_be *c, size_t bytes) {
+    for (int i = 0; i < c->n_cls; i++)
+        if (c->cls[i].bytes == bytes) return &c->cls[i];
+    c->cls = (struct scratch_class *)ds_realloc(c->cls, sizeof *c->cls * (size_t)(c->n_cls + 1));
+    struct scratch_class *k = &c->cls[c->n_cls++];
+    *k = (struct scratch_class){bytes, NULL, 0, 0};
+    return k;
+}
+
+/* Hands every kept block back to the stream-ordered pool (where a new request can use it). */
+static void scratch_release_kept(struct cuda_be *c) {
+    for (int i = 0; i < c->n_cls; i++) {
+        for (int j = 0; j < c->cls[i].n_free; j++) CUDA_CHECK(cudaFreeAsync(c->cls[i].free[j], c->stream));
+        free(c->cls[i].free);
+    }
+    free(c->cls);
+    c->cls = NULL;
+    c->n_cls = 0;
+}
+
+static void *scratch_malloc(struct backend *be, size_t bytes) {
+    struct cuda_be *c = cb(be);
     void *p = NULL;
-    if (!bytes) bytes = 16;
-    cudaError_t e = cudaMallocAsync(&p, bytes, cb(be)->stream);
+    cudaError_t e = cudaMallocAsync(&p, bytes, c->stream);
+    if (e == cudaErrorMemoryAllocation) {
+        /* the kept blocks may be what is missing: give them back and try once more */
+        (void)cudaGetLastError();
+        scratch_release_kept(c);
+        e = cudaMallocAsync(&p, bytes, c->stream);
+    }
     if (e == cudaErrorMemoryAllocation)
         out_of_memory(be, "activations and caches", bytes, "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
     CUDA_CHECK(e);
-    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, cb(be)->stream));
+    return p;
+}
+
+void *cuda_be_scratch(struct backend *be, size_t bytes) {
+    struct cuda_be *c = cb(be);
+    if (!bytes) bytes = 16;
+    size_t rb = bytes <= SCRATCH_CLASS_MAX ? scratch_round(bytes) : 0;
+    void *p = NULL;
+    if (rb) {
+        struct scratch_class *k = scratch_class_of(c, rb);
+        p = k->n_free ? k->free[--k->n_free] : scratch_malloc(be, rb);
+    } else {
+        p = scratch_malloc(be, bytes);
+    }
+    live_put(c, p, rb);
+    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, c->stream));
     return p;
 }
 
 void cuda_be_scratch_free(struct backend *be, void *p) {
-    if (p) CUDA_CHECK(cudaFreeAsync(p, cb(be)->stream));
+    if (!p) return;
+    struct cuda_be *c = cb(be);
+    size_t rb = live_take(c, p);
+    if (!rb) {
+        CUDA_CHECK(cudaFreeAsync(p, c->stream));
+        return;
+    }
+    struct scratch_class *k = scratch_class_of(c, rb);
+    if (k->n_free == k->cap_free)
+        k->free = (void **)ds_realloc(k->free, sizeof *k->free * (size_t)(k->cap_free = k->cap_free ? 2 * k->cap_free : 8));
+    k->free[k->n_free++] = p;
+}
+
+/* n device copies in one launch: the host list is cut into pieces of at most COPY_PIECE bytes (so a
+ * long cache range spreads over many blocks), sent in one upload, and each block copies pieces, in
+ * 16-byte words where the piece is aligned to them. */
+#define COPY_PIECE (64 * 1024)
+struct copy_piece {
+    uint8_t *dst;
+    const uint8_t *src;
+    uint64_t bytes;
+};
+
+__global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
+    for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+        struct copy_piece c = pc[i];
+        if ((((uintptr_t)c.dst | (uintptr_t)c.src | (uintptr_t)c.bytes) & 15) == 0) {
+            uint4 *d = (uint4 *)c.dst;
+            const uint4 *s = (const uint4 *)c.src;
+            for (uint64_t j = threadIdx.x; j < c.bytes / 16; j += blockDim.x) d[j] = s[j];
+        } else {
+            for (uint64_t j = threadIdx.x; j < c.bytes; j += blockDim.x) c.dst[j] = c.src[j];
+        }
+    }
+}
+
+static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
+    int64_t np = 0;
+    for (int64_t i = 0; i < n; i++) np += (int64_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
+    if (!np) return;
+    struct copy_piece *h = (struct copy_piece *)ds_malloc(sizeof *h * (size_t)np);
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (size_t o = 0; o < segs[i].bytes; o += COPY_PIECE)
+            h[at++] = (struct copy_piece){(uint8_t *)segs[i].dst + o, (const uint8_t *)segs[i].src + o,
+                                          segs[i].bytes - o < COPY_PIECE ? segs[i].bytes - o : COPY_PIECE};
+    struct copy_piece *d = (struct copy_piece *)cuda_be_scratch(be, sizeof *h * (size_t)np);
+    /* from pageable memory: staged before the call returns, so h may go at once */
+    CUDA_CHECK(cudaMemcpyAsync(d, h, sizeof *h * (size_t)np, cudaMemcpyHostToDevice, cb(be)->stream));
+    free(h);
+    int64_t grid = np < 65535 ? np : 65535;
+    copy_segs_kernel<<<(unsigned)grid, 256, 0, cb(be)->stream>>>(d, np);
+    KERNEL_CHECK();
+    cuda_be_scratch_free(be, d);
 }
 
 static void *cu_alloc(struct backend *be, size_t bytes) { return cuda_be_scratch(be, bytes); }
@@ -245,6 +421,7 @@ static const struct backend_ops cuda_ops = {
     .upload = cu_upload,
     .download = cu_download,
     .copy = cu_copy,
+    .copy_segs = cu_copy_segs,
     .sync = cu_sync,
     .weight_prepare = cu_weight_prepare,
     .weight_release = cu_weight_release,
@@ -269,6 +446,9 @@ static const struct backend_ops cuda_ops = {
     .sparse_attn = cuda_op_sparse_attn,
     .compress_pool = cuda_op_compress_pool,
     .index_scores = cuda_op_index_scores,
+    .index_topk = cuda_op_index_topk,
+    .cand_mask = cuda_op_cand_mask,
+    .idx_remap = cuda_op_idx_remap,
     .router = cuda_op_router,
     .moe_experts = cuda_op_moe_experts,
     .moe_combine = cuda_op_moe_combine,
@@ -306,6 +486,8 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
 extern "C" void backend_cuda_free(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (!c) return;
+    scratch_release_kept(c);
+    free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     while (c->preps) {
         struct prep *p = c->preps;

@@ -17,8 +17,8 @@ extern "C" void ds_err_set(const char *fmt, ...);
 
 /* The backend's stream: every kernel of an op launches on it. */
 cudaStream_t cuda_be_stream(struct backend *be);
-/* Stream-ordered scratch (cudaMallocAsync on the backend's stream, zero-filled) and its release;
- * the same as be->ops->alloc / be->ops->free. */
+/* Stream-ordered scratch (zero-filled; freed blocks are kept on a host free list by size and reused
+ * by later requests on the stream) and its release; the same as be->ops->alloc / be->ops->free. */
 void *cuda_be_scratch(struct backend *be, size_t bytes);
 void cuda_be_scratch_free(struct backend *be, void *p);
 /* Multiprocessors of the backend's device (for grid sizing). */
@@ -67,6 +67,14 @@ void cuda_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, con
 void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
                           const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
                           int64_t nh, int64_t d, int64_t nk);
+
+/* ---- cuda_index.cu ---- */
+void cuda_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
+                        const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
+void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
+                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
+void cuda_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
+                       const int32_t *at, int64_t T, int64_t k);
 
 /* ---- cuda_moe.cu ---- */
 void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,

@@ -16,7 +16,7 @@
  *    As in a multi-rank job, the stage reads whole rows from the node's table (the Engram
  *    service's layout), so no TP sum follows the gather.
  *  - TP communication: a local stand-in comm of the TP size (allgather = this rank's block copied
- *    into every slot with be->ops->copy, allreduce = no-op), so every op sees the shapes it sees in
+ *    into every slot with one be->ops->copy_segs call, allreduce = no-op), so every op sees the shapes it sees in
  *    a TP8 job. NVLink/NCCL time is excluded; the stand-in's device copies are inside the times
  *    and their volume is printed.
  *  - Routing: random weights route badly (most tokens of a batch pick the same few experts), so
@@ -224,7 +224,11 @@ static uint64_t g_comm_bytes; /* bytes the stand-in copied (device copies, insid
 
 static void lc_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
     struct backend *be = c->priv;
-    for (int r = 0; r < c->size; r++) be->ops->copy(be, (uint8_t *)recv + (size_t)r * bytes, send, bytes);
+    /* one call, as a real collective is one call */
+    struct copy_seg *segs = ds_malloc(sizeof *segs * (size_t)c->size);
+    for (int r = 0; r < c->size; r++) segs[r] = (struct copy_seg){(uint8_t *)recv + (size_t)r * bytes, send, bytes};
+    be->ops->copy_segs(be, segs, c->size);
+    free(segs);
     g_comm_bytes += (uint64_t)bytes * (uint64_t)c->size;
 }
 /* Sums of row-split tables where the other ranks contribute zeros: leaving the buffer is the

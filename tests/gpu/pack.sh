@@ -10,9 +10,9 @@ C=carry
 rm -rf $C/gpu $C/lib $C/golden
 mkdir -p $C/gpu/tests $C/gpu/bench $C/gpu/mpitests $C/lib $C/golden
 cp build/dsbatch $C/gpu/
-for f in build/tests/test_cuda_*; do cp "$f" $C/gpu/tests/; done
-for f in build/bench/*; do [ -f "$f" ] && cp "$f" $C/gpu/bench/; done
-for f in build/mpitests/*; do cp "$f" $C/gpu/mpitests/; done
+for f in build/tests/test_cuda_*; do case $f in *.d) ;; *) cp "$f" $C/gpu/tests/ ;; esac; done
+for f in build/bench/*; do case $f in *.d) ;; *) [ -f "$f" ] && cp "$f" $C/gpu/bench/ ;; esac; done
+for f in build/mpitests/*; do case $f in *.d) ;; *) cp "$f" $C/gpu/mpitests/ ;; esac; done
 strip $C/gpu/dsbatch $C/gpu/tests/* $C/gpu/bench/* $C/gpu/mpitests/* 2>/dev/null || true
 # every library the binaries load except the C runtime and MPI (the GPU machine's own 4.1 is used)
 ldd $C/gpu/dsbatch $C/gpu/tests/* | awk '/=> \//{print $3}' | sort -u | while read -r lib; do

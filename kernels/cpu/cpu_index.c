@@ -1,0 +1,70 @@
+/* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and the index-list
+ * remap: every row runs kernels/topk_core.h, the code the CUDA kernels run too, so a top-k set is
+ * the same on both backends by construction. Rows are independent (OpenMP over rows only). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+#include "log.h"
+#include "topk_core.h"
+
+static int64_t max_p(const int32_t *p, int64_t T, int field) {
+    int64_t m = 0;
+    for (int64_t r = 0; r < T; r++)
+        if (p[r * TOPK_P_COUNT + field] > m) m = p[r * TOPK_P_COUNT + field];
+    return m;
+}
+
+void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
+                       const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T) {
+    int64_t nmax = max_p(p, T, TOPK_P_N);
+#pragma omp parallel
+    {
+        struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nmax + 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < T; r++) {
+            const int32_t *pr = p + r * TOPK_P_COUNT;
+            const float *row = S + r * ld_s;
+            const uint8_t *mr = mask ? mask + r * ld_m : NULL;
+            int32_t *out = top + r * ld_top;
+            for (int64_t j = 0; j < ld_top; j++) out[j] = -1;
+            for (int64_t j = 0; j < pr[TOPK_P_N]; j++)
+                q[j] = (struct topk_elem){topk_entry(row, j, pr[TOPK_P_VALID], mr, ld_m), (int32_t)j};
+            topk_row_finish(out, pr, q);
+        }
+        free(q);
+    }
+}
+
+void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
+                      const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs) {
+    int64_t nbmax = (max_p(p, T, TOPK_P_N) + bs - 1) / bs;
+#pragma omp parallel
+    {
+        struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nbmax + 1));
+        uint8_t *keep = ds_malloc((size_t)nbmax + 1);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < T; r++) {
+            const int32_t *pr = p + r * TOPK_P_COUNT;
+            int64_t n = pr[TOPK_P_N], vis = pr[TOPK_P_VISIBLE], nb = (n + bs - 1) / bs;
+            for (int64_t b = 0; b < nb; b++)
+                q[b] = (struct topk_elem){topk_block_max(S + r * ld_s, b, bs, n, pr[TOPK_P_VALID]), (int32_t)b};
+            if (vis > 0 && (vis - 1) / bs < nb) q[(vis - 1) / bs].v = __builtin_inff();
+            memset(keep, 0, (size_t)nb + 1);
+            topk_cand_finish(keep, nb, topk_blocks, q);
+            uint8_t *out = mask + r * ld_m;
+            for (int64_t j = 0; j < ld_m; j++) out[j] = j < n ? keep[j / bs] : 0;
+        }
+        free(keep);
+        free(q);
+    }
+}
+
+void cpu_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
+                      const int32_t *at, int64_t T, int64_t k) {
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t j = 0; j < k; j++) {
+            int32_t c = src[r * ld_src + j];
+            dst[r * ld_dst + at[2 * r] + j] = c < 0 ? -1 : c + at[2 * r + 1];
+        }
+}

@@ -1,0 +1,102 @@
+/* The host's work per decode step does not grow with the batch: on the tp8pp2 golden model (one
+ * rank, through the profiling decorator over the CPU backend), a decode step of 8 sequences makes
+ * the same backend calls as a step of 1 — every op, copy, upload and allocation the same number of
+ * times — except index_scores, whose keys live in each sequence's own cache (one call per sequence
+ * per index layer: the one per-sequence launch left). A forward also waits for the device once:
+ * the logits download, never for the indexer's top-k mid-forward. On a GPU every call is host time
+ * on the step's critical path, so per-sequence copies (thousands per step at batch 64) were the
+ * step's largest cost; this pins that they are gone. The step of 8 must also give each sequence
+ * exactly the logits of the step of 1 (the batch changes no number). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "loader.h"
+#include "model.h"
+#include "prof_backend.h"
+
+#define B 8
+
+static const char *golden(void) {
+    const char *g = getenv("GOLDEN");
+    return g ? g : "../shared/golden";
+}
+
+static long calls[2][PROF_N_OPS_PUBLIC];
+
+static void snapshot(struct backend *pb, long *out) {
+    for (int i = 0; i < PROF_N_OPS_PUBLIC; i++) out[i] = prof_backend_calls(pb, prof_backend_op_name(i));
+}
+
+static void test_decode_calls_independent_of_batch(void **s) {
+    (void)s;
+    char dir[512], fx[600];
+    snprintf(dir, sizeof dir, "%s/tp8pp2", golden());
+    snprintf(fx, sizeof fx, "%s/prompt0.safetensors", dir);
+    struct st_model f;
+    assert_int_equal(st_open(fx, &f), 0);
+    const struct st_tensor *ids = st_find(&f, "prompt_ids");
+    int64_t S = ids->shape[0];
+    const int32_t *prompt = ids->data;
+
+    struct loaded_model lm;
+    struct backend cpu, pb;
+    assert_int_equal(backend_cpu_init(&cpu), 0);
+    prof_backend_init(&pb, &cpu);
+    assert_int_equal(loader_open(&lm, dir, NULL), 0);
+    struct engine_opts eo = engine_opts_default(&lm.cfg);
+    eo.max_seqs = B + 1;
+    struct model *m = model_new(&lm.cfg, &lm.w, &pb, &lm.ec, &eo);
+    int64_t V = lm.cfg.vocab_size;
+    float *l1 = malloc(sizeof(float) * (size_t)V), *lb = malloc(sizeof(float) * (size_t)(V * B));
+
+    /* slot 0 alone, slots 1..B together: the same prompt in every slot, prefilled one by one, so
+     * both steps run at the same position (compressor groups and top-k widths alike) */
+    for (int q = 0; q <= B; q++) {
+        struct fwd_seq p = {.slot = q, .start = 0, .len = S, .tokens = prompt};
+        assert_int_equal(model_forward(m, &p, 1, l1, NULL), 0);
+    }
+    int32_t tok = 5;
+    struct fwd_seq one = {.slot = 0, .start = S, .len = 1, .tokens = &tok}, many[B];
+    for (int q = 0; q < B; q++) many[q] = (struct fwd_seq){.slot = q + 1, .start = S, .len = 1, .tokens = &tok};
+    prof_backend_reset(&pb);
+    assert_int_equal(model_forward(m, &one, 1, l1, NULL), 0);
+    snapshot(&pb, calls[0]);
+    prof_backend_reset(&pb);
+    assert_int_equal(model_forward(m, many, B, lb, NULL), 0);
+    snapshot(&pb, calls[1]);
+
+    int n_index = 0, differ = 0;
+    for (int l = 0; l < lm.cfg.n_layers; l++) n_index += lm.cfg.role[l].is_index_source;
+    for (int i = 0; i < PROF_N_OPS_PUBLIC; i++) {
+        const char *op = prof_backend_op_name(i);
+        long want = !strcmp(op, "index_scores") ? calls[0][i] * B : calls[0][i];
+        printf("%-16s batch 1: %4ld  batch %d: %4ld\n", op, calls[0][i], B, calls[1][i]);
+        if (calls[1][i] != want) differ++;
+    }
+    assert_int_equal(differ, 0);
+    assert_true(n_index > 0);
+    assert_int_equal(prof_backend_calls(&pb, "index_scores"), (long)n_index * B);
+    assert_int_equal(prof_backend_calls(&pb, "index_topk"), n_index);
+    assert_int_equal(prof_backend_calls(&pb, "download"), 1); /* the logits */
+    for (int q = 0; q < B; q++) assert_memory_equal(l1, lb + (size_t)q * V, sizeof(float) * (size_t)V);
+
+    free(l1);
+    free(lb);
+    model_free(m);
+    loader_close(&lm);
+    prof_backend_free(&pb);
+    backend_cpu_free(&cpu);
+    st_close(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_decode_calls_independent_of_batch)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
