@@ -65,6 +65,10 @@ struct backend_ops {
     /* ---- memory ---- */
     void *(*alloc)(struct backend *be, size_t bytes); /* zero-filled */
     void (*free)(struct backend *be, void *p);
+    /* Like alloc without the zero fill (on a GPU one launch less per temporary): for temporaries
+     * the forward writes before it reads. The CPU backend fills them with 0xFF bytes (NaN, -1), so
+     * a read of an element nothing wrote shows up in every CPU test. Released with free. */
+    void *(*scratch)(struct backend *be, size_t bytes);
     void (*upload)(struct backend *be, void *dst, const void *src_host, size_t bytes);
     void (*download)(struct backend *be, void *dst_host, const void *src, size_t bytes);
     void (*copy)(struct backend *be, void *dst, const void *src, size_t bytes);
@@ -182,17 +186,21 @@ struct backend_ops {
      * entry j also reads as -inf when j >= ld_m or mask[j] == 0. The k selected are those of
      * torch.topk on CPU (tie order of kernels/topk_core.h: libstdc++ introselect / heap select), then sorted
      * ascending, and positions >= visible become -1; top[r, k..ld_top) = -1. Bit-exact everywhere:
-     * the selection is an algorithm, not arithmetic (kernels/topk_core.h, shared by both backends). */
+     * the selection is an algorithm, not arithmetic (kernels/topk_core.h, shared by both backends).
+     * Caller's bounds: n <= ld_s and k <= ld_top on every row (a backend sizes its work by ld_s). */
     void (*index_topk)(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
                        const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
     /* Candidate blocks of the candidate source (§3.8) per row, entries read as index_topk reads
      * them without a mask: block maxima over `bs` entries of the first n, the block of the last
-     * visible entry forced to +inf, the top min(topk_blocks, blocks) blocks by torch.topk's order;
-     * mask[r, j] = 1 for j < n in a selected block whose maximum is > -inf, else 0 (up to ld_m). */
+     * visible entry forced to +inf (when it lies in one of the blocks), the top min(topk_blocks,
+     * blocks) blocks by torch.topk's order; mask[r, j] = 1 for j < n in a selected block whose
+     * maximum is > -inf, else 0 (up to ld_m). Maxima by '>' from -inf, so a NaN entry never wins
+     * (the reference's host order, kept from the first CPU engine). n <= ld_s. */
     void (*cand_mask)(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
     /* Index-list assembly: for row r < T and j < k, c = src[r·ld_src + j]:
-     * dst[r·ld_dst + at[2r] + j] = c < 0 ? -1 : c + at[2r+1]. at int32 [T, 2] (column, offset). */
+     * dst[r·ld_dst + at[2r] + j] = c < 0 ? -1 : c + at[2r+1]. at int32 [T, 2] (column, offset);
+     * at[2r] + k <= ld_dst; the rest of dst is left as it is. */
     void (*idx_remap)(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
                       const int32_t *at, int64_t T, int64_t k);
 

@@ -53,11 +53,12 @@ enum prof_op {
     PROF_IDX_REMAP,
     PROF_ALLOC,
     PROF_FREE,
+    PROF_SCRATCH,
     PROF_N_OPS
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -90,6 +91,12 @@ static void prof_free(struct backend *be, void *p) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->free(PR(be)->inner, p);
     prof_end(be, PROF_FREE, t0);
+}
+static void *prof_scratch(struct backend *be, size_t b) {
+    double t0 = prof_begin(be);
+    void *p = PR(be)->inner->ops->scratch(PR(be)->inner, b);
+    prof_end(be, PROF_SCRATCH, t0);
+    return p;
 }
 static void prof_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
     double t0 = prof_begin(be);
@@ -263,6 +270,7 @@ static const struct backend_ops prof_ops = {
     .name = "profiled",
     .alloc = prof_alloc,
     .free = prof_free,
+    .scratch = prof_scratch,
     .upload = prof_upload,
     .download = prof_download,
     .copy = prof_copy,

@@ -47,6 +47,8 @@ struct engine_opts engine_opts_default(const struct model_config *cfg) {
 }
 
 static void *balloc(struct model *m, size_t bytes) { return OPS->alloc(m->be, bytes); }
+/* A forward's temporary that its producer writes whole before it is read: no zero fill. */
+static void *tmp(struct model *m, size_t bytes) { return OPS->scratch(m->be, bytes); }
 static void bfree(struct model *m, void *p) {
     if (p) OPS->free(m->be, p);
 }
@@ -292,7 +294,7 @@ void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T
         OPS->copy(m->be, dst, src, row_bytes * (size_t)T);
         return;
     }
-    void *all = balloc(m, row_bytes * (size_t)T * (size_t)m->tp_size);
+    void *all = tmp(m, row_bytes * (size_t)T * (size_t)m->tp_size);
     m->opt.tp->ops->allgather(m->opt.tp, src, all, row_bytes * (size_t)T, what);
     OPS->interleave(m->be, dst, all, m->tp_size, T, row_bytes);
     bfree(m, all);
@@ -421,9 +423,9 @@ static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const st
             engram_hash_position(m->ec, li, m->slots[s->slot].hist, s->start + t, ids + (b->row0[i] + t) * C);
     }
     if (hooks && hooks->engram_ids) hooks->engram_ids(hooks->ctx, l, ids, T, C);
-    int64_t *ids_d = balloc(m, sizeof(int64_t) * (size_t)(T * C));
+    int64_t *ids_d = tmp(m, sizeof(int64_t) * (size_t)(T * C));
     OPS->upload(m->be, ids_d, ids, sizeof(int64_t) * (size_t)(T * C));
-    bf16_t *rows = balloc(m, (size_t)(T * C * hd) * 2);
+    bf16_t *rows = tmp(m, (size_t)(T * C * hd) * 2);
     OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
     /* row-split table: exactly one rank holds each row, the others add zeros (exact) */
     if (m->tp_size > 1 && ew->rows_local < ew->rows)
@@ -438,7 +440,7 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     const struct model_config *c = m->cfg;
     const struct engram_weights *ew = &m->w->layers[l].engram;
     int64_t T = b->T, D = c->dim, hc = c->hc_mult;
-    bf16_t *kv = balloc(m, (size_t)(T * (hc + 1) * D) * 2);
+    bf16_t *kv = tmp(m, (size_t)(T * (hc + 1) * D) * 2);
     OPS->linear(m->be, kv, rows, T, &ew->wkv);
     OPS->engram_gate(m->be, X, kv, m->engram_w[l], T, hc, D, (float)c->norm_eps);
     bfree(m, kv);
@@ -450,10 +452,11 @@ static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
     const struct layer_role *r = &c->role[l];
     int64_t T = b->T, D = c->dim, k = r->n_active;
-    int32_t *idx = balloc(m, sizeof(int32_t) * (size_t)(T * k));
-    float *wts = balloc(m, sizeof(float) * (size_t)(T * k));
+    int32_t *idx = tmp(m, sizeof(int32_t) * (size_t)(T * k));
+    float *wts = tmp(m, sizeof(float) * (size_t)(T * k));
+    /* acc is summed into (zero fill needed); y keeps the slots of other ranks' experts untouched */
     float *acc = balloc(m, sizeof(float) * (size_t)(T * D));
-    bf16_t *sh = balloc(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
+    bf16_t *sh = tmp(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
     OPS->moe_experts(m->be, y, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
@@ -462,7 +465,7 @@ static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x
      * ascending expert id, the single-rank order */
     bf16_t *all = y;
     if (m->tp_size > 1) {
-        all = balloc(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
+        all = tmp(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
         m->opt.tp->ops->allgather(m->opt.tp, y, all, (size_t)(T * k * D) * 2, "moe experts");
     }
     OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
@@ -483,9 +486,9 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, b
     int64_t T = b->T, D = c->dim, hc = c->hc_mult;
     float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
     bf16_t *X = *Xp, *X1 = *Xtmp;
-    float *apre = balloc(m, sizeof(float) * (size_t)(T * hc)), *post = balloc(m, sizeof(float) * (size_t)(T * hc));
-    float *comb = balloc(m, sizeof(float) * (size_t)(T * hc * hc));
-    bf16_t *y = balloc(m, (size_t)(T * D) * 2), *o = balloc(m, (size_t)(T * D) * 2);
+    float *apre = tmp(m, sizeof(float) * (size_t)(T * hc)), *post = tmp(m, sizeof(float) * (size_t)(T * hc));
+    float *comb = tmp(m, sizeof(float) * (size_t)(T * hc * hc));
+    bf16_t *y = tmp(m, (size_t)(T * D) * 2), *o = tmp(m, (size_t)(T * D) * 2);
 
     OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
                   c->hc_sinkhorn_iters, eps, hc_eps);
@@ -573,16 +576,16 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
         }
-    b.pos = balloc(m, sizeof(int32_t) * (size_t)T);
+    b.pos = tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
     b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
 
-    int32_t *tok_d = balloc(m, sizeof(int32_t) * (size_t)T);
+    int32_t *tok_d = tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, tok_d, tok, sizeof(int32_t) * (size_t)T);
-    bf16_t *e = balloc(m, (size_t)(T * D) * 2);
-    bf16_t *X = balloc(m, (size_t)(T * hc * D) * 2), *X1 = balloc(m, (size_t)(T * hc * D) * 2);
-    float *P = balloc(m, sizeof(float) * (size_t)(T * hc));
+    bf16_t *e = tmp(m, (size_t)(T * D) * 2);
+    bf16_t *X = tmp(m, (size_t)(T * hc * D) * 2), *X1 = tmp(m, (size_t)(T * hc * D) * 2);
+    float *P = tmp(m, sizeof(float) * (size_t)(T * hc));
     if (first) {
         OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
         /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
@@ -612,7 +615,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     if (rc == 0 && last) {
         /* final collapse with the last FFN pre, norm, fp32 head over the rows asked for */
         int64_t R = model_logits_rows(seqs, n);
-        bf16_t *h = balloc(m, (size_t)(T * D) * 2), *hr = balloc(m, (size_t)(R * D) * 2);
+        bf16_t *h = tmp(m, (size_t)(T * D) * 2), *hr = tmp(m, (size_t)(R * D) * 2);
         OPS->hc_collapse(m->be, h, X, P, T, hc, D);
         OPS->rmsnorm(m->be, h, h, m->w->norm, T, D, (float)c->norm_eps);
         if (hooks && hooks->final_hidden) hooks->final_hidden(hooks->ctx, h, T);
@@ -629,7 +632,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        float *lg = balloc(m, sizeof(float) * (size_t)(R * Vl)), *full = balloc(m, sizeof(float) * (size_t)(R * V));
+        float *lg = tmp(m, sizeof(float) * (size_t)(R * Vl)), *full = tmp(m, sizeof(float) * (size_t)(R * V));
         OPS->head(m->be, lg, hr, R, &m->w->head);
         model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
         OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));

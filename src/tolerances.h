@@ -69,7 +69,7 @@
 #define TOL_GPU_DIV_ROUNDINGS 2
 
 /* Exact (0 ulp):
- *  - memory ops, weight_prepare (incl. the dequant_bf16 copy: e4m3 · 2^k is exact in fp32, then one
+ *  - memory ops (copy_segs too), weight_prepare (incl. the dequant_bf16 copy: e4m3 · 2^k is exact in fp32, then one
  *    RNE), tensor_prepare, hc_init, embed, engram_gather (e4m3 · e8m0 exact, one RNE), interleave:
  *    data movement;
  *  - qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16: integer exponent arithmetic, a division by a power of two
@@ -77,6 +77,10 @@
  *    casts: no freedom at all. */
 #define TOL_GPU_DATA_EXACT 0
 #define TOL_GPU_QDQ_EXACT 0
+/* index_topk, cand_mask (and idx_remap, an integer add): comparisons and moves only, and both
+ * backends run the same selection code (kernels/topk_core.h), so the same sets, order and masks
+ * bit for bit; copy_segs is data movement. */
+#define TOL_GPU_INDEX_SELECT_EXACT 0
 /* hc_collapse, hc_expand, add_f32_bf16, moe_combine: a short chain of fp32 products and adds whose
  * order backend.h spells out (((p0·X0 + p1·X1) + p2·X2) + …; post·y + mix; acc + y; experts in
  * ascending id — the reference's expression order, not an "fp32 sum" a GPU may reorder), then one

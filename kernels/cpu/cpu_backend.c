@@ -15,6 +15,12 @@ static void *cpu_alloc(struct backend *be, size_t bytes) { return ds_calloc(1, b
 
 static void cpu_free(struct backend *be, void *p) { free(p); }
 
+static void *cpu_scratch(struct backend *be, size_t bytes) {
+    void *p = ds_malloc(bytes ? bytes : 1);
+    memset(p, 0xff, bytes);
+    return p;
+}
+
 static void cpu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes) {
     if (bytes) memcpy(dst, src_host, bytes);
 }
@@ -78,6 +84,7 @@ static const struct backend_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
     .free = cpu_free,
+    .scratch = cpu_scratch,
     .upload = cpu_upload,
     .download = cpu_download,
     .copy = cpu_copy,

@@ -82,8 +82,8 @@ static void __attribute__((noreturn)) out_of_memory(struct backend *be, const ch
  * slack) and the next request of that size takes one back with no CUDA call. This is safe
  * without events because every user of a block is on the backend's one stream: work enqueued
  * after the free runs after the work enqueued before it. Blocks over SCRATCH_CLASS_MAX (caches,
- * whole-prompt buffers) are allocated exactly, outside the classes. The zero fill stays: one
- * memset per request. */
+ * whole-prompt buffers) are allocated exactly, outside the classes. cuda_be_scratch adds the
+ * zero fill (alloc's contract); cuda_be_scratch_raw (the scratch op) leaves it out. */
 #define SCRATCH_CLASS_MAX ((size_t)1 << 30)
 
 static size_t scratch_round(size_t bytes) {
@@ -177,7 +177,7 @@ static void *scratch_malloc(struct backend *be, size_t bytes) {
     return p;
 }
 
-void *cuda_be_scratch(struct backend *be, size_t bytes) {
+void *cuda_be_scratch_raw(struct backend *be, size_t bytes) {
     struct cuda_be *c = cb(be);
     if (!bytes) bytes = 16;
     size_t rb = bytes <= SCRATCH_CLASS_MAX ? scratch_round(bytes) : 0;
@@ -189,7 +189,12 @@ void *cuda_be_scratch(struct backend *be, size_t bytes) {
         p = scratch_malloc(be, bytes);
     }
     live_put(c, p, rb);
-    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, c->stream));
+    return p;
+}
+
+void *cuda_be_scratch(struct backend *be, size_t bytes) {
+    void *p = cuda_be_scratch_raw(be, bytes);
+    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes ? bytes : 16, cb(be)->stream));
     return p;
 }
 
@@ -240,7 +245,7 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
         for (size_t o = 0; o < segs[i].bytes; o += COPY_PIECE)
             h[at++] = (struct copy_piece){(uint8_t *)segs[i].dst + o, (const uint8_t *)segs[i].src + o,
                                           segs[i].bytes - o < COPY_PIECE ? segs[i].bytes - o : COPY_PIECE};
-    struct copy_piece *d = (struct copy_piece *)cuda_be_scratch(be, sizeof *h * (size_t)np);
+    struct copy_piece *d = (struct copy_piece *)cuda_be_scratch_raw(be, sizeof *h * (size_t)np);
     /* from pageable memory: staged before the call returns, so h may go at once */
     CUDA_CHECK(cudaMemcpyAsync(d, h, sizeof *h * (size_t)np, cudaMemcpyHostToDevice, cb(be)->stream));
     free(h);
@@ -251,6 +256,7 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
 }
 
 static void *cu_alloc(struct backend *be, size_t bytes) { return cuda_be_scratch(be, bytes); }
+static void *cu_scratch(struct backend *be, size_t bytes) { return cuda_be_scratch_raw(be, bytes); }
 static void cu_free(struct backend *be, void *p) { cuda_be_scratch_free(be, p); }
 
 /* From pageable host memory the copy is staged before the call returns, so the caller may reuse
@@ -418,6 +424,7 @@ static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .alloc = cu_alloc,
     .free = cu_free,
+    .scratch = cu_scratch,
     .upload = cu_upload,
     .download = cu_download,
     .copy = cu_copy,

@@ -82,7 +82,7 @@ void cuda_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const 
     /* n <= ld_s on every row (a row holds at most its stride of entries) */
     size_t row_bytes = (size_t)ld_s * sizeof(struct topk_elem);
     bool smem = row_bytes <= IDX_SMEM_BYTES;
-    struct topk_elem *scratch = smem ? NULL : (struct topk_elem *)cuda_be_scratch(be, row_bytes * (size_t)T);
+    struct topk_elem *scratch = smem ? NULL : (struct topk_elem *)cuda_be_scratch_raw(be, row_bytes * (size_t)T);
     index_topk_kernel<<<(unsigned)T, IDX_THREADS, smem ? row_bytes : 0, cuda_be_stream(be)>>>(top, ld_top, S, ld_s, p,
                                                                                              mask, ld_m, scratch);
     KERNEL_CHECK();
@@ -98,8 +98,8 @@ void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const fl
     struct topk_elem *scratch = NULL;
     uint8_t *keep = NULL;
     if (!smem) {
-        scratch = (struct topk_elem *)cuda_be_scratch(be, (size_t)nb_max * sizeof(struct topk_elem) * (size_t)T);
-        keep = (uint8_t *)cuda_be_scratch(be, (size_t)nb_max * (size_t)T);
+        scratch = (struct topk_elem *)cuda_be_scratch_raw(be, (size_t)nb_max * sizeof(struct topk_elem) * (size_t)T);
+        keep = (uint8_t *)cuda_be_scratch_raw(be, (size_t)nb_max * (size_t)T);
     }
     cand_mask_kernel<<<(unsigned)T, IDX_THREADS, smem ? need : 0, cuda_be_stream(be)>>>(mask, ld_m, S, ld_s, p,
                                                                                        topk_blocks, bs, nb_max,

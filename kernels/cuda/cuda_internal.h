@@ -20,6 +20,8 @@ cudaStream_t cuda_be_stream(struct backend *be);
 /* Stream-ordered scratch (zero-filled; freed blocks are kept on a host free list by size and reused
  * by later requests on the stream) and its release; the same as be->ops->alloc / be->ops->free. */
 void *cuda_be_scratch(struct backend *be, size_t bytes);
+/* The same without the zero fill (the scratch op; for buffers a kernel writes before reading). */
+void *cuda_be_scratch_raw(struct backend *be, size_t bytes);
 void cuda_be_scratch_free(struct backend *be, void *p);
 /* Multiprocessors of the backend's device (for grid sizing). */
 int cuda_be_sms(struct backend *be);

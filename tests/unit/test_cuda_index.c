@@ -1,0 +1,582 @@
+/* The CUDA backend against the CPU reference backend: the indexer's selection ops (index_topk,
+ * cand_mask), the index-list assembly (idx_remap) and the batched device copy (copy_segs). All four
+ * are comparisons and moves only, so the GPU must match the CPU bit for bit (TOL_GPU_DATA_EXACT, TOL_GPU_INDEX_SELECT_EXACT).
+ *
+ * The selection is where the two backends could part: the scores are bf16 and relu makes exact
+ * zeros, so ties at the k-th place are the rule, and which of the tied entries are kept is
+ * torch.topk's tie order (kernels/topk_core.h, which both backends run). The scores here are drawn
+ * from a few dozen bf16 values, many exact (±)0, some -inf and a few NaN (NaN ranks largest),
+ * with garbage past each row's n_valid and n that the ops must not see; per-row parameters mix
+ * full rows, rows with n <= k (every entry selected), key caches shorter than the row, rows with
+ * visible < n and empty rows. Widths cover the kernel's shared-memory path (up to 6,144 pairs)
+ * and its global-scratch path (7,000; 50,000: a long context on a ratio-1 layer, where
+ * k·64 <= n takes the heap select), the mask from NULL, random, and cand_mask's own output.
+ * The CPU result is also checked against the ops' contracts (kernels/backend.h), so the test fails
+ * even where both backends agree, and under DS_CUDA_OPS_ON_CPU: index_topk selects exactly
+ * min(k, n) entries, ascending, none ranking below an unselected one, and hides those >= visible;
+ * cand_mask keeps whole blocks, min(topk_blocks, blocks) of them less the -inf ones, the best by
+ * block maximum, always the last visible one; idx_remap and copy_segs write their ranges and
+ * nothing else (the poison around them survives). The harness is cuda_ops_common.h. */
+#include "cuda_ops_common.h"
+
+_Static_assert(TOL_GPU_DATA_EXACT == 0 && TOL_GPU_INDEX_SELECT_EXACT == 0,
+               "copy_segs, idx_remap, index_topk and cand_mask are compared bit for bit");
+
+/* A violation of the op's contract by the CPU result (reported by cmp_end as a self-check failure). */
+static void self_fail(struct cmp *c, const char *fmt, ...) {
+    if (c->nself++) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->self, sizeof c->self, fmt, ap);
+    va_end(ap);
+}
+
+static void cmp_i32_exact(struct cmp *c, const int32_t *g, const int32_t *r, int64_t n) {
+    for (int64_t i = 0; i < n; i++) cmp_bits(c, i, (uint32_t)g[i], (uint32_t)r[i], g[i], r[i]);
+}
+
+static void cmp_u8_exact(struct cmp *c, const uint8_t *g, const uint8_t *r, int64_t n) {
+    for (int64_t i = 0; i < n; i++) cmp_bits(c, i, g[i], r[i], g[i], r[i]);
+}
+
+static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---------------------------------------------------------------------------------------------
+ * Inputs: score rows with many exact ties, per-row parameters, masks */
+
+/* One score as index_scores makes them: bf16, often exactly 0 (relu), -inf past visible, rarely NaN. */
+static float draw_score(double zero_frac) {
+    double u = urand();
+    if (u < zero_frac) return (rnd64() & 7) ? 0.0f : -0.0f;
+    u = (u - zero_frac) / (1.0 - zero_frac);
+    if (u < 0.06) return -INFINITY;
+    if (u < 0.065) return NAN;
+    if (u < 0.8) return bf16_round(1.0f + 0.25f * (float)urand()); /* 32 values: ties everywhere */
+    return bf16_round(gauss() * 0.5f);
+}
+
+/* S [T, ld_s]: row r scored over [0, min(n, n_valid)); past that, values the ops must not read
+ * (the rest of the row is a shorter key cache's garbage or the next sequence's width). */
+static void fill_scores(float *S, int64_t T, int64_t ld_s, const int32_t *p) {
+    static const double zf[] = {0.05, 0.35, 0.7};
+    for (int64_t r = 0; r < T; r++) {
+        const int32_t *pr = p + r * TOPK_P_COUNT;
+        int64_t lim = imin(pr[TOPK_P_N], pr[TOPK_P_VALID]);
+        double z = zf[irand(3)];
+        for (int64_t j = 0; j < ld_s; j++) {
+            float *s = S + r * ld_s + j;
+            if (j < lim)
+                *s = draw_score(z);
+            else
+                *s = (j & 3) == 0 ? NAN : (j & 3) == 1 ? INFINITY : 1e30f * (float)(1.0 + urand());
+        }
+    }
+}
+
+/* p [T, TOPK_P_COUNT] by row kind (n <= ld_s on every row, as attention.c lays them out). */
+static void make_params(int32_t *p, int64_t T, int64_t ld_s, int64_t k) {
+    int64_t salt = irand(6);
+    for (int64_t r = 0; r < T; r++) {
+        int64_t n, nv, kk = k, vis;
+        switch ((r + salt) % 6) {
+        case 0: /* decode at the full width */
+            n = nv = vis = ld_s;
+            break;
+        case 1: /* n <= k: every entry selected */
+            n = nv = vis = 1 + irand(imin(ld_s, k));
+            break;
+        case 2: /* the key cache shorter than the row: entries >= n_valid read -inf */
+            n = vis = ld_s / 2 + irand(ld_s - ld_s / 2 + 1);
+            nv = irand(n + 1);
+            break;
+        case 3: /* visible < n (the chunk's whole width scored) */
+            n = nv = ld_s / 2 + irand(ld_s - ld_s / 2 + 1);
+            vis = irand(n + 1);
+            break;
+        case 4: /* a sequence with no keys yet: the zeros attention.c leaves */
+            n = nv = kk = vis = 0;
+            break;
+        default: /* anything: n_valid and visible past n, k below k_max */
+            n = irand(ld_s + 1);
+            nv = irand(ld_s + 1);
+            kk = 1 + irand(k);
+            vis = irand(n + 9);
+            break;
+        }
+        int32_t *pr = p + r * TOPK_P_COUNT;
+        pr[TOPK_P_N] = (int32_t)n;
+        pr[TOPK_P_VALID] = (int32_t)nv;
+        pr[TOPK_P_K] = (int32_t)kk;
+        pr[TOPK_P_VISIBLE] = (int32_t)vis;
+    }
+}
+
+/* A candidate mask: mostly kept, any nonzero byte keeps (the contract tests mask[j] == 0). */
+static void fill_mask(uint8_t *m, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t x = rnd64();
+        m[i] = (x & 3) == 0 ? 0 : (x & 0x30) == 0 ? (uint8_t)(2 + (x >> 8) % 254) : 1;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * index_topk */
+
+/* torch.topk's order for largest=True: NaN above everything (NaNs equal), then by value (-0 == +0). */
+static bool score_above(float a, float b) { return isnan(a) ? !isnan(b) : !isnan(b) && a > b; }
+
+/* Entry j of a row as the contract reads it (backend.h, index_topk), written here independently. */
+static float read_entry(const float *row, int64_t j, int64_t nv, const uint8_t *mr, int64_t ld_m) {
+    if (j >= nv || (mr && (j >= ld_m || !mr[j]))) return -INFINITY;
+    return row[j];
+}
+
+/* The CPU's top [T, ld_top] against the contract. The selection before the visible mapping is
+ * that of the same call with visible = INT32_MAX (visible only hides, after the selection). */
+static void topk_self(struct cmp *c, const int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p,
+                      const uint8_t *mask, int64_t ld_m, int64_t T) {
+    int32_t *pv = NEW(int32_t, T * TOPK_P_COUNT), *tv = NEW(int32_t, T * ld_top);
+    memcpy(pv, p, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    for (int64_t r = 0; r < T; r++) pv[r * TOPK_P_COUNT + TOPK_P_VISIBLE] = INT32_MAX;
+    poison_host(tv, sizeof(int32_t) * (size_t)(T * ld_top), PZ_32I);
+    CPU->index_topk(&cpu_be, tv, ld_top, S, ld_s, pv, mask, ld_m, T);
+    uint8_t *sel = NEW(uint8_t, ld_s + 1);
+    for (int64_t r = 0; r < T; r++) {
+        const int32_t *pr = p + r * TOPK_P_COUNT, *o = top + r * ld_top, *v = tv + r * ld_top;
+        int64_t n = pr[TOPK_P_N], nv = pr[TOPK_P_VALID], k = pr[TOPK_P_K], vis = pr[TOPK_P_VISIBLE];
+        int64_t ke = k < 0 ? 0 : imin(k, n);
+        const float *row = S + r * ld_s;
+        const uint8_t *mr = mask ? mask + r * ld_m : NULL;
+        memset(sel, 0, (size_t)n + 1);
+        for (int64_t j = 0; j < ld_top; j++) {
+            int64_t at = r * ld_top + j;
+            if (j >= ke) {
+                if (v[j] != -1) self_fail(c, "row %lld slot %lld: %d past the min(k, n) = %lld selections (must be -1)",
+                                          (long long)r, (long long)j, v[j], (long long)ke);
+            } else if (v[j] < 0 || v[j] >= n || (j && v[j] <= v[j - 1]))
+                self_fail(c, "row %lld slot %lld: %d, the selections must be strictly ascending entries of [0, %lld)",
+                          (long long)r, (long long)j, v[j], (long long)n);
+            else
+                sel[v[j]] = 1;
+            int32_t want = j < ke && v[j] < vis ? v[j] : -1;
+            if (o[j] != want)
+                self_fail(c, "element %lld (row %lld): %d, but the selection %d with visible %lld makes it %d", (long long)at,
+                          (long long)r, o[j], v[j], (long long)vis, want);
+        }
+        if (ke == 0 || ke == n) continue;
+        float lo = 0, hi = 0;
+        bool have_lo = false, have_hi = false;
+        for (int64_t j = 0; j < n; j++) {
+            float x = read_entry(row, j, nv, mr, ld_m);
+            if (sel[j]) {
+                if (!have_lo || score_above(lo, x)) lo = x;
+                have_lo = true;
+            } else {
+                if (!have_hi || score_above(x, hi)) hi = x;
+                have_hi = true;
+            }
+        }
+        if (have_lo && have_hi && score_above(hi, lo))
+            self_fail(c, "row %lld: an unselected entry reads %.9g, above the selected %.9g (n %lld, k %lld)", (long long)r,
+                      hi, lo, (long long)n, (long long)k);
+    }
+    free(sel);
+    free(pv);
+    free(tv);
+}
+
+/* index_topk on both backends and the comparison: dS/dp/dm are the GPU's copies of S/p/mask (dm
+ * NULL with mask NULL); the GPU's output is poisoned before the run. */
+static void topk_compare(const char *what, int64_t ld_top, const float *S, const void *dS, int64_t ld_s, const int32_t *p,
+                         const void *dp, const uint8_t *mask, const void *dm, int64_t ld_m, int64_t T) {
+    size_t ob = sizeof(int32_t) * (size_t)(T * ld_top);
+    int32_t *tc = NEW(int32_t, T * ld_top), *tg = NEW(int32_t, T * ld_top);
+    poison_host(tc, ob, PZ_32I);
+    CPU->index_topk(&cpu_be, tc, ld_top, S, ld_s, p, mask, ld_m, T);
+    void *dt = g_out(ob, PZ_32I);
+    GPU->index_topk(&gpu_be, dt, ld_top, dS, ld_s, dp, dm, ld_m, T);
+    g_get(tg, dt, ob);
+    g_free(dt);
+    struct cmp c;
+    cmp_begin(&c, "index_topk", "%s", what);
+    cmp_i32_exact(&c, tg, tc, T * ld_top);
+    topk_self(&c, tc, ld_top, S, ld_s, p, mask, ld_m, T);
+    cmp_end(&c);
+    free(tc);
+    free(tg);
+}
+
+static void index_topk_case(int64_t T, int64_t ld_s, int64_t k, int64_t ld_top, bool with_mask) {
+    char what[160];
+    snprintf(what, sizeof what, "T=%lld ld_s=%lld k=%lld ld_top=%lld %s", (long long)T, (long long)ld_s, (long long)k,
+             (long long)ld_top, with_mask ? "mask" : "mask=NULL");
+    char tag[200];
+    snprintf(tag, sizeof tag, "index_topk %s", what);
+    seed_tag(tag);
+    int32_t *p = NEW(int32_t, T * TOPK_P_COUNT);
+    make_params(p, T, ld_s, k);
+    float *S = NEW(float, T * ld_s);
+    fill_scores(S, T, ld_s, p);
+    uint8_t *mask = NULL;
+    int64_t ld_m = 0;
+    if (with_mask) { /* ld_m below n on the wider rows (entries past it masked), or past the row */
+        ld_m = (rnd64() & 1) ? ld_s - ld_s / 4 : ld_s + 5;
+        mask = NEW(uint8_t, T * ld_m);
+        fill_mask(mask, T * ld_m);
+    }
+    void *dS = g_in(S, sizeof(float) * (size_t)(T * ld_s)), *dp = g_in(p, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    void *dm = mask ? g_in(mask, (size_t)(T * ld_m)) : NULL;
+    topk_compare(what, ld_top, S, dS, ld_s, p, dp, mask, dm, ld_m, T);
+    g_free(dS);
+    g_free(dp);
+    if (dm) g_free(dm);
+    free(p);
+    free(S);
+    free(mask);
+}
+
+static const int64_t WIDTHS[] = {300, 1024, 2048, 6144, 7000}; /* 6,144 pairs: the last in shared memory */
+#define N_WIDTHS 5
+static const int64_t T_TOPK[] = {1, 8, 64};
+
+static void test_index_topk(void **st) {
+    NEED_GPU(st);
+    for (int t = 0; t < 3; t++)
+        for (int w = 0; w < N_WIDTHS; w++) index_topk_case(T_TOPK[t], WIDTHS[w], INDEX_TOPK, INDEX_TOPK + (w & 1 ? 0 : 3), false);
+}
+
+static void test_index_topk_mask(void **st) {
+    NEED_GPU(st);
+    for (int t = 0; t < 3; t++)
+        for (int w = 0; w < N_WIDTHS; w++) index_topk_case(T_TOPK[t], WIDTHS[w], INDEX_TOPK, INDEX_TOPK + (w & 1 ? 3 : 0), true);
+}
+
+/* k·64 <= n: ATen's partial_sort (the heap select) instead of nth_element */
+static void test_index_topk_heap_select(void **st) {
+    NEED_GPU(st);
+    index_topk_case(8, 2048, 16, 19, false);
+    index_topk_case(8, 6144, 64, 64, true);
+    index_topk_case(17, 7000, 100, 101, false);
+    index_topk_case(3, 7000, 1, 4, true);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * cand_mask */
+
+/* The CPU's mask [T, ld_m] against the contract (ld_m >= n on every row here). */
+static void cand_self(struct cmp *c, const uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s, const int32_t *p,
+                      int64_t T, int64_t topk_blocks, int64_t bs) {
+    float *bm = NEW(float, ld_s / bs + 2);
+    for (int64_t r = 0; r < T; r++) {
+        const int32_t *pr = p + r * TOPK_P_COUNT;
+        int64_t n = pr[TOPK_P_N], nv = pr[TOPK_P_VALID], vis = pr[TOPK_P_VISIBLE], nb = (n + bs - 1) / bs;
+        const uint8_t *mr = mask + r * ld_m;
+        for (int64_t j = 0; j < ld_m; j++) {
+            bool ok = j >= n ? mr[j] == 0 : (mr[j] == 0 || mr[j] == 1) && mr[j] == mr[j / bs * bs];
+            if (!ok)
+                self_fail(c, "row %lld entry %lld: %u (n %lld: 0 past n, 0 or 1 and one value per block of %lld)",
+                          (long long)r, (long long)j, mr[j], (long long)n, (long long)bs);
+        }
+        /* block maxima as the op reads the entries (-inf past n_valid; a NaN never wins) */
+        for (int64_t b = 0; b < nb; b++) {
+            bm[b] = -INFINITY;
+            for (int64_t j = b * bs; j < imin((b + 1) * bs, n); j++) {
+                float x = read_entry(S + r * ld_s, j, nv, NULL, 0);
+                if (x > bm[b]) bm[b] = x;
+            }
+        }
+        int64_t vb = vis > 0 && (vis - 1) / bs < nb ? (vis - 1) / bs : -1;
+        if (vb >= 0) bm[vb] = INFINITY;
+        int64_t want = imin(topk_blocks, nb), fin = 0, kept = 0;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t b = 0; b < nb; b++) {
+            fin += bm[b] > -INFINITY;
+            if (mr[b * bs]) {
+                kept++;
+                lo = fmin(lo, bm[b]);
+            } else
+                hi = fmax(hi, bm[b]);
+        }
+        if (kept != imin(want, fin))
+            self_fail(c, "row %lld: %lld blocks kept, must be min(%lld, %lld blocks) less the -inf ones = %lld", (long long)r,
+                      (long long)kept, (long long)topk_blocks, (long long)nb, (long long)imin(want, fin));
+        if (kept && !(lo > -INFINITY && lo >= hi))
+            self_fail(c, "row %lld: a kept block's maximum %.9g is below an unkept one's %.9g (or -inf)", (long long)r, lo, hi);
+        if (vb >= 0 && want > 0 && !mr[vb * bs])
+            self_fail(c, "row %lld: the block %lld of the last visible entry %lld is not kept", (long long)r, (long long)vb,
+                      (long long)(vis - 1));
+    }
+    free(bm);
+}
+
+/* cand_mask on both backends; the GPU's mask stays on the device in *dm_out when asked for. */
+static void cand_compare(const char *what, uint8_t *mc, int64_t ld_m, const float *S, const void *dS, int64_t ld_s,
+                         const int32_t *p, const void *dp, int64_t T, int64_t topk_blocks, int64_t bs, void **dm_out) {
+    size_t mb = (size_t)(T * ld_m), mb2 = mb + (mb & 1);
+    uint8_t *mg = NEW(uint8_t, mb2);
+    poison_host(mc, mb2, PZ_16);
+    CPU->cand_mask(&cpu_be, mc, ld_m, S, ld_s, p, T, topk_blocks, bs);
+    void *dm = g_out(mb2, PZ_16);
+    GPU->cand_mask(&gpu_be, dm, ld_m, dS, ld_s, dp, T, topk_blocks, bs);
+    g_get(mg, dm, mb2);
+    struct cmp c;
+    cmp_begin(&c, "cand_mask", "%s", what);
+    cmp_u8_exact(&c, mg, mc, (int64_t)mb2); /* the odd byte past the mask: poison on both */
+    cand_self(&c, mc, ld_m, S, ld_s, p, T, topk_blocks, bs);
+    cmp_end(&c);
+    free(mg);
+    if (dm_out)
+        *dm_out = dm;
+    else
+        g_free(dm);
+}
+
+static void cand_mask_case(int64_t T, int64_t ld_s, int64_t ld_m, int64_t topk_blocks, int64_t bs) {
+    char what[160], tag[200];
+    snprintf(what, sizeof what, "T=%lld ld_s=%lld ld_m=%lld top %lld blocks of %lld", (long long)T, (long long)ld_s,
+             (long long)ld_m, (long long)topk_blocks, (long long)bs);
+    snprintf(tag, sizeof tag, "cand_mask %s", what);
+    seed_tag(tag);
+    int32_t *p = NEW(int32_t, T * TOPK_P_COUNT);
+    make_params(p, T, ld_s, INDEX_TOPK);
+    float *S = NEW(float, T * ld_s);
+    fill_scores(S, T, ld_s, p);
+    uint8_t *mc = NEW(uint8_t, T * ld_m + 1);
+    void *dS = g_in(S, sizeof(float) * (size_t)(T * ld_s)), *dp = g_in(p, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    cand_compare(what, mc, ld_m, S, dS, ld_s, p, dp, T, topk_blocks, bs, NULL);
+    g_free(dS);
+    g_free(dp);
+    free(p);
+    free(S);
+    free(mc);
+}
+
+#define CAND_BS 8
+static void test_cand_mask(void **st) {
+    NEED_GPU(st);
+    const int64_t Ts[] = {1, 8}, blocks[] = {2048, 16}; /* 2048: V4.1's, every block of these widths */
+    for (int t = 0; t < 2; t++)
+        for (int w = 0; w < N_WIDTHS; w++)
+            for (int b = 0; b < 2; b++) cand_mask_case(Ts[t], WIDTHS[w], WIDTHS[w] + (w & 1) * 3, blocks[b], CAND_BS);
+    /* a 50,000-key context: 6,250 blocks, a real selection of 2048, the kernel's global scratch */
+    cand_mask_case(1, 50000, 50000, 2048, CAND_BS);
+    cand_mask_case(8, 50000, 50000, 2048, CAND_BS);
+    cand_mask_case(3, 7000, 7000, 4, CAND_BS); /* the heap select (4·64 <= 875 blocks) */
+    cand_mask_case(5, 1000, 1001, 7, 3);       /* an odd block size */
+}
+
+/* The candidate source layer's mask feeding a later layer's index_topk, both on the device, as
+ * attention.c runs them (one p for both, ld_m = ld_s). */
+static void cand_then_topk_case(int64_t T, int64_t ld_s) {
+    char what[160], tag[200];
+    snprintf(what, sizeof what, "T=%lld ld_s=%lld k=%d, cand_mask's mask", (long long)T, (long long)ld_s, INDEX_TOPK);
+    snprintf(tag, sizeof tag, "cand then topk %s", what);
+    seed_tag(tag);
+    int32_t *p = NEW(int32_t, T * TOPK_P_COUNT);
+    make_params(p, T, ld_s, INDEX_TOPK);
+    float *S0 = NEW(float, T * ld_s), *S1 = NEW(float, T * ld_s);
+    fill_scores(S0, T, ld_s, p);
+    fill_scores(S1, T, ld_s, p);
+    uint8_t *mc = NEW(uint8_t, T * ld_s + 1);
+    void *dS0 = g_in(S0, sizeof(float) * (size_t)(T * ld_s)), *dS1 = g_in(S1, sizeof(float) * (size_t)(T * ld_s));
+    void *dp = g_in(p, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT)), *dm = NULL;
+    cand_compare(what, mc, ld_s, S0, dS0, ld_s, p, dp, T, 2048, CAND_BS, &dm);
+    topk_compare(what, INDEX_TOPK, S1, dS1, ld_s, p, dp, mc, dm, ld_s, T);
+    g_free(dm);
+    g_free(dS0);
+    g_free(dS1);
+    g_free(dp);
+    free(p);
+    free(S0);
+    free(S1);
+    free(mc);
+}
+
+static void test_cand_then_topk(void **st) {
+    NEED_GPU(st);
+    cand_then_topk_case(1, 50000); /* 512·64 <= 50,000: the heap select */
+    cand_then_topk_case(8, 50000);
+    cand_then_topk_case(8, 7000);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * idx_remap */
+
+static void idx_remap_case(int64_t T, int64_t k, int64_t ld_src, int64_t ld_dst) {
+    char what[160], tag[200];
+    snprintf(what, sizeof what, "T=%lld k=%lld ld_src=%lld ld_dst=%lld", (long long)T, (long long)k, (long long)ld_src,
+             (long long)ld_dst);
+    snprintf(tag, sizeof tag, "idx_remap %s", what);
+    seed_tag(tag);
+    int32_t *src = NEW(int32_t, T * ld_src), *at = NEW(int32_t, 2 * T);
+    for (int64_t i = 0; i < T * ld_src; i++) {
+        double u = urand();
+        src[i] = u < 0.3 ? -1 : u < 0.33 ? -(int32_t)(2 + irand(1000)) : (int32_t)irand(1 << 20);
+    }
+    for (int64_t r = 0; r < T; r++) {
+        at[2 * r] = (int32_t)irand(ld_dst - k); /* column + k < ld_dst: something after the range too */
+        at[2 * r + 1] = (rnd64() & 3) ? (int32_t)irand(1 << 24) : 0;
+    }
+    size_t db = sizeof(int32_t) * (size_t)(T * ld_dst);
+    int32_t *dc = NEW(int32_t, T * ld_dst), *dg = NEW(int32_t, T * ld_dst);
+    poison_host(dc, db, PZ_32I);
+    CPU->idx_remap(&cpu_be, dc, ld_dst, src, ld_src, at, T, k);
+    void *ds = g_in(src, sizeof(int32_t) * (size_t)(T * ld_src)), *da = g_in(at, sizeof(int32_t) * (size_t)(2 * T));
+    void *dd = g_out(db, PZ_32I);
+    GPU->idx_remap(&gpu_be, dd, ld_dst, ds, ld_src, da, T, k);
+    g_get(dg, dd, db);
+    g_free(ds);
+    g_free(da);
+    g_free(dd);
+    struct cmp c;
+    cmp_begin(&c, "idx_remap", "%s", what);
+    cmp_i32_exact(&c, dg, dc, T * ld_dst);
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t j = 0; j < ld_dst; j++) {
+            int64_t i = j - at[2 * r];
+            int32_t s = i >= 0 && i < k ? src[r * ld_src + i] : 0;
+            uint32_t want = i >= 0 && i < k ? (uint32_t)(s < 0 ? -1 : s + at[2 * r + 1]) : POISON32I;
+            if ((uint32_t)dc[r * ld_dst + j] != want)
+                self_fail(&c, "row %lld column %lld: %#x, must be %#x (%s)", (long long)r, (long long)j,
+                          (unsigned)dc[r * ld_dst + j], (unsigned)want, i >= 0 && i < k ? "remapped" : "untouched");
+        }
+    cmp_end(&c);
+    free(src);
+    free(at);
+    free(dc);
+    free(dg);
+}
+
+static void test_idx_remap(void **st) {
+    NEED_GPU(st);
+    for (int t = 0; t < 3; t++) idx_remap_case(T_TOPK[t], INDEX_TOPK, INDEX_TOPK, WINDOW + INDEX_TOPK + 3);
+    idx_remap_case(17, 37, 40, 100);
+    idx_remap_case(3, 1, 1, 2);
+    idx_remap_case(5, 300, 512, 301);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * copy_segs */
+
+/* n segments of the given sizes (aligned[i]: src and dst offsets on 16 bytes; else both odd)
+ * from one buffer into another, placed in a random order with gaps; the segment list is in yet
+ * another order. */
+static void copy_segs_case(const char *what, const size_t *bytes, const bool *aligned, int64_t n) {
+    char tag[200];
+    snprintf(tag, sizeof tag, "copy_segs %s", what);
+    seed_tag(tag);
+    size_t bmax = 0;
+    for (int64_t i = 0; i < n; i++) bmax = bytes[i] > bmax ? bytes[i] : bmax;
+    size_t ssz = bmax + 4096, dsz = 0, *so = NEW(size_t, n), *dof = NEW(size_t, n);
+    int64_t *ord = NEW(int64_t, n), *lst = NEW(int64_t, n);
+    for (int64_t i = 0; i < n; i++) ord[i] = lst[i] = i;
+    for (int64_t i = n - 1; i > 0; i--) { /* two shuffles: placement order and list order */
+        int64_t a = irand(i + 1), b = irand(i + 1), t = ord[i];
+        ord[i] = ord[a];
+        ord[a] = t;
+        t = lst[i];
+        lst[i] = lst[b];
+        lst[b] = t;
+    }
+    for (int64_t q = 0; q < n; q++) {
+        int64_t i = ord[q];
+        size_t range = ssz - bytes[i] - 16;
+        so[i] = aligned[i] ? (size_t)irand((int64_t)(range / 16)) * 16 : (size_t)irand((int64_t)range) | 1;
+        dsz += (size_t)irand(40);
+        dsz = aligned[i] ? (dsz + 15) / 16 * 16 : dsz | 1;
+        dof[i] = dsz;
+        dsz += bytes[i];
+    }
+    dsz = (dsz + 64) & ~(size_t)1;
+    uint8_t *src = NEW(uint8_t, ssz), *dc = NEW(uint8_t, dsz), *dg = NEW(uint8_t, dsz);
+    for (size_t i = 0; i < ssz; i++) src[i] = (uint8_t)rnd64();
+    poison_host(dc, dsz, PZ_16);
+    uint8_t *gs = g_in(src, ssz), *gd = g_out(dsz, PZ_16);
+    struct copy_seg *hs = NEW(struct copy_seg, n), *gsg = NEW(struct copy_seg, n);
+    for (int64_t q = 0; q < n; q++) {
+        int64_t i = lst[q];
+        hs[q] = (struct copy_seg){dc + dof[i], src + so[i], bytes[i]};
+        gsg[q] = (struct copy_seg){gd + dof[i], gs + so[i], bytes[i]};
+    }
+    CPU->copy_segs(&cpu_be, hs, n);
+    GPU->copy_segs(&gpu_be, gsg, n);
+    g_get(dg, gd, dsz);
+    g_free(gs);
+    g_free(gd);
+    struct cmp c;
+    cmp_begin(&c, "copy_segs", "%s", what);
+    cmp_u8_exact(&c, dg, dc, (int64_t)dsz);
+    /* the CPU's destination: each segment's source bytes, the poison everywhere else */
+    uint8_t *want = NEW(uint8_t, dsz);
+    poison_host(want, dsz, PZ_16);
+    for (int64_t i = 0; i < n; i++)
+        if (bytes[i]) memcpy(want + dof[i], src + so[i], bytes[i]);
+    for (size_t i = 0; i < dsz; i++)
+        if (dc[i] != want[i]) self_fail(&c, "destination byte %zu: %#x, must be %#x", i, dc[i], want[i]);
+    cmp_end(&c);
+    free(want);
+    free(so);
+    free(dof);
+    free(ord);
+    free(lst);
+    free(src);
+    free(dc);
+    free(dg);
+    free(hs);
+    free(gsg);
+}
+
+static void test_copy_segs(void **st) {
+    NEED_GPU(st);
+    seed_tag("copy_segs sizes");
+    /* decode: small rows at odd addresses */
+    size_t b1[64];
+    bool a1[64];
+    for (int i = 0; i < 64; i++) {
+        b1[i] = 1 + (size_t)irand(300);
+        a1[i] = false;
+    }
+    b1[0] = 1;
+    b1[1] = 300;
+    copy_segs_case("64 segments of 1..300 bytes, odd offsets", b1, a1, 64);
+    /* cache rows and ranges: whole 64 KB pieces, a piece of 1 byte, 16-byte words or bytes */
+    const size_t big[] = {0, 1, 15, 16, 17, 1024, 2048, 65536, 65537, 300000};
+    size_t b2[40];
+    bool a2[40];
+    int n2 = 0;
+    for (int al = 0; al < 2; al++)
+        for (int i = 0; i < 10; i++) {
+            b2[n2] = big[i];
+            a2[n2++] = al;
+        }
+    for (int i = 0; i < 20; i++) {
+        b2[n2] = 1 + (size_t)irand(300);
+        a2[n2++] = i & 1;
+    }
+    copy_segs_case("0..300000 bytes, aligned and odd", b2, a2, n2);
+    /* more pieces than the launch's 65,535 blocks (its grid-stride loop) */
+    int64_t n3 = 70000;
+    size_t *b3 = NEW(size_t, n3);
+    bool *a3 = NEW(bool, n3);
+    for (int64_t i = 0; i < n3; i++) {
+        b3[i] = (rnd64() & 1) ? 16 : 1 + (size_t)irand(20);
+        a3[i] = b3[i] == 16;
+    }
+    copy_segs_case("70000 segments of 1..20 bytes", b3, a3, n3);
+    free(b3);
+    free(a3);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_index_topk),
+        cmocka_unit_test(test_index_topk_mask),
+        cmocka_unit_test(test_index_topk_heap_select),
+        cmocka_unit_test(test_cand_mask),
+        cmocka_unit_test(test_cand_then_topk),
+        cmocka_unit_test(test_idx_remap),
+        cmocka_unit_test(test_copy_segs),
+    };
+    cuda_ops_test_filters();
+    return cmocka_run_group_tests(tests, cuda_ops_group_setup, cuda_ops_group_teardown);
+}
