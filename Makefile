@@ -58,7 +58,7 @@ $(BUILD_DIR)/obj/%.o: %.c
 
 $(BUILD_DIR)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -c $< -o $@ 2> $(BUILD_DIR)/obj/$*.ptxas.log || (cat $(BUILD_DIR)/obj/$*.ptxas.log; exit 1)
+	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2> $(BUILD_DIR)/obj/$*.ptxas.log || (cat $(BUILD_DIR)/obj/$*.ptxas.log; exit 1)
 
 # the commit goes into every output file (/meta): its one user is rebuilt when HEAD moves
 $(BUILD_DIR)/obj/src/jobout.o: $(BUILD_DIR)/commit-$(GIT_COMMIT)
@@ -124,4 +124,4 @@ help:
 	@echo "make clean      remove $(BUILD_DIR)"
 	@echo "variables: SM=80|86  GOLDEN=$(GOLDEN)  BUILD_DIR=$(BUILD_DIR)  MPICC=$(MPICC)  CUDA_HOME=$(CUDA_HOME)"
 
--include $(HOST_OBJ:.o=.d) $(BUILD_DIR)/obj/src/main.d $(TEST_BIN:=.d)
+-include $(HOST_OBJ:.o=.d) $(CU_OBJ:.o=.d) $(BUILD_DIR)/obj/src/main.d $(TEST_BIN:=.d)

@@ -176,10 +176,13 @@ struct backend_ops {
      * S[t,j] = bf16(Σ_h p_h) (fp32 accumulation in h order), stored as fp32 in S [T, nk] (row stride
      * ld_s). Positions j >= visible[t] are set to −inf. The head weights are first scaled as the
      * reference does: w[t,h] = bf16(w_raw[t,h] · w_scale) (w_raw bf16 [T, nh]).
-     * q [T, nh, d] has row stride ld_q (elements). */
+     * q [T, nh, d] has row stride ld_q (elements). Rows of several sequences score their own key
+     * caches in one call: with K_rows (backend array [T] of key-matrix pointers, else NULL: every row
+     * reads K) and nk_rows (int32 [T], <= nk, else NULL: nk for every row), row t scores
+     * K_rows[t][0..nk_rows[t]) and leaves S[t, nk_rows[t]..) as it is. */
     void (*index_scores)(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
-                         const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
-                         int64_t nh, int64_t d, int64_t nk);
+                         const bf16_t *K, const bf16_t *const *K_rows, const int32_t *nk_rows, const bf16_t *w,
+                         float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk);
     /* Top-k rows of the indexer (MODEL.md §3.7–§3.8) for T score rows S [T, ld_s] fp32; p int32
      * [T, TOPK_P_COUNT] per row: n entries scored, n_valid (entries at or past it read as -inf: a
      * key cache shorter than the row), k selected, visible. With mask (uint8 [T, ld_m], NULL: none)

@@ -214,9 +214,9 @@ static void prof_compress_pool(struct backend *be, bf16_t *lat, const float *kv,
     PR(be)->inner->ops->compress_pool(PR(be)->inner, lat, kv, score, G, r, n);
     prof_end(be, PROF_COMPRESS_POOL, t0);
 }
-static void prof_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q, const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk) {
+static void prof_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q, const bf16_t *K, const bf16_t *const *K_rows, const int32_t *nk_rows, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->index_scores(PR(be)->inner, S, ld_s, q, ld_q, K, w, w_scale, visible, T, nh, d, nk);
+    PR(be)->inner->ops->index_scores(PR(be)->inner, S, ld_s, q, ld_q, K, K_rows, nk_rows, w, w_scale, visible, T, nh, d, nk);
     prof_end(be, PROF_INDEX_SCORES, t0);
 }
 static void prof_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T, const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm, float route_scale) {

@@ -188,6 +188,9 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
             vis_h[b->row0[i] + t] = (int32_t)((b->seqs[i].start + t + 1) / ratio);
     int32_t *vis_d = balloc(m, sizeof(int32_t) * (size_t)(T + 1));
     OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)T);
+    /* one index_scores call for the batch: each row names its sequence's key cache and count */
+    const bf16_t **krow = ds_calloc((size_t)T + 1, sizeof *krow);
+    int32_t *nkrow = ds_calloc((size_t)T + 1, sizeof *nkrow);
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i];
@@ -198,10 +201,9 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         if (m->opt.stale_index_keys && m->slots[s->slot].index_k_src >= 0) ks = m->slots[s->slot].index_k_src;
         struct layer_cache *klc = &m->lc[ks];
         int64_t nkk = i64min(nk, klc->cap);
-        OPS->index_scores(m->be, S_d + r0 * nk_max, nk_max, iq + r0 * ihl * id, ihl * id,
-                          klc->kidx + (size_t)s->slot * klc->cap * id, wr + r0 * ihl, w_scale, vis_d + r0, s->len,
-                          ihl, id, nkk);
         for (int64_t t = 0; t < s->len; t++) {
+            krow[r0 + t] = klc->kidx + (size_t)s->slot * klc->cap * id;
+            nkrow[r0 + t] = (int32_t)nkk;
             int32_t *pr = prm + (r0 + t) * TOPK_P_COUNT;
             int64_t vis = vis_h[r0 + t];
             /* A decode step scores exactly its visible rows; the reference's single-shot prefill
@@ -214,6 +216,13 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
             pr[TOPK_P_VISIBLE] = (int32_t)vis;
         }
     }
+    const bf16_t **krow_d = balloc(m, sizeof *krow * (size_t)T);
+    int32_t *nkrow_d = balloc(m, sizeof(int32_t) * (size_t)T);
+    OPS->upload(m->be, krow_d, krow, sizeof *krow * (size_t)T);
+    OPS->upload(m->be, nkrow_d, nkrow, sizeof(int32_t) * (size_t)T);
+    OPS->index_scores(m->be, S_d, nk_max, iq, ihl * id, NULL, krow_d, nkrow_d, wr, w_scale, vis_d, T, ihl, id, nk_max);
+    free(krow);
+    free(nkrow);
     int32_t *prm_d = balloc(m, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
     OPS->upload(m->be, prm_d, prm, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
     const uint8_t *mask = NULL;
@@ -232,6 +241,8 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
     free(prm);
     free(vis_h);
     bfree(m, prm_d);
+    bfree(m, krow_d);
+    bfree(m, nkrow_d);
     bfree(m, vis_d);
     bfree(m, S_d);
     bfree(m, iq);

@@ -148,8 +148,8 @@ void cpu_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, cons
 }
 
 void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
-                         const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
-                         int64_t nh, int64_t d, int64_t nk) {
+                         const bf16_t *K, const bf16_t *const *K_rows, const int32_t *nk_rows, const bf16_t *w,
+                         float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk) {
     if (T <= 0 || nk <= 0) return;
     /* q widened once (exact) and the head weights scaled and rounded once, as the reference does
      * before scoring; both are shared by all keys. */
@@ -161,12 +161,13 @@ void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_
 #pragma omp parallel for schedule(static)
     for (int64_t tj = 0; tj < T * nk; tj++) {
         int64_t t = tj / nk, j = tj % nk;
+        if (nk_rows && j >= nk_rows[t]) continue; /* past this row's own keys: not written */
         float *out = S + t * ld_s + j;
         if (visible && j >= visible[t]) {
             *out = -INFINITY;
             continue;
         }
-        const bf16_t *kr = K + j * d;
+        const bf16_t *kr = (K_rows ? K_rows[t] : K) + j * d;
         const float *qt = qf + t * nh * d;
         float acc = 0.0f;
         for (int64_t h = 0; h < nh; h++) {

@@ -68,8 +68,8 @@ void cpu_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf
 void cpu_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G,
                           int64_t r, int64_t n);
 void cpu_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
-                         const bf16_t *K, const bf16_t *w, float w_scale, const int32_t *visible, int64_t T,
-                         int64_t nh, int64_t d, int64_t nk);
+                         const bf16_t *K, const bf16_t *const *K_rows, const int32_t *nk_rows, const bf16_t *w,
+                         float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk);
 
 /* ---- cpu_index.c ---- */
 void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,

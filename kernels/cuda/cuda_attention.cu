@@ -509,7 +509,8 @@ void cuda_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, con
  * Shared: Ks [16][dp + 8] bf16 (staged once, used by every head; +8: conflict-free row reads),
  * qs [32][dp] fp32 (the round's q rows, widened; reads are warp-uniform per 8 lanes), ps [32][17].
  * Tiles entirely at or beyond visible[t] write −inf without computing (as the CPU, which never
- * computes them), which skips half the work of a causal prefill. */
+ * computes them), which skips half the work of a causal prefill. With K_rows / nk_rows every row has
+ * its own keys (one launch for a batch of sequences); tiles past a row's own count end at once. */
 #define IS_JB 16
 #define IS_RH 32
 #define IS_SMEM_STATIC (IS_RH * (IS_JB + 1) * 4 + IS_RH * 4)
@@ -522,8 +523,9 @@ __device__ __forceinline__ float is_p(float dot, float w) {
 
 __global__ void __launch_bounds__(256)
     index_scores_kernel(float *__restrict__ S, int64_t ld_s, const uint16_t *__restrict__ q, int64_t ld_q,
-                        const uint16_t *__restrict__ K, const uint16_t *__restrict__ w, float w_scale,
-                        const int32_t *__restrict__ visible, int nh, int d, int64_t nk, int64_t nkb, int veck,
+                        const uint16_t *__restrict__ K0, const uint16_t *const *__restrict__ K_rows,
+                        const int32_t *__restrict__ nk_rows, const uint16_t *__restrict__ w, float w_scale,
+                        const int32_t *__restrict__ visible, int nh, int d, int64_t nk_all, int64_t nkb, int veck0,
                         int vecq) {
     extern __shared__ __align__(16) unsigned char is_smem[];
     __shared__ float ps[IS_RH][IS_JB + 1];
@@ -533,6 +535,11 @@ __global__ void __launch_bounds__(256)
     float *qs = reinterpret_cast<float *>(is_smem + IS_JB * ks * 2);       /* [IS_RH][dp], 16-byte aligned */
     const int tid = threadIdx.x, nt = blockDim.x;
     const int64_t t = blockIdx.x / nkb, j0 = (int64_t)(blockIdx.x % nkb) * IS_JB;
+    /* the row's own key matrix and key count (a batch of sequences, each with its own cache) */
+    const uint16_t *__restrict__ K = K_rows ? K_rows[t] : K0;
+    const int64_t nk = nk_rows ? (int64_t)nk_rows[t] : nk_all;
+    const int veck = veck0 && ((uintptr_t)K & 15) == 0;
+    if (j0 >= nk) return;
     const int64_t vis = visible ? (int64_t)visible[t] : nk;
     float *srow = S + t * ld_s;
     if (j0 >= vis) {
@@ -601,8 +608,8 @@ __global__ void __launch_bounds__(256)
 }
 
 void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q, const bf16_t *K,
-                          const bf16_t *w, float w_scale, const int32_t *visible, int64_t T, int64_t nh, int64_t d,
-                          int64_t nk) {
+                          const bf16_t *const *K_rows, const int32_t *nk_rows, const bf16_t *w, float w_scale,
+                          const int32_t *visible, int64_t T, int64_t nh, int64_t d, int64_t nk) {
     if (T <= 0 || nk <= 0) return;
     if (d < 0) d = 0;
     const int64_t dp = (d + 7) & ~7LL;
@@ -610,10 +617,11 @@ void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16
     const int64_t nkb = (nk + IS_JB - 1) / IS_JB;
     if (smem + IS_SMEM_STATIC > SMEM_LIMIT || nh > (1 << 30) || T * nkb > 0x7fffffffLL)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda index_scores", "unsupported shape");
-    const int veck = d % 8 == 0 && ((uintptr_t)K & 15) == 0;
+    /* with K_rows each row's pointer is checked for alignment in the kernel */
+    const int veck = d % 8 == 0 && (K_rows || ((uintptr_t)K & 15) == 0);
     const int vecq = d % 8 == 0 && ld_q % 8 == 0 && ((uintptr_t)q & 15) == 0;
     index_scores_kernel<<<(unsigned)(T * nkb), 256, smem, cuda_be_stream(be)>>>(
-        S, ld_s, (const uint16_t *)q, ld_q, (const uint16_t *)K, (const uint16_t *)w, w_scale, visible, (int)nh,
-        (int)d, nk, nkb, veck, vecq);
+        S, ld_s, (const uint16_t *)q, ld_q, (const uint16_t *)K, (const uint16_t *const *)K_rows, nk_rows,
+        (const uint16_t *)w, w_scale, visible, (int)nh, (int)d, nk, nkb, veck, vecq);
     KERNEL_CHECK();
 }

@@ -732,25 +732,25 @@ static void test_index_scores(void **state) {
     int32_t vis[2] = {3, 1};
     float S[8];
     for (int i = 0; i < 8; i++) S[i] = 123.0f;
-    OPS->index_scores(&be, S, 4, q, 5, K, w, 0.5f, vis, 2, 2, 2, 3);
+    OPS->index_scores(&be, S, 4, q, 5, K, NULL, NULL, w, 0.5f, vis, 2, 2, 2, 3);
     float ex[8] = {0.5f, 4, 3.5f, 123, 0.75f, -INFINITY, -INFINITY, 123};
     for (int i = 0; i < 8; i++) assert_true(S[i] == ex[i]);
 
     /* Each head's dot is rounded to bf16: 1 + 2^-9 -> 1.0. */
     bf16_t q1[2] = {B(1.0f), B(0x1p-9f)}, K1[2] = {B(1), B(1)}, w1[1] = {B(1)};
     int32_t v1 = 1;
-    OPS->index_scores(&be, S, 1, q1, 2, K1, w1, 1.0f, &v1, 1, 1, 2, 1);
+    OPS->index_scores(&be, S, 1, q1, 2, K1, NULL, NULL, w1, 1.0f, &v1, 1, 1, 2, 1);
     assert_true(S[0] == 1.0f);
     /* ... and rounded before the weight: d = 1 + 1.25·2^-8 -> 1.0078125, times w = 1.5 is the tie
      * 1.51171875 -> 1.515625; the unrounded d would give 1.5078125. */
     q1[1] = B(0x1.4p-8f);
     w1[0] = B(1.5f);
-    OPS->index_scores(&be, S, 1, q1, 2, K1, w1, 1.0f, &v1, 1, 1, 2, 1);
+    OPS->index_scores(&be, S, 1, q1, 2, K1, NULL, NULL, w1, 1.0f, &v1, 1, 1, 2, 1);
     assert_true(S[0] == 1.515625f);
     /* The head sum is fp32, rounded once: 1 + 2^-8 + 2^-8 = 1.0078125 (head by head in bf16 each
      * add would be a tie back to 1.0). */
     bf16_t q3[3] = {B(1.0f), B(0x1p-8f), B(0x1p-8f)}, K3[1] = {B(1)}, w3[3] = {B(1), B(1), B(1)};
-    OPS->index_scores(&be, S, 1, q3, 3, K3, w3, 1.0f, &v1, 1, 3, 1, 1);
+    OPS->index_scores(&be, S, 1, q3, 3, K3, NULL, NULL, w3, 1.0f, &v1, 1, 3, 1, 1);
     assert_true(S[0] == 1.0078125f);
 }
 
@@ -933,7 +933,7 @@ static void test_thread_count_independent(void **state) {
         omp_set_num_threads(r + 1);
         OPS->linear(&be, y[r], x, T, &W8);
         OPS->sparse_attn(&be, oa[r], qa, kv, idx, 3, H, HD, NI, sink, 0.2f);
-        OPS->index_scores(&be, S[r], NK, qa, H * HD, kv, wraw, 0.5f, vis, 3, H, HD, NK);
+        OPS->index_scores(&be, S[r], NK, qa, H * HD, kv, NULL, NULL, wraw, 0.5f, vis, 3, H, HD, NK);
         memset(acc[r], 0, sizeof acc[r]);
         moe_acc(acc[r], x, ridx, wts, T, 2, 0, 3, ex.W1, ex.W3, ex.W2, 10.0f);
     }

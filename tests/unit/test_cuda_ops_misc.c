@@ -1123,10 +1123,10 @@ static void index_scores_case(const char *name, int64_t T, int64_t nh, int64_t d
     struct index_in x = make_index(tag, T, nh, d, nk, ld_q, ld_s);
     float *Sc = NEW(float, T * ld_s), *Sg = NEW(float, T * ld_s);
     poison_host(Sc, (size_t)(T * ld_s) * 4, PZ_32F);
-    CPU->index_scores(&cpu_be, Sc, ld_s, x.q, ld_q, x.K, x.w, x.w_scale, x.vis, T, nh, d, nk);
+    CPU->index_scores(&cpu_be, Sc, ld_s, x.q, ld_q, x.K, NULL, NULL, x.w, x.w_scale, x.vis, T, nh, d, nk);
     void *dq = g_in(x.q, (size_t)(T * ld_q) * 2), *dK = g_in(x.K, (size_t)(nk * d) * 2), *dw = g_in(x.w, (size_t)(T * nh) * 2),
          *dv = g_in(x.vis, (size_t)T * 4), *dS = g_out((size_t)(T * ld_s) * 4, PZ_32F);
-    GPU->index_scores(&gpu_be, dS, ld_s, dq, ld_q, dK, dw, x.w_scale, dv, T, nh, d, nk);
+    GPU->index_scores(&gpu_be, dS, ld_s, dq, ld_q, dK, NULL, NULL, dw, x.w_scale, dv, T, nh, d, nk);
     g_get(Sg, dS, (size_t)(T * ld_s) * 4);
     g_free(dq);
     g_free(dK);
@@ -1180,6 +1180,64 @@ static void test_index_scores(void **st) {
     }
 }
 
+/* Rows of several sequences in one call (K_rows / nk_rows, what the model does for a batch): every
+ * row must be bit-identical to that row scored alone against its own keys (on the CPU backend, the
+ * self-check), the GPU bit-identical to the CPU, and columns past a row's own key count keep their
+ * poison. Keys are slices of one pool at random row offsets, some counts 0 or 1. */
+static void test_index_scores_rows(void **st) {
+    NEED_GPU(st);
+    enum { T = 12 };
+    const int64_t nh = IDX_H_LOCAL, d = IDX_HD, nk = 700, ld_q = IDX_H_LOCAL * IDX_HD, ld_s = 700 + 5;
+    struct index_in x = make_index("index_scores rows", T, nh, d, nk, ld_q, ld_s);
+    int32_t nkr[T];
+    int64_t off[T];
+    const bf16_t *kh[T], *kdev[T];
+    void *dK = g_in(x.K, (size_t)(nk * d) * 2);
+    for (int t = 0; t < T; t++) {
+        nkr[t] = (int32_t)(t % 4 == 0 ? nk : t % 4 == 1 ? 1 + irand(nk / 2) : t % 4 == 2 ? 0 : 1);
+        off[t] = irand(nk - nkr[t] + 1);
+        kh[t] = x.K + off[t] * d;
+        kdev[t] = (const bf16_t *)dK + off[t] * d;
+    }
+    float *Sc = NEW(float, T * ld_s), *Sg = NEW(float, T * ld_s), *S1 = NEW(float, ld_s);
+    poison_host(Sc, (size_t)(T * ld_s) * 4, PZ_32F);
+    CPU->index_scores(&cpu_be, Sc, ld_s, x.q, ld_q, NULL, kh, nkr, x.w, x.w_scale, x.vis, T, nh, d, nk);
+    void *dq = g_in(x.q, (size_t)(T * ld_q) * 2), *dw = g_in(x.w, (size_t)(T * nh) * 2), *dv = g_in(x.vis, (size_t)T * 4),
+         *dkr = g_in(kdev, sizeof kdev), *dnk = g_in(nkr, sizeof nkr), *dS = g_out((size_t)(T * ld_s) * 4, PZ_32F);
+    GPU->index_scores(&gpu_be, dS, ld_s, dq, ld_q, NULL, dkr, dnk, dw, x.w_scale, dv, T, nh, d, nk);
+    g_get(Sg, dS, (size_t)(T * ld_s) * 4);
+    struct cmp c;
+    cmp_begin(&c, "index_scores", "per-row keys T=%d, counts 0..%lld", T, (long long)nk);
+    for (int t = 0; t < T; t++) {
+        poison_host(S1, (size_t)ld_s * 4, PZ_32F);
+        if (nkr[t])
+            CPU->index_scores(&cpu_be, S1, ld_s, x.q + t * ld_q, ld_q, kh[t], NULL, NULL, x.w + t * nh, x.w_scale,
+                              x.vis + t, 1, nh, d, nkr[t]);
+        for (int64_t j = 0; j < ld_s; j++) {
+            int64_t o = t * ld_s + j;
+            uint32_t gb, cb, ab;
+            memcpy(&gb, Sg + o, 4);
+            memcpy(&cb, Sc + o, 4);
+            memcpy(&ab, S1 + j, 4);
+            cmp_bits(&c, o, gb, cb, Sg[o], Sc[o]);
+            if (cb != ab) cmp_self(&c, o, 1, 0, 0); /* the batch call differs from the row alone */
+            if (j >= nkr[t] && cb != POISON32F) cmp_self(&c, o, 1, 0, 0); /* written past the row's keys */
+        }
+    }
+    cmp_end(&c);
+    g_free(dq);
+    g_free(dK);
+    g_free(dw);
+    g_free(dv);
+    g_free(dkr);
+    g_free(dnk);
+    g_free(dS);
+    free(Sc);
+    free(Sg);
+    free(S1);
+    free_index(&x);
+}
+
 /* =============================================================================================
  * Batch invariance */
 
@@ -1222,7 +1280,7 @@ static void index_rows(void *vc, int64_t r0, int64_t T, void *out) {
     struct index_ctx *c = vc;
     struct index_in *x = c->x;
     void *dS = g_out((size_t)(T * x->ld_s) * 4, PZ_32F);
-    GPU->index_scores(&gpu_be, dS, x->ld_s, (const bf16_t *)c->dq + r0 * x->ld_q, x->ld_q, c->dK, (const bf16_t *)c->dw + r0 * x->nh,
+    GPU->index_scores(&gpu_be, dS, x->ld_s, (const bf16_t *)c->dq + r0 * x->ld_q, x->ld_q, c->dK, NULL, NULL, (const bf16_t *)c->dw + r0 * x->nh,
                       x->w_scale, (const int32_t *)c->dv + r0, T, x->nh, x->d, x->nk);
     g_get(out, dS, (size_t)(T * x->ld_s) * 4);
     g_free(dS);
@@ -1256,6 +1314,7 @@ int main(void) {
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),
+        cmocka_unit_test(test_index_scores_rows),
         cmocka_unit_test(test_batch_invariance_sparse_attn),
         cmocka_unit_test(test_batch_invariance_index_scores),
     };
