@@ -30,6 +30,11 @@ struct prep {
     struct prep *next;
 };
 
+/* the upload ring (stage_upload): RING_CHUNKS chunks of RING_CHUNK bytes, pinned */
+#define RING_BYTES ((size_t)32 << 20)
+#define RING_CHUNKS 32
+#define RING_CHUNK (RING_BYTES / RING_CHUNKS)
+
 /* Scratch blocks kept for reuse (see cuda_be_scratch): free lists by rounded size, and the rounded
  * size of every block handed out. */
 struct scratch_class {
@@ -51,6 +56,12 @@ struct cuda_be {
     int n_cls;
     struct scratch_live *live; /* open-addressing table [cap_live], power of two */
     size_t cap_live, n_live;
+    /* pinned staging ring for uploads (see stage_upload) */
+    uint8_t *ring;
+    size_t ring_head;
+    int ring_chunk;
+    cudaEvent_t ring_ev[RING_CHUNKS];
+    bool ring_pending[RING_CHUNKS];
 };
 
 static struct cuda_be *cb(struct backend *be) { return (struct cuda_be *)be->priv; }
@@ -222,6 +233,8 @@ struct copy_piece {
     uint64_t bytes;
 };
 
+static void cu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes);
+
 __global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
     for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
         struct copy_piece c = pc[i];
@@ -246,8 +259,7 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
             h[at++] = (struct copy_piece){(uint8_t *)segs[i].dst + o, (const uint8_t *)segs[i].src + o,
                                           segs[i].bytes - o < COPY_PIECE ? segs[i].bytes - o : COPY_PIECE};
     struct copy_piece *d = (struct copy_piece *)cuda_be_scratch_raw(be, sizeof *h * (size_t)np);
-    /* from pageable memory: staged before the call returns, so h may go at once */
-    CUDA_CHECK(cudaMemcpyAsync(d, h, sizeof *h * (size_t)np, cudaMemcpyHostToDevice, cb(be)->stream));
+    cu_upload(be, d, h, sizeof *h * (size_t)np);
     free(h);
     int64_t grid = np < 65535 ? np : 65535;
     copy_segs_kernel<<<(unsigned)grid, 256, 0, cb(be)->stream>>>(d, np);
@@ -259,10 +271,40 @@ static void *cu_alloc(struct backend *be, size_t bytes) { return cuda_be_scratch
 static void *cu_scratch(struct backend *be, size_t bytes) { return cuda_be_scratch_raw(be, bytes); }
 static void cu_free(struct backend *be, void *p) { cuda_be_scratch_free(be, p); }
 
-/* From pageable host memory the copy is staged before the call returns, so the caller may reuse
- * its buffer at once (the model uploads from short-lived host arrays). */
+/* Uploads during a forward (positions, index lists, per-row parameters, copy lists: a few small
+ * arrays per layer) go through a pinned ring, because a cudaMemcpyAsync from pageable memory may
+ * wait for the stream before it stages the bytes (the runtime's API synchronization rules), which
+ * would make the host wait for the device at every upload. The ring is cut into RING_CHUNKS
+ * chunks; an upload never straddles two; leaving a chunk records an event, and entering it again
+ * waits for that event (the copies out of it were enqueued a whole ring ago, so this almost never
+ * blocks). Larger uploads (weights at load) go straight from pageable memory. */
+
+static const void *stage_upload(struct backend *be, const void *src, size_t bytes) {
+    struct cuda_be *c = cb(be);
+    size_t need = (bytes + 15) & ~(size_t)15;
+    if (!c->ring || need > RING_CHUNK) return src;
+    if (c->ring_head + need > (size_t)(c->ring_chunk + 1) * RING_CHUNK) {
+        CUDA_CHECK(cudaEventRecord(c->ring_ev[c->ring_chunk], c->stream));
+        c->ring_pending[c->ring_chunk] = true;
+        c->ring_chunk = (c->ring_chunk + 1) % RING_CHUNKS;
+        c->ring_head = (size_t)c->ring_chunk * RING_CHUNK;
+        if (c->ring_pending[c->ring_chunk]) {
+            CUDA_CHECK(cudaEventSynchronize(c->ring_ev[c->ring_chunk]));
+            c->ring_pending[c->ring_chunk] = false;
+        }
+    }
+    uint8_t *p = c->ring + c->ring_head;
+    c->ring_head += need;
+    memcpy(p, src, bytes);
+    return p;
+}
+
+/* The caller may reuse its buffer as soon as this returns (the model uploads from short-lived host
+ * arrays): the bytes are in the ring by then, or staged by the runtime for a large pageable copy. */
 static void cu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes) {
-    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, cb(be)->stream));
+    if (bytes)
+        CUDA_CHECK(cudaMemcpyAsync(dst, stage_upload(be, src_host, bytes), bytes, cudaMemcpyHostToDevice,
+                                   cb(be)->stream));
 }
 
 static void cu_download(struct backend *be, void *dst_host, const void *src, size_t bytes) {
@@ -480,6 +522,8 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
     CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaHostAlloc((void **)&c->ring, RING_BYTES, cudaHostAllocDefault));
+    for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventCreateWithFlags(&c->ring_ev[i], cudaEventDisableTiming));
     /* keep freed activations in the pool: a forward frees and reallocates the same sizes */
     cudaMemPool_t pool;
     CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
@@ -496,6 +540,8 @@ extern "C" void backend_cuda_free(struct backend *be) {
     scratch_release_kept(c);
     free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventDestroy(c->ring_ev[i]));
+    CUDA_CHECK(cudaFreeHost(c->ring));
     while (c->preps) {
         struct prep *p = c->preps;
         c->preps = p->next;
