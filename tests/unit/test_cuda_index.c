@@ -567,6 +567,50 @@ static void test_copy_segs(void **st) {
     free(a3);
 }
 
+/* The CUDA backend's memory paths under load, with no synchronization between calls (as a forward
+ * runs): scratch and zero-filled blocks taken from and returned to the free lists by size, small
+ * uploads through the pinned ring (far more than its 32 MB, so it wraps many times), the host buffer
+ * overwritten as soon as each upload returns, each block read by a device copy and freed at once
+ * (its next owner's upload is ordered after that copy). A reused block must never show another
+ * upload's bytes, an alloc must come back zeroed, and every sample must be the bytes uploaded. */
+static void test_memory_reuse_and_ring(void **st) {
+    NEED_GPU(st);
+    seed_tag("memory reuse and upload ring");
+    enum { N = 2000, SAMPLE = 128 };
+    size_t rec_bytes = (size_t)N * 2 * SAMPLE;
+    uint8_t *rec = GPU->alloc(&gpu_be, rec_bytes), *want = NEW(uint8_t, rec_bytes), *got = NEW(uint8_t, rec_bytes);
+    uint8_t *h = NEW(uint8_t, 300000);
+    size_t total = 0;
+    for (int i = 0; i < N; i++) {
+        size_t bytes = SAMPLE + (size_t)irand(i % 3 == 0 ? 300000 - SAMPLE : 4096);
+        bool zeroed = i % 5 == 0;
+        uint8_t *d = zeroed ? GPU->alloc(&gpu_be, bytes) : GPU->scratch(&gpu_be, bytes);
+        uint8_t *w = want + (size_t)i * 2 * SAMPLE;
+        if (zeroed) {
+            memset(w, 0, 2 * SAMPLE);
+        } else {
+            for (size_t j = 0; j < bytes; j++) h[j] = (uint8_t)(rnd64() >> 7);
+            GPU->upload(&gpu_be, d, h, bytes);
+            total += bytes;
+            memcpy(w, h, SAMPLE);
+            memcpy(w + SAMPLE, h + bytes - SAMPLE, SAMPLE);
+            memset(h, 0xA5, bytes); /* the caller may reuse its buffer at once */
+        }
+        GPU->copy(&gpu_be, rec + (size_t)i * 2 * SAMPLE, d, SAMPLE);
+        GPU->copy(&gpu_be, rec + (size_t)i * 2 * SAMPLE + SAMPLE, d + bytes - SAMPLE, SAMPLE);
+        GPU->free(&gpu_be, d);
+    }
+    GPU->download(&gpu_be, got, rec, rec_bytes);
+    struct cmp c;
+    cmp_begin(&c, "memory", "%d blocks, %.0f MB uploaded", N, (double)total / 1e6);
+    for (size_t j = 0; j < rec_bytes; j++) cmp_bits(&c, (long long)j, got[j], want[j], got[j], want[j]);
+    cmp_end(&c);
+    GPU->free(&gpu_be, rec);
+    free(want);
+    free(got);
+    free(h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_index_topk),
@@ -576,6 +620,7 @@ int main(void) {
         cmocka_unit_test(test_cand_then_topk),
         cmocka_unit_test(test_idx_remap),
         cmocka_unit_test(test_copy_segs),
+        cmocka_unit_test(test_memory_reuse_and_ring),
     };
     cuda_ops_test_filters();
     return cmocka_run_group_tests(tests, cuda_ops_group_setup, cuda_ops_group_teardown);
