@@ -349,6 +349,11 @@ void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, u
     if (need > cap) out = ds_realloc(out, cap = need);
     if (up_rows) memcpy(out + ol, rows_in, (size_t)up_rows * row_bytes);
     ol += (size_t)up_rows * row_bytes;
+    /* this stage's new key rows: gathered on the backend by one copy_segs, then one download (a
+     * download waits for the device: once per forward, not once per row) */
+    size_t rb = (size_t)id * 2, nnew = (size_t)(nrows - up_rows), first = ol;
+    bf16_t *g = nnew ? tmp(m, nnew * rb) : NULL;
+    struct seg_list sl = {0};
     for (int i = 0; i < n; i++)
         for (int l = 0; l < c->n_layers; l++) {
             const struct layer_role *r = &c->role[l];
@@ -357,10 +362,19 @@ void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, u
             for (int64_t j = seqs[i].start / r->ratio; j < (seqs[i].start + seqs[i].len) / r->ratio; j++) {
                 int32_t hdr[3] = {l, seqs[i].slot, (int32_t)j};
                 memcpy(out + ol, hdr, 12);
-                OPS->download(m->be, out + ol + 12, lc->kidx + ((size_t)seqs[i].slot * lc->cap + j) * id, (size_t)id * 2);
+                seg_push(&sl, g + (ol - first) / row_bytes * id, lc->kidx + ((size_t)seqs[i].slot * lc->cap + j) * id, rb);
                 ol += row_bytes;
             }
         }
+    if (nnew) {
+        seg_flush(m, &sl);
+        uint8_t *h = ds_malloc(nnew * rb);
+        OPS->download(m->be, h, g, nnew * rb);
+        for (size_t q = 0; q < nnew; q++) memcpy(out + first + q * row_bytes + 12, h + q * rb, rb);
+        free(h);
+        bfree(m, g);
+    }
+    seg_free(&sl);
     free(up);
     free(*buf);
     *buf = out;
@@ -380,18 +394,41 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len) {
     }
     memcpy(&nrows, buf + 4 + 8 * (size_t)ns, 4);
     const uint8_t *p = buf + 8 + 8 * (size_t)ns;
-    for (int32_t r = 0; r < nrows; r++, p += 12 + (size_t)id * 2) {
+    /* the mirrored rows: one upload of all of them, then one copy_segs into the caches */
+    size_t rb = (size_t)id * 2;
+    uint8_t *h = ds_malloc((size_t)nrows * rb + 1);
+    bf16_t *g = nrows ? tmp(m, (size_t)nrows * rb) : NULL;
+    struct seg_list sl = {0};
+    int32_t kept = 0;
+    int rc = 0;
+    for (int32_t r = 0; r < nrows; r++, p += 12 + rb) {
         int32_t hdr[3];
         memcpy(hdr, p, 12);
+        if (hdr[0] < 0 || hdr[0] >= c->n_layers || hdr[1] < 0 || hdr[1] >= m->opt.max_seqs) {
+            ds_err_set("key sync: row %d names layer %d, slot %d (of %d layers, %d slots)", r, hdr[0], hdr[1],
+                       c->n_layers, m->opt.max_seqs);
+            rc = -1;
+            break;
+        }
         struct layer_cache *lc = &m->lc[hdr[0]];
         if (m->w->layers[hdr[0]].present || !lc->kidx) continue;
-        if (hdr[2] >= lc->cap) {
+        if (hdr[2] < 0 || hdr[2] >= lc->cap) {
             ds_err_set("key sync: row %d of layer %d beyond the cache (%lld rows)", hdr[2], hdr[0], (long long)lc->cap);
-            return -1;
+            rc = -1;
+            break;
         }
-        OPS->upload(m->be, lc->kidx + ((size_t)hdr[1] * lc->cap + hdr[2]) * id, p + 12, (size_t)id * 2);
+        memcpy(h + (size_t)kept * rb, p + 12, rb);
+        seg_push(&sl, lc->kidx + ((size_t)hdr[1] * lc->cap + hdr[2]) * id, g + (size_t)kept * id, rb);
+        kept++;
     }
-    return 0;
+    if (rc == 0 && kept) {
+        OPS->upload(m->be, g, h, (size_t)kept * rb);
+        seg_flush(m, &sl);
+    }
+    seg_free(&sl);
+    bfree(m, g);
+    free(h);
+    return rc;
 }
 
 /* The largest logits buffer this process's head has produced, in rows (R x vocab floats): score's

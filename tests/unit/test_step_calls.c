@@ -95,7 +95,97 @@ static void test_decode_calls_independent_of_batch(void **s) {
     st_close(&f);
 }
 
+/* The stale-key sync between pipeline stages (model_key_sync_append on the later stage, _apply on
+ * stage 0's mirrors) moves every new key row of a forward in one download and one upload, however
+ * many sequences the forward has: tp8pp2 split 0-3 / 4-7 as in test_pipeline_stages, decode steps
+ * of 1 and of B sequences. The rows themselves are checked there (bit-identical logits). */
+static void test_key_sync_calls_independent_of_batch(void **s) {
+    (void)s;
+    char dir[512], fx[600];
+    snprintf(dir, sizeof dir, "%s/tp8pp2", golden());
+    snprintf(fx, sizeof fx, "%s/prompt0.safetensors", dir);
+    struct st_model f;
+    assert_int_equal(st_open(fx, &f), 0);
+    const struct st_tensor *ids = st_find(&f, "prompt_ids");
+    int64_t S = ids->shape[0];
+    const int32_t *prompt = ids->data;
+    struct loaded_model l0, l1;
+    struct backend cpu, pb;
+    assert_int_equal(backend_cpu_init(&cpu), 0);
+    prof_backend_init(&pb, &cpu);
+    assert_int_equal(loader_open_config(&l0, dir), 0);
+    assert_int_equal(loader_open_config(&l1, dir), 0);
+    struct bind_opts o0 = bind_opts_single(&l0.cfg), o1 = o0;
+    o0.layer_end = 4;
+    o0.last_stage = false;
+    o1.layer_begin = 4;
+    o1.first_stage = false;
+    assert_int_equal(loader_bind(&l0, &o0), 0);
+    assert_int_equal(loader_bind(&l1, &o1), 0);
+    struct engine_opts eo = engine_opts_default(&l0.cfg);
+    eo.max_seqs = B + 1;
+    struct model *m0 = model_new(&l0.cfg, &l0.w, &pb, &l0.ec, &eo);
+    struct model *m1 = model_new(&l1.cfg, &l1.w, &pb, &l1.ec, &eo);
+    int64_t V = l0.cfg.vocab_size, D = l0.cfg.dim, hc = l0.cfg.hc_mult, T = S > B ? S : B;
+    float *lg = malloc(sizeof(float) * (size_t)(V * B)), *P = malloc(sizeof(float) * (size_t)(T * hc));
+    bf16_t *X = malloc((size_t)(T * hc * D) * 2);
+    int32_t tok = 5;
+    long dl[2] = {0}, ul[2] = {0}, rows[2] = {0};
+    for (int pass = -1; pass < 2; pass++) {
+        /* pass -1: prefill every slot; 0: a decode step of slot 0; 1: of slots 1..B together */
+        struct fwd_seq q[B + 1];
+        int n = 0;
+        if (pass < 0)
+            for (int k = 0; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = 0, .len = S, .tokens = prompt};
+        else if (pass == 0)
+            q[n++] = (struct fwd_seq){.slot = 0, .start = S, .len = 1, .tokens = &tok};
+        else
+            for (int k = 1; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = S, .len = 1, .tokens = &tok};
+        for (int i = 0; i < (pass < 0 ? n : 1); i++) {
+            struct fwd_seq *qs = pass < 0 ? &q[i] : q;
+            int nq = pass < 0 ? 1 : n;
+            struct stage_io io0 = {.X_out = X, .P_out = P}, io1 = {.X_in = X, .P_in = P};
+            assert_int_equal(model_forward_stage(m0, qs, nq, &io0, NULL, NULL), 0);
+            assert_int_equal(model_forward_stage(m1, qs, nq, &io1, lg, NULL), 0);
+            uint8_t *sync = NULL;
+            size_t len = 0;
+            prof_backend_reset(&pb);
+            model_key_sync_append(m1, qs, nq, &sync, &len);
+            if (pass >= 0) dl[pass] = prof_backend_calls(&pb, "download");
+            prof_backend_reset(&pb);
+            assert_int_equal(model_key_sync_apply(m0, sync, len), 0);
+            if (pass >= 0) {
+                ul[pass] = prof_backend_calls(&pb, "upload");
+                int32_t ns, nr;
+                memcpy(&ns, sync, 4);
+                memcpy(&nr, sync + 4 + 8 * (size_t)ns, 4);
+                rows[pass] = nr;
+            }
+            free(sync);
+        }
+    }
+    printf("key sync: batch 1: %ld rows, %ld downloads, %ld uploads; batch %d: %ld rows, %ld downloads, %ld uploads\n",
+           rows[0], dl[0], ul[0], B, rows[1], dl[1], ul[1]);
+    assert_true(rows[0] > 0);
+    assert_int_equal(rows[1], rows[0] * B);
+    assert_int_equal(dl[0], 1);
+    assert_int_equal(dl[1], 1);
+    assert_int_equal(ul[0], 1);
+    assert_int_equal(ul[1], 1);
+    free(lg);
+    free(P);
+    free(X);
+    model_free(m0);
+    model_free(m1);
+    loader_close(&l0);
+    loader_close(&l1);
+    prof_backend_free(&pb);
+    backend_cpu_free(&cpu);
+    st_close(&f);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_decode_calls_independent_of_batch)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_decode_calls_independent_of_batch),
+                                       cmocka_unit_test(test_key_sync_calls_independent_of_batch)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
