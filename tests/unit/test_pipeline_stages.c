@@ -12,37 +12,24 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "loader.h"
+#include "golden_fixture.h"
 #include "model.h"
 
-static const char *golden(void) {
-    const char *g = getenv("GOLDEN");
-    return g ? g : "../shared/golden";
-}
-
 static void run(bool stale) {
-    char dir[512], fx[600];
-    snprintf(dir, sizeof dir, "%s/tp8pp2", golden());
-    snprintf(fx, sizeof fx, "%s/prompt0.safetensors", dir);
+    char dir[512];
+    golden_dir(dir, sizeof dir, "tp8pp2");
     struct st_model f;
-    assert_int_equal(st_open(fx, &f), 0);
-    const struct st_tensor *ids = st_find(&f, "prompt_ids"), *gr = st_find(&f, "greedy_tokens");
-    int64_t S = ids->shape[0], N = gr->shape[0] - 1;
-    const int32_t *prompt = ids->data, *toks = gr->data;
+    int64_t S;
+    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
+    const struct st_tensor *gr = st_find(&f, "greedy_tokens");
+    int64_t N = gr->shape[0] - 1;
+    const int32_t *toks = gr->data;
 
     struct loaded_model whole, s0, s1;
     struct backend be;
     assert_int_equal(backend_cpu_init(&be), 0);
     assert_int_equal(loader_open(&whole, dir, NULL), 0);
-    assert_int_equal(loader_open_config(&s0, dir), 0);
-    assert_int_equal(loader_open_config(&s1, dir), 0);
-    struct bind_opts o0 = bind_opts_single(&s0.cfg), o1 = o0;
-    o0.layer_end = 4;
-    o0.last_stage = false;
-    o1.layer_begin = 4;
-    o1.first_stage = false;
-    assert_int_equal(loader_bind(&s0, &o0), 0);
-    assert_int_equal(loader_bind(&s1, &o1), 0);
+    golden_bind_stages(dir, 4, &s0, &s1);
     struct engine_opts eo = engine_opts_default(&whole.cfg);
     eo.stale_index_keys = stale;
     struct model *mw = model_new(&whole.cfg, &whole.w, &be, &whole.ec, &eo);

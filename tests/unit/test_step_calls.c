@@ -17,16 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "loader.h"
+#include "golden_fixture.h"
 #include "model.h"
 #include "prof_backend.h"
 
 #define B 8
-
-static const char *golden(void) {
-    const char *g = getenv("GOLDEN");
-    return g ? g : "../shared/golden";
-}
 
 static long calls[2][PROF_N_OPS_PUBLIC];
 
@@ -36,14 +31,11 @@ static void snapshot(struct backend *pb, long *out) {
 
 static void test_decode_calls_independent_of_batch(void **s) {
     (void)s;
-    char dir[512], fx[600];
-    snprintf(dir, sizeof dir, "%s/tp8pp2", golden());
-    snprintf(fx, sizeof fx, "%s/prompt0.safetensors", dir);
+    char dir[512];
+    golden_dir(dir, sizeof dir, "tp8pp2");
     struct st_model f;
-    assert_int_equal(st_open(fx, &f), 0);
-    const struct st_tensor *ids = st_find(&f, "prompt_ids");
-    int64_t S = ids->shape[0];
-    const int32_t *prompt = ids->data;
+    int64_t S;
+    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
 
     struct loaded_model lm;
     struct backend cpu, pb;
@@ -101,27 +93,16 @@ static void test_decode_calls_independent_of_batch(void **s) {
  * of 1 and of B sequences. The rows themselves are checked there (bit-identical logits). */
 static void test_key_sync_calls_independent_of_batch(void **s) {
     (void)s;
-    char dir[512], fx[600];
-    snprintf(dir, sizeof dir, "%s/tp8pp2", golden());
-    snprintf(fx, sizeof fx, "%s/prompt0.safetensors", dir);
+    char dir[512];
+    golden_dir(dir, sizeof dir, "tp8pp2");
     struct st_model f;
-    assert_int_equal(st_open(fx, &f), 0);
-    const struct st_tensor *ids = st_find(&f, "prompt_ids");
-    int64_t S = ids->shape[0];
-    const int32_t *prompt = ids->data;
+    int64_t S;
+    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
     struct loaded_model l0, l1;
     struct backend cpu, pb;
     assert_int_equal(backend_cpu_init(&cpu), 0);
     prof_backend_init(&pb, &cpu);
-    assert_int_equal(loader_open_config(&l0, dir), 0);
-    assert_int_equal(loader_open_config(&l1, dir), 0);
-    struct bind_opts o0 = bind_opts_single(&l0.cfg), o1 = o0;
-    o0.layer_end = 4;
-    o0.last_stage = false;
-    o1.layer_begin = 4;
-    o1.first_stage = false;
-    assert_int_equal(loader_bind(&l0, &o0), 0);
-    assert_int_equal(loader_bind(&l1, &o1), 0);
+    golden_bind_stages(dir, 4, &l0, &l1);
     struct engine_opts eo = engine_opts_default(&l0.cfg);
     eo.max_seqs = B + 1;
     struct model *m0 = model_new(&l0.cfg, &l0.w, &pb, &l0.ec, &eo);
