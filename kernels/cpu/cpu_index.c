@@ -1,6 +1,8 @@
 /* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and the index-list
- * remap: every row runs kernels/topk_core.h, the code the CUDA kernels run too, so a top-k set is
- * the same on both backends by construction. Rows are independent (OpenMP over rows only). */
+ * remap: every row runs kernels/topk_core.h's block-parallel selection as a block of one thread —
+ * the code the CUDA kernels run with a block of 128 — so a top-k set is the same on both backends by
+ * construction, and the golden fixtures check the formulation the GPU runs. Rows are independent
+ * (OpenMP over rows only). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,18 +22,22 @@ void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const f
     int64_t nmax = max_p(p, T, TOPK_P_N);
 #pragma omp parallel
     {
+        /* one "thread" of topk_core.h's block-parallel selection per row */
         struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nmax + 1));
+        int32_t *wl = ds_malloc(sizeof *wl * (size_t)(nmax + 1)), *wr = ds_malloc(sizeof *wr * (size_t)(nmax + 1));
+        int32_t cnt[4];
+        struct topk_blk st;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < T; r++) {
             const int32_t *pr = p + r * TOPK_P_COUNT;
             const float *row = S + r * ld_s;
             const uint8_t *mr = mask ? mask + r * ld_m : NULL;
-            int32_t *out = top + r * ld_top;
-            for (int64_t j = 0; j < ld_top; j++) out[j] = -1;
             for (int64_t j = 0; j < pr[TOPK_P_N]; j++)
                 q[j] = (struct topk_elem){topk_entry(row, j, pr[TOPK_P_VALID], mr, ld_m), (int32_t)j};
-            topk_row_finish(out, pr, q);
+            topk_par_row(top + r * ld_top, ld_top, pr, q, wl, wr, cnt, &st, 0, 1);
         }
+        free(wr);
+        free(wl);
         free(q);
     }
 }
@@ -43,6 +49,9 @@ void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const flo
     {
         struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nbmax + 1));
         uint8_t *keep = ds_malloc((size_t)nbmax + 1);
+        int32_t *wl = ds_malloc(sizeof *wl * (size_t)(nbmax + 1)), *wr = ds_malloc(sizeof *wr * (size_t)(nbmax + 1));
+        int32_t cnt[4];
+        struct topk_blk st;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < T; r++) {
             const int32_t *pr = p + r * TOPK_P_COUNT;
@@ -51,10 +60,12 @@ void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const flo
                 q[b] = (struct topk_elem){topk_block_max(S + r * ld_s, b, bs, n, pr[TOPK_P_VALID]), (int32_t)b};
             if (vis > 0 && (vis - 1) / bs < nb) q[(vis - 1) / bs].v = __builtin_inff();
             memset(keep, 0, (size_t)nb + 1);
-            topk_cand_finish(keep, nb, topk_blocks, q);
+            topk_par_cand(keep, nb, topk_blocks, q, wl, wr, cnt, &st, 0, 1);
             uint8_t *out = mask + r * ld_m;
             for (int64_t j = 0; j < ld_m; j++) out[j] = j < n ? keep[j / bs] : 0;
         }
+        free(wr);
+        free(wl);
         free(keep);
         free(q);
     }

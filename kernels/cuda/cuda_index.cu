@@ -3,12 +3,13 @@
  * index layer, and the host then built the lists).
  *
  * The selection itself is kernels/topk_core.h, the very code the CPU backend runs: libstdc++'s
- * introselect in torch's tie order, which is sequential by nature, so one thread of the row's block
- * runs it while the block's other threads do the parallel parts (reading the row with its -inf
- * rules into (value, index) pairs, block maxima, padding, the mask). The pairs sit in shared memory
- * when the widest row fits the 48 KB a CTA may take without opt-in (6,144 entries), else in a
- * stream-ordered scratch. Rows where every entry is selected (a context under index_topk · ratio)
- * skip the selection (topk_core.h), which is the common decode case.
+ * introselect in torch's tie order, written so that each Hoare partition's scan is spread over the
+ * block's threads with the same swaps (topk_par_select), and the selected positions come out in
+ * order through a scan instead of a sort. Pivot choice, the rare depth-limit heap select and the
+ * partial sort for k·64 <= n stay on one thread. The work space (pairs, stopper lists, counts: 16
+ * bytes an entry) sits in shared memory when the widest row fits the 48 KB a CTA may take without
+ * opt-in (about 2,900 entries), else in a stream-ordered scratch. Rows where every entry is
+ * selected (a context under index_topk · ratio) skip the selection, the common decode case.
  *
  * Grid: one block of IDX_THREADS per row. Results are bit-identical to the CPU backend: there is no
  * arithmetic, only comparisons and moves. */
@@ -17,19 +18,36 @@
 
 #define IDX_THREADS 128
 #define IDX_SMEM_BYTES (48 * 1024)
+#define IDX_CNT (2 * IDX_THREADS + 2)
 
-__global__ void __launch_bounds__(IDX_THREADS)
-index_topk_kernel(int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p, const uint8_t *mask,
-                  int64_t ld_m, struct topk_elem *scratch) {
+/* Work space of a row's selection (topk_core.h): the (value, index) pairs, two int32 arrays of
+ * n + 1 and the per-thread counts; in shared memory when the widest row fits, else one slice per
+ * row of a scratch buffer. */
+static size_t idx_row_bytes(int64_t n) {
+    return (size_t)n * sizeof(struct topk_elem) + 2 * (size_t)(n + 1) * sizeof(int32_t) + IDX_CNT * sizeof(int32_t) + 16;
+}
+
+__device__ __forceinline__ void idx_carve(unsigned char *base, int64_t n, struct topk_elem **q, int32_t **wl,
+                                          int32_t **wr, int32_t **cnt) {
+    *q = (struct topk_elem *)base;
+    *wl = (int32_t *)(base + (size_t)n * sizeof(struct topk_elem));
+    *wr = *wl + (n + 1);
+    *cnt = *wr + (n + 1);
+}
+
+/* no __launch_bounds__: with it ptxas cut this kernel to 40 registers and spilled (build check) */
+__global__ void index_topk_kernel(int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p, const uint8_t *mask,
+                  int64_t ld_m, unsigned char *scratch, size_t row_bytes) {
     extern __shared__ __align__(16) unsigned char idx_smem[];
+    __shared__ struct topk_blk st;
     int64_t r = blockIdx.x;
     const int32_t *pr = p + r * TOPK_P_COUNT;
     int64_t n = pr[TOPK_P_N], nv = pr[TOPK_P_VALID];
-    struct topk_elem *q = scratch ? scratch + r * ld_s : (struct topk_elem *)idx_smem;
+    struct topk_elem *q;
+    int32_t *wl, *wr, *cnt;
+    idx_carve(scratch ? scratch + (size_t)r * row_bytes : idx_smem, ld_s, &q, &wl, &wr, &cnt);
     const float *row = S + r * ld_s;
     const uint8_t *mr = mask ? mask + r * ld_m : NULL;
-    int32_t *out = top + r * ld_top;
-    for (int64_t j = threadIdx.x; j < ld_top; j += blockDim.x) out[j] = -1;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
         struct topk_elem e;
         e.v = topk_entry(row, j, nv, mr, ld_m);
@@ -37,18 +55,22 @@ index_topk_kernel(int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, co
         q[j] = e;
     }
     __syncthreads();
-    if (threadIdx.x == 0) topk_row_finish(out, pr, q);
+    topk_par_row(top + r * ld_top, ld_top, pr, q, wl, wr, cnt, &st, (int)threadIdx.x, (int)blockDim.x);
 }
 
 __global__ void __launch_bounds__(IDX_THREADS)
 cand_mask_kernel(uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s, const int32_t *p, int64_t topk_blocks,
-                 int64_t bs, int64_t nb_max, struct topk_elem *scratch, uint8_t *keep_scratch) {
+                 int64_t bs, int64_t nb_max, unsigned char *scratch, size_t row_bytes) {
     extern __shared__ __align__(16) unsigned char idx_smem[];
+    __shared__ struct topk_blk st;
     int64_t r = blockIdx.x;
     const int32_t *pr = p + r * TOPK_P_COUNT;
     int64_t n = pr[TOPK_P_N], nv = pr[TOPK_P_VALID], vis = pr[TOPK_P_VISIBLE], nb = (n + bs - 1) / bs;
-    struct topk_elem *q = scratch ? scratch + r * nb_max : (struct topk_elem *)idx_smem;
-    uint8_t *keep = scratch ? keep_scratch + r * nb_max : idx_smem + nb_max * sizeof(struct topk_elem);
+    unsigned char *base = scratch ? scratch + (size_t)r * row_bytes : idx_smem;
+    struct topk_elem *q;
+    int32_t *wl, *wr, *cnt;
+    idx_carve(base, nb_max, &q, &wl, &wr, &cnt);
+    uint8_t *keep = (uint8_t *)(cnt + IDX_CNT);
     const float *row = S + r * ld_s;
     for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
         struct topk_elem e;
@@ -58,11 +80,9 @@ cand_mask_kernel(uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s, cons
         keep[b] = 0;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (vis > 0 && (vis - 1) / bs < nb) q[(vis - 1) / bs].v = __int_as_float(0x7f800000);
-        topk_cand_finish(keep, nb, topk_blocks, q);
-    }
+    if (threadIdx.x == 0 && vis > 0 && (vis - 1) / bs < nb) q[(vis - 1) / bs].v = __int_as_float(0x7f800000);
     __syncthreads();
+    topk_par_cand(keep, nb, topk_blocks, q, wl, wr, cnt, &st, (int)threadIdx.x, (int)blockDim.x);
     uint8_t *out = mask + r * ld_m;
     for (int64_t j = threadIdx.x; j < ld_m; j += blockDim.x) out[j] = j < n ? keep[j / bs] : 0;
 }
@@ -80,11 +100,11 @@ void cuda_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const 
                         const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T) {
     if (T <= 0) return;
     /* n <= ld_s on every row (a row holds at most its stride of entries) */
-    size_t row_bytes = (size_t)ld_s * sizeof(struct topk_elem);
+    size_t row_bytes = (idx_row_bytes(ld_s) + 15) & ~(size_t)15;
     bool smem = row_bytes <= IDX_SMEM_BYTES;
-    struct topk_elem *scratch = smem ? NULL : (struct topk_elem *)cuda_be_scratch_raw(be, row_bytes * (size_t)T);
-    index_topk_kernel<<<(unsigned)T, IDX_THREADS, smem ? row_bytes : 0, cuda_be_stream(be)>>>(top, ld_top, S, ld_s, p,
-                                                                                             mask, ld_m, scratch);
+    unsigned char *scratch = smem ? NULL : (unsigned char *)cuda_be_scratch_raw(be, row_bytes * (size_t)T);
+    index_topk_kernel<<<(unsigned)T, IDX_THREADS, smem ? row_bytes : 0, cuda_be_stream(be)>>>(
+        top, ld_top, S, ld_s, p, mask, ld_m, scratch, row_bytes);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, scratch);
 }
@@ -93,20 +113,13 @@ void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const fl
                        const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs) {
     if (T <= 0) return;
     int64_t nb_max = (ld_s + bs - 1) / bs + 1;
-    size_t need = (size_t)nb_max * (sizeof(struct topk_elem) + 1);
-    bool smem = need <= IDX_SMEM_BYTES;
-    struct topk_elem *scratch = NULL;
-    uint8_t *keep = NULL;
-    if (!smem) {
-        scratch = (struct topk_elem *)cuda_be_scratch_raw(be, (size_t)nb_max * sizeof(struct topk_elem) * (size_t)T);
-        keep = (uint8_t *)cuda_be_scratch_raw(be, (size_t)nb_max * (size_t)T);
-    }
-    cand_mask_kernel<<<(unsigned)T, IDX_THREADS, smem ? need : 0, cuda_be_stream(be)>>>(mask, ld_m, S, ld_s, p,
-                                                                                       topk_blocks, bs, nb_max,
-                                                                                       scratch, keep);
+    size_t row_bytes = (idx_row_bytes(nb_max) + (size_t)nb_max + 15) & ~(size_t)15; /* + keep [nb_max] */
+    bool smem = row_bytes <= IDX_SMEM_BYTES;
+    unsigned char *scratch = smem ? NULL : (unsigned char *)cuda_be_scratch_raw(be, row_bytes * (size_t)T);
+    cand_mask_kernel<<<(unsigned)T, IDX_THREADS, smem ? row_bytes : 0, cuda_be_stream(be)>>>(
+        mask, ld_m, S, ld_s, p, topk_blocks, bs, nb_max, scratch, row_bytes);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, scratch);
-    cuda_be_scratch_free(be, keep);
 }
 
 void cuda_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
