@@ -10,11 +10,12 @@
  * algorithms' definitions.
  *
  * Everything is a static inline function of plain C that nvcc also compiles for the device
- * (TOPK_FN): the CPU backend (kernels/cpu/cpu_index.c) and the CUDA kernels
- * (kernels/cuda/cuda_index.cu: one row per CUDA block, the sequential selection on one thread) run
- * the same lines, so the golden fixtures that check the CPU backend's top-k sets check the GPU's
- * algorithm too. The selection is comparisons and moves only: no arithmetic that a compiler or a
- * device could round differently. */
+ * (TOPK_FN). The ops run the block-parallel form (topk_par_*, below the sequential originals): the
+ * CUDA kernels (kernels/cuda/cuda_index.cu) with one block of 128 threads per row, the CPU backend
+ * (kernels/cpu/cpu_index.c) as a block of one thread, so the golden fixtures that check the CPU
+ * backend's top-k sets check the formulation the GPU runs, and tests/unit/test_topk_core.c checks
+ * it on several threads against the sequential original. The selection is comparisons and moves
+ * only: no arithmetic that a compiler or a device could round differently. */
 #ifndef DS_TOPK_CORE_H
 #define DS_TOPK_CORE_H
 
