@@ -36,8 +36,8 @@ __device__ __forceinline__ void idx_carve(unsigned char *base, int64_t n, struct
 }
 
 /* no __launch_bounds__: with it ptxas cut this kernel to 40 registers and spilled (build check) */
-__global__ void index_topk_kernel(int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p, const uint8_t *mask,
-                  int64_t ld_m, unsigned char *scratch, size_t row_bytes) {
+__global__ void index_topk_kernel(int32_t *top, int64_t ld_top, const float *S, int64_t ld_s, const int32_t *p,
+                                  const uint8_t *mask, int64_t ld_m, unsigned char *scratch, size_t row_bytes) {
     extern __shared__ __align__(16) unsigned char idx_smem[];
     __shared__ struct topk_blk st;
     int64_t r = blockIdx.x;
