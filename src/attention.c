@@ -6,8 +6,10 @@
  * is produced by the op table, the indexer's top-k too, so a forward never waits for the device.
  * The window part of the index lists is built on the host from the batch (its order is part of
  * the numerics: sparse_attn rounds P per block of 64 entries); the compressed part is the
- * backend's top-k, placed by idx_remap. Rows move between caches and scratch in one copy_segs
- * call per batch, not one copy per sequence. */
+ * backend's top-k, placed by idx_remap. sparse_attn reads every key row where it lives (the
+ * model's kv arena holds the rings, the compressed caches and the chunk's own rows), so nothing is
+ * gathered per step; rows that do move (ring updates, compressor state, cache writes) go in one
+ * copy_segs call per batch, not one copy per sequence. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -260,7 +262,7 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
 
     bf16_t *qr = balloc(m, (size_t)T * ql * 2);
     bf16_t *q = balloc(m, (size_t)T * Hl * hd * 2);
-    bf16_t *kv = balloc(m, (size_t)T * hd * 2);
+    bf16_t *kv = m->kv + m->kv_cache_rows * hd; /* [T, hd]: the arena's scratch rows (model_kv_reserve) */
     OPS->linear(m->be, qr, x, T, &aw->wq_a);
     OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
     OPS->linear(m->be, q, qr, T, &aw->wq_b);
@@ -303,34 +305,26 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
         return -1;
     }
 
-    /* Per chunk a kv scratch region [ring W | chunk rows | compressed rows] and per row the index
-     * list [window | compressed | -1 padding]; padding at the end of a row changes nothing. */
-    int64_t n_idx = 0, kv_rows = 0;
-    int64_t *base = ds_malloc(sizeof(int64_t) * (size_t)b->n), *nw = ds_malloc(sizeof(int64_t) * (size_t)b->n);
+    /* sparse_attn reads every row where it lives, in the model's kv arena (model_internal.h): the
+     * chunk's own rows (scratch rows after the caches), older window positions in this layer's
+     * ring, compressed rows in the KV source's cache. Per row the index list is [window |
+     * compressed | -1 padding]; padding at the end of a row changes nothing. */
+    int64_t n_idx = 0;
+    int64_t *nw = ds_malloc(sizeof(int64_t) * (size_t)b->n);
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         bool ref_prefill = m->opt.window_layout == WINDOW_LAYOUT_REFERENCE && s->start == 0;
         nw[i] = ref_prefill ? i64min(s->len, W) : W;
         n_idx = i64max(n_idx, nw[i] + kc);
-        base[i] = kv_rows;
-        kv_rows += W + s->len + (src >= 0 ? (s->start + s->len) / r->ratio : 0);
     }
-    bf16_t *kvs = balloc(m, (size_t)(kv_rows + 1) * hd * 2);
     int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 1));
     int32_t *at = ds_malloc(sizeof(int32_t) * (size_t)(2 * T + 1));
     struct layer_cache *lc = &m->lc[l];
-    /* two batches of copies: the scratch reads the ring before the ring takes this call's rows */
-    struct seg_list fill = {0}, ring = {0};
+    const struct layer_cache *sc = src >= 0 ? &m->lc[src] : NULL;
+    struct seg_list ring = {0};
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
-        size_t rb = (size_t)hd * 2;
-        if (s->start > 0) seg_push(&fill, kvs + base[i] * hd, lc->ring + (size_t)s->slot * W * hd, rb * W);
-        seg_push(&fill, kvs + (base[i] + W) * hd, kv + b->row0[i] * hd, rb * s->len);
-        int64_t ncomp = src >= 0 ? (s->start + s->len) / r->ratio : 0;
-        if (ncomp) {
-            struct layer_cache *sc = &m->lc[src];
-            seg_push(&fill, kvs + (base[i] + W + s->len) * hd, sc->ckv + (size_t)s->slot * sc->cap * hd, rb * ncomp);
-        }
+        int64_t chunk_row = m->kv_cache_rows + b->row0[i], ring_row = lc->ring_row + (int64_t)s->slot * W;
         for (int64_t t = 0; t < s->len; t++) {
             int64_t p = s->start + t, row = b->row0[i] + t;
             int32_t *ir = idx + row * n_idx;
@@ -342,23 +336,20 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
                 if (qp < 0 || qp > p)
                     ir[e++] = -1;
                 else
-                    ir[e++] = (int32_t)(qp >= s->start ? base[i] + W + (qp - s->start) : base[i] + qp % W);
+                    ir[e++] = (int32_t)(qp >= s->start ? chunk_row + (qp - s->start) : ring_row + qp % W);
             }
             /* the compressed part [nw, nw + kc) comes from the top-k on the backend (idx_remap) */
             at[2 * row] = (int32_t)e;
-            at[2 * row + 1] = (int32_t)(base[i] + W + s->len);
+            at[2 * row + 1] = sc ? (int32_t)(sc->ckv_row + (int64_t)s->slot * sc->cap) : 0;
             while (e < n_idx) ir[e++] = -1;
         }
-        /* the ring keeps the last W positions for later steps */
+        /* the ring keeps the last W positions for later steps (copied after the attention, which
+         * reads the older positions in place) */
         for (int64_t t = i64max(0, s->len - W); t < s->len; t++) {
             int64_t p = s->start + t;
-            seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, rb);
+            seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, (size_t)hd * 2);
         }
     }
-    seg_flush(m, &fill);
-    seg_flush(m, &ring);
-    seg_free(&fill);
-    seg_free(&ring);
     int32_t *idx_d = balloc(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
     OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx));
     if (kc) {
@@ -370,7 +361,9 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     free(at);
     bf16_t *o = balloc(m, (size_t)T * Hl * hd * 2);
     float scale = (float)pow((double)hd, -0.5);
-    OPS->sparse_attn(m->be, o, q, kvs, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
+    OPS->sparse_attn(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
+    seg_flush(m, &ring);
+    seg_free(&ring);
     OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
     int64_t Gl = aw->wo_a.n / c->o_lora_rank;
     bf16_t *u = balloc(m, (size_t)T * aw->wo_a.n * 2);
@@ -384,15 +377,12 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     bfree(m, uf);
     bfree(m, ol);
 
-    free(base);
     free(nw);
     free(idx);
     bfree(m, idx_d);
-    bfree(m, kvs);
     bfree(m, o);
     bfree(m, u);
     bfree(m, qr);
     bfree(m, q);
-    bfree(m, kv);
     return 0;
 }

@@ -101,6 +101,39 @@ static void prep_layer_tensors(struct model *m, int l) {
     }
 }
 
+/* Points every layer's ring and compressed cache at its rows of the arena. */
+static void model_kv_place(struct model *m) {
+    const struct model_config *c = m->cfg;
+    for (int l = 0; l < c->n_layers; l++) {
+        struct layer_cache *lc = &m->lc[l];
+        if (!m->w->layers[l].present) continue;
+        lc->ring = m->kv + lc->ring_row * c->head_dim;
+        if (c->role[l].owns_compressor) lc->ckv = m->kv + lc->ckv_row * c->head_dim;
+    }
+}
+
+/* Scratch rows for a forward of T rows: a larger forward than any before moves the caches into a
+ * larger arena (one device copy; the arena only grows, by at least half). */
+static int model_kv_reserve(struct model *m, int64_t T) {
+    if (m->kv_cache_rows + T <= m->kv_rows) return 0;
+    int64_t want = m->kv_cache_rows + i64max(T, (m->kv_rows - m->kv_cache_rows) * 3 / 2);
+    if (want > INT32_MAX) want = m->kv_cache_rows + T;
+    if (want > INT32_MAX) {
+        ds_err_set("a forward of %lld rows on top of %lld kv cache rows exceeds the int32 row numbers of sparse "
+                   "attention: lower --chunk or --max-batch-tokens",
+                   (long long)T, (long long)m->kv_cache_rows);
+        return -1;
+    }
+    size_t rb = (size_t)m->cfg->head_dim * 2;
+    bf16_t *kv = balloc(m, (size_t)want * rb);
+    OPS->copy(m->be, kv, m->kv, (size_t)m->kv_cache_rows * rb);
+    bfree(m, m->kv);
+    m->kv = kv;
+    m->kv_rows = want;
+    model_kv_place(m);
+    return 0;
+}
+
 struct model *model_new(const struct model_config *cfg, struct model_weights *w, struct backend *be,
                         const struct engram_consts *ec, const struct engine_opts *opt) {
     struct model *m = ds_calloc(1, sizeof *m);
@@ -156,10 +189,13 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
             free(ew);
         }
         prep_layer_tensors(m, l);
-        lc->ring = balloc(m, (size_t)S * W * hd * 2);
+        /* ring and compressed cache: row ranges of the kv arena, placed below */
+        lc->ring_row = m->kv_cache_rows;
+        m->kv_cache_rows += S * W;
         if (r->owns_compressor) {
             lc->cap = opt->max_seq_len / r->ratio;
-            lc->ckv = balloc(m, (size_t)(S * lc->cap + 1) * hd * 2);
+            lc->ckv_row = m->kv_cache_rows;
+            m->kv_cache_rows += S * lc->cap + 1;
             if (r->owns_index_keys) lc->kidx = balloc(m, (size_t)(S * lc->cap + 1) * cfg->index_head_dim * 2);
             if (r->ratio > 1) {
                 lc->cmp_kv = balloc(m, (size_t)S * r->ratio * hd * 4);
@@ -167,6 +203,14 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
             }
         }
     }
+    /* the arena: caches zero-filled, scratch for a forward of max_seqs rows (grown on demand) */
+    if (m->kv_cache_rows + S > INT32_MAX)
+        ds_die("kv caches of %lld rows (max_seqs %lld x max_seq_len %lld) exceed the int32 row numbers of "
+               "sparse attention: lower --max-seqs or --max-seq-len, or use more pipeline stages",
+               (long long)m->kv_cache_rows, (long long)S, (long long)opt->max_seq_len);
+    m->kv_rows = m->kv_cache_rows + S;
+    m->kv = balloc(m, (size_t)m->kv_rows * hd * 2);
+    model_kv_place(m);
     /* stage 0 of a pipeline keeps mirrors of later stages' index keys for the stale-key quirk */
     for (int l = 0; l < cfg->n_layers && opt->stale_index_keys; l++) {
         const struct layer_role *r = &cfg->role[l];
@@ -225,8 +269,6 @@ void model_free(struct model *m) {
     }
     for (int l = 0; l < c->n_layers; l++) {
         struct layer_cache *lc = &m->lc[l];
-        bfree(m, lc->ring);
-        bfree(m, lc->ckv);
         bfree(m, lc->kidx);
         bfree(m, lc->cmp_kv);
         bfree(m, lc->cmp_sc);
@@ -257,6 +299,7 @@ void model_free(struct model *m) {
         m->be->ops->tensor_release(m->be, *m->prep_field[i]);
         *m->prep_field[i] = m->prep_host[i];
     }
+    bfree(m, m->kv);
     free(m->prep_field);
     free(m->prep_host);
     for (int s = 0; s < m->opt.max_seqs; s++) free(m->slots[s].hist);
@@ -596,6 +639,9 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     if (check_batch(m, seqs, n)) return -1;
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) rows += seqs[i].len;
+    if (model_kv_reserve(m, rows)) return -1;
     struct batch b = {.seqs = seqs, .n = n};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
     for (int i = 0; i < n; i++) {

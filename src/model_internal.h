@@ -7,8 +7,9 @@
 
 /* Per layer, per slot caches (backend memory). */
 struct layer_cache {
-    bf16_t *ring;   /* [slots, W, hd] window K=V ring, post-RoPE, FP8-QDQ'd */
-    bf16_t *ckv;    /* KV sources: [slots, cap, hd] compressed KV, post-RoPE, FP4-QDQ'd */
+    bf16_t *ring;   /* [slots, W, hd] window K=V ring, post-RoPE, FP8-QDQ'd: rows of m->kv */
+    bf16_t *ckv;    /* KV sources: [slots, cap, hd] compressed KV, post-RoPE, FP4-QDQ'd: rows of m->kv */
+    int64_t ring_row, ckv_row; /* their first rows in m->kv (sparse_attn's row numbers) */
     bf16_t *kidx;   /* index-key owners: [slots, cap, id] index keys */
     float *cmp_kv;  /* ratio>1 sources: [slots, ratio, hd] open group (fp32) */
     float *cmp_sc;  /* same, scores; -inf when empty */
@@ -30,6 +31,12 @@ struct model {
     float *freqs[CFG_MAX_LAYERS];  /* backend [rd/2] per layer */
     float *engram_w[CFG_MAX_LAYERS]; /* backend [hc, D] fp32 q_weight*k_weight, engram layers */
     struct layer_cache *lc;        /* [n_layers] */
+    /* The kv arena, [kv_rows, hd] bf16, one allocation so sparse_attn can read every key row in
+     * place by int32 row number: every layer's ring and every KV source's compressed cache in rows
+     * [0, kv_cache_rows), then kv_rows - kv_cache_rows scratch rows for the chunk rows of a
+     * forward (one layer at a time). model_kv_reserve grows the scratch, moving the caches. */
+    bf16_t *kv;
+    int64_t kv_cache_rows, kv_rows;
     struct slot_state *slots;      /* [max_seqs] */
     int tp_size;
     /* weight pointers swapped for backend copies by tensor_prepare (restored by model_free) */

@@ -113,8 +113,9 @@ static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp) 
 /* Peak activations of one forward of T rows: the residual stream lives through the whole forward;
  * each layer's temporaries are freed before the next, so the peak is the stream plus the largest
  * of (Engram step, block + attention, block + MoE) over the stage's layers, or the head. Sizes of
- * context-dependent buffers (gathered window + compressed KV, index scores) take every sequence of
- * the batch at max_seq_len. */
+ * context-dependent buffers (index scores) take every sequence of the batch at max_seq_len; the
+ * attention reads the rings and compressed caches in place (the kv arena), and the chunk's own
+ * rows (the "window kv" term) sit in the arena's scratch rows. */
 static uint64_t workspace_of(const struct model_config *c, int b, int e, bool first, bool last, int tp,
                              const struct plan_opts *o) {
     int64_t T = o->max_batch_tokens, L = o->max_seq_len, Sb = o->max_seqs < T ? o->max_seqs : T;
@@ -133,7 +134,6 @@ static uint64_t workspace_of(const struct model_config *c, int b, int e, bool fi
         int64_t nk = r->ratio > 0 ? L / r->ratio : 0, kc = r->ratio > 0 ? (c->index_topk < nk ? c->index_topk : nk) : 0;
         /* q_a, q, window kv, attention out, grouped out, gathered groups, wo_b rows; index lists */
         uint64_t attn = (uint64_t)(T * (ql + 2 * Hl * hd + hd + Gl * R + G * R + Dl) * 2 + T * (W + kc) * 4 * 2);
-        attn += (uint64_t)((Sb * W + T + Sb * nk) * hd * 2); /* gathered ring + chunk + compressed rows */
         if (r->owns_compressor) {
             attn += (uint64_t)(T * hd * 2 + T * id * 2);
             if (r->ratio > 1) attn += (uint64_t)(T * hd * 4 * 2 + 2 * (T / r->ratio + Sb) * r->ratio * hd * 4);
@@ -290,8 +290,8 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
            (long long)c->window, o->eng.no_stale_keys ? "" : " (+ stage 0's mirrors of later stages' index keys)",
            o->max_seqs, (long long)o->max_seq_len);
     printf("work     workspace = peak activations of one forward of %lld rows (--max-batch-tokens): residual stream +\n"
-           "         the largest per-layer temporaries (attention with gathered window/compressed KV and index\n"
-           "         scores, MoE expert gather, Engram rows) or the head's fp32 logits for every row\n",
+           "         the largest per-layer temporaries (attention (keys read in place) and index scores, MoE\n"
+           "         expert gather, Engram rows) or the head's fp32 logits for every row\n",
            (long long)o->max_batch_tokens);
     if (o->gpu_mem)
         printf("gpu      --gpu-mem %s = %llu bytes; KV capacity = (gpu-mem - weights - prepared - workspace\n"
