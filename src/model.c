@@ -203,12 +203,15 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
             }
         }
     }
-    /* the arena: caches zero-filled, scratch for a forward of max_seqs rows (grown on demand) */
-    if (m->kv_cache_rows + S > INT32_MAX)
+    /* the arena: caches zero-filled, then scratch for a forward of 4,096 rows (or max_seqs) — the
+     * usual first prefill fits, so the caches seldom move (a move holds two arenas for a moment) */
+    int64_t scratch = opt->kv_scratch_rows > 0 ? opt->kv_scratch_rows : 4096;
+    if (scratch < S) scratch = S;
+    if (m->kv_cache_rows + scratch > INT32_MAX)
         ds_die("kv caches of %lld rows (max_seqs %lld x max_seq_len %lld) exceed the int32 row numbers of "
                "sparse attention: lower --max-seqs or --max-seq-len, or use more pipeline stages",
                (long long)m->kv_cache_rows, (long long)S, (long long)opt->max_seq_len);
-    m->kv_rows = m->kv_cache_rows + S;
+    m->kv_rows = m->kv_cache_rows + scratch;
     m->kv = balloc(m, (size_t)m->kv_rows * hd * 2);
     model_kv_place(m);
     /* stage 0 of a pipeline keeps mirrors of later stages' index keys for the stale-key quirk */

@@ -31,6 +31,8 @@ struct engine_opts {
     int max_seqs;              /* sequence slots */
     bool stale_index_keys;     /* reproduce the reference's stale index-key slot (§3.12) */
     enum window_layout window_layout;
+    /* Scratch rows of the kv arena at start (0: 4,096); a larger forward grows it, moving the caches. */
+    int64_t kv_scratch_rows;
     /* Tensor-parallel group (NULL = one rank). Every TP collective gathers whole values (never sums
      * partials), so any TP size computes bit-identical numbers to one rank. */
     struct comm *tp;

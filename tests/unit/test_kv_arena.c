@@ -32,6 +32,7 @@ static void test_decode_across_arena_growth(void **s) {
     assert_int_equal(loader_open(&lm, dir, NULL), 0);
     struct engine_opts eo = engine_opts_default(&lm.cfg);
     eo.max_seqs = 2;
+    eo.kv_scratch_rows = 8; /* so that B's prefill, not the start, sizes the arena */
     struct model *grow = model_new(&lm.cfg, &lm.w, &be, &lm.ec, &eo), *alone = model_new(&lm.cfg, &lm.w, &be, &lm.ec, &eo);
     int64_t V = lm.cfg.vocab_size, a_len = 3, b_len = 48;
     int32_t *btok = malloc(sizeof(int32_t) * (size_t)b_len);
