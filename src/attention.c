@@ -19,8 +19,8 @@
 
 #define OPS (m->be->ops)
 
-/* every buffer of this file is a temporary its op writes before anything reads it (rows past
- * what an op writes, e.g. kvs rows no index points at, are never read): no zero fill */
+/* every buffer of this file is a temporary its op writes before anything reads it (entries past
+ * what an op writes, e.g. index-score columns past a row's keys, are never read): no zero fill */
 static void *balloc(struct model *m, size_t bytes) { return OPS->scratch(m->be, bytes); }
 static void bfree(struct model *m, void *p) { OPS->free(m->be, p); }
 
