@@ -27,6 +27,19 @@ static inline const int32_t *golden_prompt(const char *dir, int k, struct st_mod
     return ids->data;
 }
 
+/* A fixture folder and its prompt 0, opened together (close with st_close(&g->f)). */
+struct golden_case {
+    char dir[512];
+    struct st_model f;
+    int64_t S;             /* prompt length */
+    const int32_t *prompt; /* [S] */
+};
+
+static inline void golden_case_open(struct golden_case *g, const char *spec) {
+    golden_dir(g->dir, sizeof g->dir, spec);
+    g->prompt = golden_prompt(g->dir, 0, &g->f, &g->S);
+}
+
 /* The model in dir bound as stage 0 (layers [0, split), embedding) and the last stage. */
 static inline void golden_bind_stages(const char *dir, int split, struct loaded_model *s0, struct loaded_model *s1) {
     assert_int_equal(loader_open_config(s0, dir), 0);

@@ -20,25 +20,22 @@
 
 static void test_decode_across_arena_growth(void **s) {
     (void)s;
-    char dir[512];
-    golden_dir(dir, sizeof dir, "tp8pp2");
-    struct st_model f;
-    int64_t S;
-    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
-    assert_true(S >= 3);
+    struct golden_case g;
+    golden_case_open(&g, "tp8pp2");
+    assert_true(g.S >= 3);
     struct loaded_model lm;
     struct backend be;
     assert_int_equal(backend_cpu_init(&be), 0);
-    assert_int_equal(loader_open(&lm, dir, NULL), 0);
+    assert_int_equal(loader_open(&lm, g.dir, NULL), 0);
     struct engine_opts eo = engine_opts_default(&lm.cfg);
     eo.max_seqs = 2;
     eo.kv_scratch_rows = 8; /* so that B's prefill, not the start, sizes the arena */
     struct model *grow = model_new(&lm.cfg, &lm.w, &be, &lm.ec, &eo), *alone = model_new(&lm.cfg, &lm.w, &be, &lm.ec, &eo);
     int64_t V = lm.cfg.vocab_size, a_len = 3, b_len = 48;
     int32_t *btok = malloc(sizeof(int32_t) * (size_t)b_len);
-    for (int64_t i = 0; i < b_len; i++) btok[i] = prompt[i % S];
+    for (int64_t i = 0; i < b_len; i++) btok[i] = g.prompt[i % g.S];
     float *la = malloc(sizeof(float) * (size_t)V), *lb = malloc(sizeof(float) * (size_t)V);
-    struct fwd_seq a = {.slot = 0, .start = 0, .len = a_len, .tokens = prompt};
+    struct fwd_seq a = {.slot = 0, .start = 0, .len = a_len, .tokens = g.prompt};
     assert_int_equal(model_forward(grow, &a, 1, la, NULL), 0);
     assert_int_equal(model_forward(alone, &a, 1, lb, NULL), 0);
     int32_t tok[6] = {7, 11, 13, 17, 19, 23};
@@ -62,7 +59,7 @@ static void test_decode_across_arena_growth(void **s) {
     model_free(alone);
     loader_close(&lm);
     backend_cpu_free(&be);
-    st_close(&f);
+    st_close(&g.f);
 }
 
 int main(void) {

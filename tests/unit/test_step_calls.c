@@ -31,17 +31,14 @@ static void snapshot(struct backend *pb, long *out) {
 
 static void test_decode_calls_independent_of_batch(void **s) {
     (void)s;
-    char dir[512];
-    golden_dir(dir, sizeof dir, "tp8pp2");
-    struct st_model f;
-    int64_t S;
-    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
+    struct golden_case g;
+    golden_case_open(&g, "tp8pp2");
 
     struct loaded_model lm;
     struct backend cpu, pb;
     assert_int_equal(backend_cpu_init(&cpu), 0);
     prof_backend_init(&pb, &cpu);
-    assert_int_equal(loader_open(&lm, dir, NULL), 0);
+    assert_int_equal(loader_open(&lm, g.dir, NULL), 0);
     struct engine_opts eo = engine_opts_default(&lm.cfg);
     eo.max_seqs = B + 1;
     struct model *m = model_new(&lm.cfg, &lm.w, &pb, &lm.ec, &eo);
@@ -51,12 +48,12 @@ static void test_decode_calls_independent_of_batch(void **s) {
     /* slot 0 alone, slots 1..B together: the same prompt in every slot, prefilled one by one, so
      * both steps run at the same position (compressor groups and top-k widths alike) */
     for (int q = 0; q <= B; q++) {
-        struct fwd_seq p = {.slot = q, .start = 0, .len = S, .tokens = prompt};
+        struct fwd_seq p = {.slot = q, .start = 0, .len = g.S, .tokens = g.prompt};
         assert_int_equal(model_forward(m, &p, 1, l1, NULL), 0);
     }
     int32_t tok = 5;
-    struct fwd_seq one = {.slot = 0, .start = S, .len = 1, .tokens = &tok}, many[B];
-    for (int q = 0; q < B; q++) many[q] = (struct fwd_seq){.slot = q + 1, .start = S, .len = 1, .tokens = &tok};
+    struct fwd_seq one = {.slot = 0, .start = g.S, .len = 1, .tokens = &tok}, many[B];
+    for (int q = 0; q < B; q++) many[q] = (struct fwd_seq){.slot = q + 1, .start = g.S, .len = 1, .tokens = &tok};
     prof_backend_reset(&pb);
     assert_int_equal(model_forward(m, &one, 1, l1, NULL), 0);
     snapshot(&pb, calls[0]);
@@ -84,7 +81,7 @@ static void test_decode_calls_independent_of_batch(void **s) {
     loader_close(&lm);
     prof_backend_free(&pb);
     backend_cpu_free(&cpu);
-    st_close(&f);
+    st_close(&g.f);
 }
 
 /* The stale-key sync between pipeline stages (model_key_sync_append on the later stage, _apply on
@@ -93,21 +90,18 @@ static void test_decode_calls_independent_of_batch(void **s) {
  * of 1 and of B sequences. The rows themselves are checked there (bit-identical logits). */
 static void test_key_sync_calls_independent_of_batch(void **s) {
     (void)s;
-    char dir[512];
-    golden_dir(dir, sizeof dir, "tp8pp2");
-    struct st_model f;
-    int64_t S;
-    const int32_t *prompt = golden_prompt(dir, 0, &f, &S);
+    struct golden_case g;
+    golden_case_open(&g, "tp8pp2");
     struct loaded_model l0, l1;
     struct backend cpu, pb;
     assert_int_equal(backend_cpu_init(&cpu), 0);
     prof_backend_init(&pb, &cpu);
-    golden_bind_stages(dir, 4, &l0, &l1);
+    golden_bind_stages(g.dir, 4, &l0, &l1);
     struct engine_opts eo = engine_opts_default(&l0.cfg);
     eo.max_seqs = B + 1;
     struct model *m0 = model_new(&l0.cfg, &l0.w, &pb, &l0.ec, &eo);
     struct model *m1 = model_new(&l1.cfg, &l1.w, &pb, &l1.ec, &eo);
-    int64_t V = l0.cfg.vocab_size, D = l0.cfg.dim, hc = l0.cfg.hc_mult, T = S > B ? S : B;
+    int64_t V = l0.cfg.vocab_size, D = l0.cfg.dim, hc = l0.cfg.hc_mult, T = g.S > B ? g.S : B;
     float *lg = malloc(sizeof(float) * (size_t)(V * B)), *P = malloc(sizeof(float) * (size_t)(T * hc));
     bf16_t *X = malloc((size_t)(T * hc * D) * 2);
     int32_t tok = 5;
@@ -117,11 +111,11 @@ static void test_key_sync_calls_independent_of_batch(void **s) {
         struct fwd_seq q[B + 1];
         int n = 0;
         if (pass < 0)
-            for (int k = 0; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = 0, .len = S, .tokens = prompt};
+            for (int k = 0; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = 0, .len = g.S, .tokens = g.prompt};
         else if (pass == 0)
-            q[n++] = (struct fwd_seq){.slot = 0, .start = S, .len = 1, .tokens = &tok};
+            q[n++] = (struct fwd_seq){.slot = 0, .start = g.S, .len = 1, .tokens = &tok};
         else
-            for (int k = 1; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = S, .len = 1, .tokens = &tok};
+            for (int k = 1; k <= B; k++) q[n++] = (struct fwd_seq){.slot = k, .start = g.S, .len = 1, .tokens = &tok};
         for (int i = 0; i < (pass < 0 ? n : 1); i++) {
             struct fwd_seq *qs = pass < 0 ? &q[i] : q;
             int nq = pass < 0 ? 1 : n;
@@ -162,7 +156,7 @@ static void test_key_sync_calls_independent_of_batch(void **s) {
     loader_close(&l1);
     prof_backend_free(&pb);
     backend_cpu_free(&cpu);
-    st_close(&f);
+    st_close(&g.f);
 }
 
 int main(void) {
