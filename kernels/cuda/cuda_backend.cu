@@ -522,7 +522,11 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
     CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaHostAlloc((void **)&c->ring, RING_BYTES, cudaHostAllocDefault));
+    /* without pinned memory to spare the uploads stay direct (slower, as correct) */
+    if (cudaHostAlloc((void **)&c->ring, RING_BYTES, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        c->ring = NULL;
+    }
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventCreateWithFlags(&c->ring_ev[i], cudaEventDisableTiming));
     /* keep freed activations in the pool: a forward frees and reallocates the same sizes */
     cudaMemPool_t pool;
@@ -541,7 +545,7 @@ extern "C" void backend_cuda_free(struct backend *be) {
     free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventDestroy(c->ring_ev[i]));
-    CUDA_CHECK(cudaFreeHost(c->ring));
+    if (c->ring) CUDA_CHECK(cudaFreeHost(c->ring));
     while (c->preps) {
         struct prep *p = c->preps;
         c->preps = p->next;
