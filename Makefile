@@ -99,14 +99,16 @@ test-cuda: all
 	BUILD_DIR=$(BUILD_DIR) bash tests/cli/test_ptxas.sh
 
 # on the GPU machine: the linear kernels per shape next to PyTorch (bf16 matmul on dequantized
-# weights), the decode step and prefill of one rank's
-# shard with its per-op profile, then the plots (results/*.png)
+# weights), the decode step and prefill of one rank's shard with its per-op profile, the decode
+# step at a 2,048-token context (the index top-k then selects 512 of 1,024 rows), then the plots
+# (results/*.png)
 bench: all
 	@mkdir -p results
 	$(BUILD_DIR)/bench/bench_linear_cuda results/cuda_linear_decode.csv
 	python3 tests/bench/torch_linear_baseline.py results/torch_linear_decode.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --csv results/cuda_step.csv --profile results/cuda_step_profile.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --prefill-mma --batch 64 --csv results/cuda_step_mma.csv
+	$(BUILD_DIR)/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" --csv results/cuda_step_ctx2048.csv
 	python3 tests/bench/plot_results.py results
 
 demo: all

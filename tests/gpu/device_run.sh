@@ -26,6 +26,8 @@ for step in "$@"; do
           --profile "$OUT/cuda_step_profile.csv" ${BENCH_STEP_ARGS:-}
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --prefill-mma --csv "$OUT/cuda_step_mma.csv" \
           ${BENCH_MMA_ARGS:-}
+        timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" \
+          --csv "$OUT/cuda_step_ctx2048.csv" ${BENCH_CTX_ARGS:-}
         timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;
     multi) OUT="$OUT" timeout ${T_MULTI:-590} bash tests/gpu/multi_gpu.sh ;;  # issue #7, 8 GPUs: see its header
   esac
