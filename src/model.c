@@ -642,14 +642,15 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     if (check_batch(m, seqs, n)) return -1;
-    int64_t rows = 0;
-    for (int i = 0; i < n; i++) rows += seqs[i].len;
-    if (model_kv_reserve(m, rows)) return -1;
     struct batch b = {.seqs = seqs, .n = n};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
     for (int i = 0; i < n; i++) {
         b.row0[i] = b.T;
         b.T += seqs[i].len;
+    }
+    if (model_kv_reserve(m, b.T)) {
+        free(b.row0);
+        return -1;
     }
     int64_t T = b.T, D = c->dim, hc = c->hc_mult;
     b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)T);

@@ -17,28 +17,42 @@ static int64_t max_p(const int32_t *p, int64_t T, int field) {
     return m;
 }
 
+/* One OpenMP thread's work space for rows of up to n entries (topk_core.h's block of one thread). */
+struct topk_ws {
+    struct topk_elem *q;
+    int32_t *wl, *wr, cnt[4];
+    struct topk_blk st;
+};
+
+static void ws_init(struct topk_ws *w, int64_t n) {
+    w->q = ds_malloc(sizeof *w->q * (size_t)(n + 1));
+    w->wl = ds_malloc(sizeof *w->wl * (size_t)(n + 1));
+    w->wr = ds_malloc(sizeof *w->wr * (size_t)(n + 1));
+}
+
+static void ws_free(struct topk_ws *w) {
+    free(w->q);
+    free(w->wl);
+    free(w->wr);
+}
+
 void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
                        const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T) {
     int64_t nmax = max_p(p, T, TOPK_P_N);
 #pragma omp parallel
     {
-        /* one "thread" of topk_core.h's block-parallel selection per row */
-        struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nmax + 1));
-        int32_t *wl = ds_malloc(sizeof *wl * (size_t)(nmax + 1)), *wr = ds_malloc(sizeof *wr * (size_t)(nmax + 1));
-        int32_t cnt[4];
-        struct topk_blk st;
+        struct topk_ws w;
+        ws_init(&w, nmax);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < T; r++) {
             const int32_t *pr = p + r * TOPK_P_COUNT;
             const float *row = S + r * ld_s;
             const uint8_t *mr = mask ? mask + r * ld_m : NULL;
             for (int64_t j = 0; j < pr[TOPK_P_N]; j++)
-                q[j] = (struct topk_elem){topk_entry(row, j, pr[TOPK_P_VALID], mr, ld_m), (int32_t)j};
-            topk_par_row(top + r * ld_top, ld_top, pr, q, wl, wr, cnt, &st, 0, 1);
+                w.q[j] = (struct topk_elem){topk_entry(row, j, pr[TOPK_P_VALID], mr, ld_m), (int32_t)j};
+            topk_par_row(top + r * ld_top, ld_top, pr, w.q, w.wl, w.wr, w.cnt, &w.st, 0, 1);
         }
-        free(wr);
-        free(wl);
-        free(q);
+        ws_free(&w);
     }
 }
 
@@ -47,27 +61,23 @@ void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const flo
     int64_t nbmax = (max_p(p, T, TOPK_P_N) + bs - 1) / bs;
 #pragma omp parallel
     {
-        struct topk_elem *q = ds_malloc(sizeof *q * (size_t)(nbmax + 1));
+        struct topk_ws w;
+        ws_init(&w, nbmax);
         uint8_t *keep = ds_malloc((size_t)nbmax + 1);
-        int32_t *wl = ds_malloc(sizeof *wl * (size_t)(nbmax + 1)), *wr = ds_malloc(sizeof *wr * (size_t)(nbmax + 1));
-        int32_t cnt[4];
-        struct topk_blk st;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < T; r++) {
             const int32_t *pr = p + r * TOPK_P_COUNT;
             int64_t n = pr[TOPK_P_N], vis = pr[TOPK_P_VISIBLE], nb = (n + bs - 1) / bs;
             for (int64_t b = 0; b < nb; b++)
-                q[b] = (struct topk_elem){topk_block_max(S + r * ld_s, b, bs, n, pr[TOPK_P_VALID]), (int32_t)b};
-            if (vis > 0 && (vis - 1) / bs < nb) q[(vis - 1) / bs].v = __builtin_inff();
+                w.q[b] = (struct topk_elem){topk_block_max(S + r * ld_s, b, bs, n, pr[TOPK_P_VALID]), (int32_t)b};
+            if (vis > 0 && (vis - 1) / bs < nb) w.q[(vis - 1) / bs].v = __builtin_inff();
             memset(keep, 0, (size_t)nb + 1);
-            topk_par_cand(keep, nb, topk_blocks, q, wl, wr, cnt, &st, 0, 1);
+            topk_par_cand(keep, nb, topk_blocks, w.q, w.wl, w.wr, w.cnt, &w.st, 0, 1);
             uint8_t *out = mask + r * ld_m;
             for (int64_t j = 0; j < ld_m; j++) out[j] = j < n ? keep[j / bs] : 0;
         }
-        free(wr);
-        free(wl);
         free(keep);
-        free(q);
+        ws_free(&w);
     }
 }
 
