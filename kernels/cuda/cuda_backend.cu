@@ -410,20 +410,25 @@ static const void *cu_tensor_prepare(struct backend *be, const void *host, size_
         p->base = upload_rows(be, host, 1, bytes, bytes);
         p->dptr = p->base;
     } else {
-        /* register the pages in place (the checkpoint mapping or the node's Engram service);
+        /* register the bytes in place (the checkpoint mapping or the node's Engram service);
          * where that is refused (a range already registered, a file mapping the driver will not
-         * pin) fall back to a pinned copy */
-        long pg = sysconf(_SC_PAGESIZE);
-        uintptr_t a = (uintptr_t)host & ~(uintptr_t)(pg - 1);
-        size_t len = (((uintptr_t)host + bytes + (size_t)pg - 1) & ~(uintptr_t)(pg - 1)) - a;
+         * pin) fall back to a pinned copy. Exactly [host, host + bytes) is registered, not the
+         * covering pages: the driver refuses a copy whose range is partly registered (invalid
+         * argument), and the first and last page may hold other buffers, the caller's or the
+         * neighbouring tensors of the checkpoint mapping. Read-only registration is only tried
+         * for pages that are read-only anyway (a PROT_READ mapping refuses the plain form). */
         void *dp = NULL;
-        cudaError_t e = cudaHostRegister((void *)a, len, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+        cudaError_t e = cudaHostRegister((void *)host, bytes, cudaHostRegisterMapped);
+        if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+            (void)cudaGetLastError();
+            e = cudaHostRegister((void *)host, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+        }
         if (e == cudaSuccess && cudaHostGetDevicePointer(&dp, (void *)host, 0) == cudaSuccess) {
             p->kind = PREP_REGISTERED;
-            p->base = (void *)a;
+            p->base = (void *)host;
             p->dptr = dp;
         } else {
-            if (e == cudaSuccess) CUDA_CHECK(cudaHostUnregister((void *)a));
+            if (e == cudaSuccess) CUDA_CHECK(cudaHostUnregister((void *)host));
             (void)cudaGetLastError(); /* the refusal is handled; do not leave it for KERNEL_CHECK */
             void *pin = NULL;
             CUDA_CHECK(cudaHostAlloc(&pin, bytes ? bytes : 16, cudaHostAllocMapped));

@@ -482,6 +482,36 @@ static void test_tensor_prepare(void **st) {
     g_free(de);
     GPU->tensor_release(&gpu_be, pt);
     cmp_end(&c);
+    /* buffers in the pages of a host-resident tensor stay ordinary copy targets and sources: the
+     * bytes right before and after it, in the same pages, are downloaded into and uploaded from
+     * while it is registered (a partly registered copy range is refused by the driver) */
+    cmp_begin(&c, "tensor_prepare", "copies into the pages of a host-resident tensor");
+    {
+        size_t pg = 4096, off = 1000, tb = 2 * pg + 123, nb = 1500;
+        uint8_t *area = (uint8_t *)aligned_alloc(pg, 4 * pg), *src = NEW(uint8_t, nb), *want = NEW(uint8_t, nb);
+        assert_non_null(area);
+        for (size_t i = 0; i < 4 * pg; i++) area[i] = (uint8_t)(i * 7 + 1);
+        for (size_t i = 0; i < nb; i++) src[i] = (uint8_t)(i * 13 + 5);
+        const void *pr = g_tensor(area + off, tb, true);
+        uint8_t *dsrc = g_in(src, nb);
+        g_get(area + off + tb, dsrc, nb);        /* after it, same page */
+        g_get(area + off - 900, dsrc, 900);      /* before it, same page */
+        uint8_t *dback = g_out(nb, PZ_16);
+        GPU->upload(&gpu_be, dback, area + off + tb, nb);
+        g_get(want, dback, nb);
+        for (size_t i = 0; i < nb; i++) {
+            cmp_bits(&c, (long long)i, area[off + tb + i], src[i], area[off + tb + i], src[i]);
+            cmp_bits(&c, (long long)i, want[i], src[i], want[i], src[i]);
+            if (i < 900) cmp_bits(&c, (long long)i, area[off - 900 + i], src[i], area[off - 900 + i], src[i]);
+        }
+        g_free(dsrc);
+        g_free(dback);
+        GPU->tensor_release(&gpu_be, pr);
+        free(area);
+        free(src);
+        free(want);
+    }
+    cmp_end(&c);
     free(h);
     free(back);
     free(tab);
