@@ -59,6 +59,9 @@ struct copy_seg {
  * entries take part. */
 enum { TOPK_P_N = 0, TOPK_P_VALID, TOPK_P_K, TOPK_P_VISIBLE, TOPK_P_COUNT };
 
+/* hc_mixes: length of the dot products' summation segments (see hc_mixes). */
+#define BE_HC_MIX_SEG 256
+
 struct backend_ops {
     const char *name;
 
@@ -125,9 +128,12 @@ struct backend_ops {
     void (*qdq_fp4_16)(struct backend *be, bf16_t *x, int64_t n);
 
     /* ---- mHC (MODEL.md §3.2) ---- */
-    /* For each row: x = X[t] as fp32 over hc*D; r = 1/sqrtf(Σx²/(hc·D) + eps);
-     * m[j] = (Σ_i x_i · fn[j,i]) · r, j < (2+hc)·hc; then split_sinkhorn with scale[3], base[..]:
-     * pre[hc], post[hc], comb[hc,hc] (row j, column k), all fp32, exactly as §3.2. */
+    /* For each row: x = X[t] as fp32 over hc*D; r = 1/sqrtf(Σx²/(hc·D) + eps), the sum in torch's
+     * order (cpu_sum_torch); m[j] = (Σ_s Σ_{i in segment s} x_i · fn[j,i]) · r, j < (2+hc)·hc, with
+     * segments of BE_HC_MIX_SEG consecutive i, each summed in order from 0, then the segment sums in
+     * order from 0 (the reference's fp32 GEMM order is MKL's, not reproducible; segments let the GPU
+     * run the dot products in parallel); then split_sinkhorn with scale[3], base[..]: pre[hc],
+     * post[hc], comb[hc,hc] (row j, column k), all fp32, exactly as §3.2. */
     void (*hc_mixes)(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                      int64_t hc, int64_t D, const float *fn, const float *scale, const float *base,
                      int iters, float norm_eps, float hc_eps);

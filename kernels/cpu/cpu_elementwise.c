@@ -157,7 +157,12 @@ void cpu_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, c
             for (int64_t j = 0; j < nm; j++) {
                 const float *f = fn + j * L;
                 float acc = 0.0f;
-                for (int64_t i = 0; i < L; i++) acc += xf[i] * f[i];
+                for (int64_t s0 = 0; s0 < L; s0 += BE_HC_MIX_SEG) {
+                    const int64_t s1 = s0 + BE_HC_MIX_SEG < L ? s0 + BE_HC_MIX_SEG : L;
+                    float part = 0.0f;
+                    for (int64_t i = s0; i < s1; i++) part += xf[i] * f[i];
+                    acc += part;
+                }
                 m[j] = acc * r;
             }
             split_sinkhorn(m, hc, scale, base, iters, hc_eps, pre + t * hc, post + t * hc, comb + t * hc * hc);

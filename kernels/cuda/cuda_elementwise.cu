@@ -287,6 +287,76 @@ __device__ __forceinline__ void torch_sum_warp(int64_t n, Pair pair, One one, fl
     torch_finish<NS>(n, c0, c1, pair, one, out);
 }
 
+/* The same sum by a whole CTA (every thread calls it; the result is in warp 0's lanes). The
+ * cascade's level-0 accumulator restarts from zero every `step` groups, so each run of `step`
+ * groups (the last one possibly short) is an independent sum from 0: the warps compute those runs'
+ * column sums in parallel into l0, then warp 0 feeds them through the cascade in order, exactly
+ * as torch_sum_warp would have accumulated them. l0: shared [TSB_CAP · 64 · NS] floats. */
+#define TSB_CAP 32 /* level-0 runs per round */
+
+template <int NS, class Pair, class One>
+__device__ __forceinline__ void torch_sum_block(int64_t n, Pair pair, One one, float out[NS], float *l0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int64_t size = (n / 16) / 4;
+    torch_levels s0[NS], s1[NS];
+#pragma unroll
+    for (int q = 0; q < NS; q++) {
+        tl_zero(s0[q]);
+        tl_zero(s1[q]);
+    }
+    if (size > 0) {
+        const int lpow = tl_level_power(size);
+        const int64_t step = (int64_t)1 << lpow, nruns = (size + step - 1) / step;
+        for (int64_t g0 = 0; g0 < nruns; g0 += TSB_CAP) {
+            const int gn = nruns - g0 < TSB_CAP ? (int)(nruns - g0) : TSB_CAP;
+            for (int g = warp; g < gn; g += nw) {
+                const int64_t i0 = (g0 + g) * step, i1 = i0 + step < size ? i0 + step : size;
+                float u[NS], v[NS], a[NS], b[NS];
+#pragma unroll
+                for (int q = 0; q < NS; q++) u[q] = v[q] = 0.0f;
+#pragma unroll 16
+                for (int64_t i = i0; i < i1; i++) {
+                    pair(i * 64 + 2 * lane, a, b);
+#pragma unroll
+                    for (int q = 0; q < NS; q++) {
+                        u[q] = __fadd_rn(u[q], a[q]);
+                        v[q] = __fadd_rn(v[q], b[q]);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < NS; q++) {
+                    l0[(g * 64 + 2 * lane) * NS + q] = u[q];
+                    l0[(g * 64 + 2 * lane + 1) * NS + q] = v[q];
+                }
+            }
+            __syncthreads();
+            if (warp == 0)
+                for (int g = 0; g < gn; g++) {
+                    const int64_t end = (g0 + g + 1) * step;
+#pragma unroll
+                    for (int q = 0; q < NS; q++) {
+                        s0[q].a0 = l0[(g * 64 + 2 * lane) * NS + q];
+                        s1[q].a0 = l0[(g * 64 + 2 * lane + 1) * NS + q];
+                        if (end <= size) { /* a whole run: the cascade; a short last run stays in a0 */
+                            tl_cascade(s0[q], end, lpow);
+                            tl_cascade(s1[q], end, lpow);
+                        }
+                    }
+                }
+            __syncthreads(); /* l0 is reused by the next round */
+        }
+    }
+    if (warp == 0) {
+        float c0[NS], c1[NS];
+#pragma unroll
+        for (int q = 0; q < NS; q++) {
+            c0[q] = tl_final(s0[q]);
+            c1[q] = tl_final(s1[q]);
+        }
+        torch_finish<NS>(n, c0, c1, pair, one, out);
+    }
+}
+
 /* Two adjacent bf16 (e even); one 32-bit access when the row start is 4-byte aligned. */
 __device__ __forceinline__ void load_bf_pair(const uint16_t *p, int64_t e, bool al4, float &a, float &b) {
     if (al4) {
@@ -300,20 +370,24 @@ __device__ __forceinline__ void load_bf_pair(const uint16_t *p, int64_t e, bool 
 }
 
 /* ---------------------------------------------------------------------------------------------
- * RMSNorm: one warp per row. y may alias x: the sum pass reads the whole row before the final
- * shuffles, and in the output pass every lane reads its elements before writing them. */
+ * RMSNorm: one CTA of RMS_WARPS warps per row, the sum of squares by torch_sum_block (a row of
+ * 4096 is 4 independent level-0 runs: one warp per row spent ~23 µs on its serial loads). y may
+ * alias x: every read of the sum pass comes before the barrier that publishes r, and in the output
+ * pass each thread reads its elements before writing them. */
+
+#define RMS_WARPS 4
 
 template <int VEC>
-__global__ void __launch_bounds__(ROW_WARPS * 32)
-    rmsnorm_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t T, int64_t n, float eps) {
-    const int64_t row = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= T) return; /* whole warps */
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    rmsnorm_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t n, float eps) {
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float r_s;
+    const int64_t row = blockIdx.x;
     const uint16_t *xr = x + row * n; /* [n] bf16 */
     uint16_t *yr = y + row * n;       /* [n] bf16 */
     const bool al4 = ((uintptr_t)xr & 3) == 0;
     float ss[1];
-    torch_sum_warp<1>(
+    torch_sum_block<1>(
         n,
         [&](int64_t e, float *a, float *b) {
             float u, v;
@@ -325,9 +399,11 @@ __global__ void __launch_bounds__(ROW_WARPS * 32)
             const float u = bf2f(xr[e]);
             a[0] = __fmul_rn(u, u);
         },
-        ss);
-    const float r = ds_rstd(ss[0], (float)n, eps);
-    for (int64_t e = (int64_t)lane * VEC; e < n; e += 32 * VEC) {
+        ss, l0);
+    if (threadIdx.x == 0) r_s = ds_rstd(ss[0], (float)n, eps);
+    __syncthreads();
+    const float r = r_s;
+    for (int64_t e = (int64_t)threadIdx.x * VEC; e < n; e += RMS_WARPS * 32 * VEC) {
         float xv[VEC], wv[VEC];
         load_bf<VEC>(xr + e, xv);
         load_bf<VEC>(w + e, wv);
@@ -340,11 +416,10 @@ __global__ void __launch_bounds__(ROW_WARPS * 32)
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
                      float eps) {
     if (T <= 0 || n <= 0) return;
-    const unsigned grid = ew_blocks(T, ROW_WARPS);
     if (n % 8 == 0 && al16(x) && al16(y) && al16(w))
-        rmsnorm_kernel<8><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, T, n, eps);
+        rmsnorm_kernel<8><<<(unsigned)T, RMS_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, n, eps);
     else
-        rmsnorm_kernel<1><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, T, n, eps);
+        rmsnorm_kernel<1><<<(unsigned)T, RMS_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, n, eps);
     KERNEL_CHECK();
 }
 
@@ -510,32 +585,34 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * mHC mixes: m[t, j] = (Σ_i x_i · fn[j, i]) · r over the L = hc·D values of row t, then the
- * Sinkhorn split.
+ * mHC mixes: m[t, j] = (Σ_s Σ_{i in segment s} x_i · fn[j, i]) · r over the L = hc·D values of
+ * row t (segments of BE_HC_MIX_SEG, as the CPU), then the Sinkhorn split. Two kernels:
  *
- * The CPU sums each of the (2+hc)·hc dot products sequentially in i, so here too: one thread per
- * (row, j), a dependent chain of L fp32 adds. That chain (4 cycles per add) is the kernel's cost,
- * ~L·4 cycles whatever the batch (≈ 45 µs for L = 20480); keeping it fed is the design. A CTA takes
- * HC_R rows; tiles of 64 values of fn [nm, 64] and of the rows' x [HC_R, 64] stream through a
- * cp.async ring in shared memory, so fn is read once per CTA for all its rows, and the chains read
- * it conflict-free (row stride 68 floats). One extra warp computes the rows' sums of squares for r
- * from the same tiles: a tile of 64 is exactly one group of torch's cascade (see torch_sum_warp),
- * so it advances the cascade one group per tile and finishes with the row's tail from global
- * memory. Then thread r < HC_R runs the row's Sinkhorn split with C in registers (HC is a template
- * parameter). */
+ * hc_mix_part: CTA (row block of HC_R rows, segment s) computes the segment's sums for every
+ * (row, j), one thread per pair, a dependent chain of BE_HC_MIX_SEG fp32 adds; tiles of 64 values
+ * of fn [nm, 64] and of the rows' x [HC_R, 64] stream through a cp.async ring in shared memory, so
+ * fn is read once per CTA for all its rows, and the chains read it conflict-free (row stride 68
+ * floats). The segments run in parallel: one long chain per j over all of L (the CPU's order
+ * before) kept a single CTA busy for ~370 µs at L = 16384.
+ *
+ * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
+ * torch's order (torch_sum_block), and thread 0 runs the Sinkhorn split with C in registers (HC is
+ * a template parameter). */
 
 #define HC_R 4     /* rows per CTA */
-#define HC_KT 64   /* values per tile = one cascade group */
+#define HC_KT 64   /* values per tile */
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
 #define HC_SMEM_MAX (46 * 1024)
+#define HC_FIN_THREADS 256
+static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
 template <int HC>
 struct hc_cfg {
     static constexpr int NM = (2 + HC) * HC;
     static constexpr int CHAIN = HC_R * NM;
     static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
-    static constexpr int THREADS = CHAIN_WARPS * 32 + 32; /* + the norm warp */
+    static constexpr int THREADS = CHAIN_WARPS * 32;
     static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + HC_R * HC_X_LD * 2;
     static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > 4 ? 4 : HC_SMEM_MAX / STAGE_BYTES;
     static_assert(STAGES >= 2, "hc too large for the shared-memory ring");
@@ -610,36 +687,35 @@ __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scal
     for (int e = 0; e < HC * HC; e++) comb[e] = C[e];
 }
 
-/* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads. */
+/* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads.
+ * part: [T, NM, nseg] f32, segment sums. */
 template <int HC, bool VEC>
 __global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
-    hc_mixes_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
-                    const uint16_t *__restrict__ X, int64_t T, int64_t D, const float *__restrict__ fn,
-                    const float *__restrict__ scale, const float *__restrict__ base, int iters, float norm_eps,
-                    float hc_eps) {
+    hc_mix_part_kernel(float *__restrict__ part, const uint16_t *__restrict__ X, int64_t T, int64_t D,
+                       const float *__restrict__ fn, int nseg) {
     using cfg = hc_cfg<HC>;
-    constexpr int NM = cfg::NM, STAGES = cfg::STAGES;
+    constexpr int NM = cfg::NM, STAGES = cfg::STAGES, SEG_TILES = BE_HC_MIX_SEG / HC_KT;
     extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [HC_R][72] bf16 } */
-    __shared__ float m_s[HC_R * NM];                           /* the rows' raw dot products, then m */
-    __shared__ float rn_s[HC_R];                               /* the rows' 1/sqrt(mean(x²) + eps) */
 
     const int64_t L = HC * D;
     const int64_t t0 = (int64_t)blockIdx.x * HC_R;
+    const int seg = blockIdx.y;
     const int nrows = T - t0 < HC_R ? (int)(T - t0) : HC_R;
-    const int ntiles = (int)((L + HC_KT - 1) / HC_KT);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const bool chain = tid < cfg::CHAIN, normw = warp == cfg::CHAIN_WARPS;
+    const int all_tiles = (int)((L + HC_KT - 1) / HC_KT);
+    const int tile0 = seg * SEG_TILES;
+    const int ntiles = all_tiles - tile0 < SEG_TILES ? all_tiles - tile0 : SEG_TILES;
+    const int tid = threadIdx.x;
     const int r = tid / NM, j = tid % NM; /* chain thread: row r, mix j */
-    const bool chain_live = chain && r < nrows;
+    const bool chain_live = tid < cfg::CHAIN && r < nrows;
 
     auto fn_tile = [&](int st) { return reinterpret_cast<float *>(hc_smem + (size_t)st * cfg::STAGE_BYTES); };
     auto x_tile = [&](int st) {
         return reinterpret_cast<uint16_t *>(hc_smem + (size_t)st * cfg::STAGE_BYTES + NM * HC_FN_LD * 4);
     };
-    auto load_tile = [&](int tile) {
-        float *fs = fn_tile(tile % STAGES);
-        uint16_t *xs = x_tile(tile % STAGES);
-        const int64_t e0 = (int64_t)tile * HC_KT;
+    auto load_tile = [&](int lt) {
+        float *fs = fn_tile(lt % STAGES);
+        uint16_t *xs = x_tile(lt % STAGES);
+        const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
         if (VEC) { /* len is a multiple of 8: whole 16-byte chunks */
             const int fch = len / 4, xch = len / 8, nf = NM * fch, nx = HC_R * xch;
@@ -653,38 +729,27 @@ __global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
                 }
             }
         } else {
-            for (int q = tid; q < NM * len; q += cfg::THREADS)
-                fs[(q / len) * HC_FN_LD + q % len] = fn[(q / len) * L + e0 + q % len];
-            for (int q = tid; q < nrows * len; q += cfg::THREADS)
-                xs[(q / len) * HC_X_LD + q % len] = X[(t0 + q / len) * L + e0 + q % len];
+            for (int q = tid; q < NM * HC_KT; q += cfg::THREADS)
+                if (q % HC_KT < len) fs[(q / HC_KT) * HC_FN_LD + q % HC_KT] = fn[(q / HC_KT) * L + e0 + q % HC_KT];
+            for (int q = tid; q < nrows * HC_KT; q += cfg::THREADS)
+                if (q % HC_KT < len) xs[(q / HC_KT) * HC_X_LD + q % HC_KT] = X[(t0 + q / HC_KT) * L + e0 + q % HC_KT];
         }
     };
 
-    /* norm warp state: rows × its two cascade columns */
-    const int64_t size = (L / 16) / 4; /* whole groups of 64 = whole tiles */
-    const int lpow = tl_level_power(size > 0 ? size : 1);
-    const int64_t lstep_mask = ((int64_t)1 << lpow) - 1;
-    torch_levels n0[HC_R], n1[HC_R];
-#pragma unroll
-    for (int rr = 0; rr < HC_R; rr++) {
-        tl_zero(n0[rr]);
-        tl_zero(n1[rr]);
-    }
     float acc = 0.0f;
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ntiles) load_tile(s);
+#pragma unroll 1
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < ntiles) load_tile(st);
         cp_async_commit(); /* empty groups keep the wait count uniform */
     }
-    for (int tile = 0; tile < ntiles; tile++) {
+    for (int lt = 0; lt < ntiles; lt++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads(); /* tile's data visible; everyone is done with tile - 1's stage */
-        if (tile + STAGES - 1 < ntiles) load_tile(tile + STAGES - 1);
+        if (lt + STAGES - 1 < ntiles) load_tile(lt + STAGES - 1);
         cp_async_commit();
-        const float *fs = fn_tile(tile % STAGES);
-        const uint16_t *xs = x_tile(tile % STAGES);
-        const int64_t e0 = (int64_t)tile * HC_KT;
+        const float *fs = fn_tile(lt % STAGES);
+        const uint16_t *xs = x_tile(lt % STAGES);
+        const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
         if (chain_live) {
             const float *fr = fs + j * HC_FN_LD;
@@ -708,51 +773,53 @@ __global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
             } else {
                 for (int ii = 0; ii < len; ii++) acc = __fadd_rn(acc, __fmul_rn(bf2f(xr[ii]), fr[ii]));
             }
-        } else if (normw && tile < size) { /* group `tile` of every row's cascade */
-#pragma unroll
-            for (int rr = 0; rr < HC_R; rr++) {
-                const uint32_t u = *reinterpret_cast<const uint32_t *>(xs + rr * HC_X_LD + 2 * lane);
-                const float a = __uint_as_float(u << 16), b = __uint_as_float(u & 0xffff0000u);
-                n0[rr].a0 = __fadd_rn(n0[rr].a0, __fmul_rn(a, a));
-                n1[rr].a0 = __fadd_rn(n1[rr].a0, __fmul_rn(b, b));
-                if (((tile + 1) & lstep_mask) == 0) {
-                    tl_cascade(n0[rr], tile + 1, lpow);
-                    tl_cascade(n1[rr], tile + 1, lpow);
-                }
-            }
         }
     }
     cp_async_wait<0>();
+    if (chain_live) part[((t0 + r) * NM + j) * nseg + seg] = acc;
+}
 
-    if (normw) { /* finish each row's sum with its tail (beyond the whole groups) from global memory */
-#pragma unroll
-        for (int rr = 0; rr < HC_R; rr++) {
-            if (rr >= nrows) break;
-            const uint16_t *xr = X + (t0 + rr) * L; /* [L] bf16 */
-            float c0[1] = {tl_final(n0[rr])}, c1[1] = {tl_final(n1[rr])}, ss[1];
-            torch_finish<1>(
-                L, c0, c1,
-                [&](int64_t e, float *a, float *b) {
-                    const float u = bf2f(xr[e]), v = bf2f(xr[e + 1]);
-                    a[0] = __fmul_rn(u, u);
-                    b[0] = __fmul_rn(v, v);
-                },
-                [&](int64_t e, float *a) {
-                    const float u = bf2f(xr[e]);
-                    a[0] = __fmul_rn(u, u);
-                },
-                ss);
-            if (lane == 0) rn_s[rr] = ds_rstd(ss[0], (float)L, norm_eps);
-        }
+template <int HC>
+__global__ void __launch_bounds__(HC_FIN_THREADS)
+    hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
+                         const float *__restrict__ part, const uint16_t *__restrict__ X, int64_t D, int nseg,
+                         const float *__restrict__ scale, const float *__restrict__ base, int iters,
+                         float norm_eps, float hc_eps) {
+    constexpr int NM = hc_cfg<HC>::NM;
+    static_assert(NM <= HC_FIN_THREADS, "one thread per mix");
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float m_s[NM];
+    __shared__ float rn_s;
+    const int64_t t = blockIdx.x, L = HC * D;
+    const int tid = threadIdx.x;
+    if (tid < NM) {
+        const float *pr = part + (t * NM + tid) * nseg; /* [nseg] */
+        float acc = 0.0f;
+        for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, pr[sg]);
+        m_s[tid] = acc;
     }
+    const uint16_t *xr = X + t * L; /* [L] bf16 */
+    const bool al4 = ((uintptr_t)xr & 3) == 0;
+    float ss[1];
+    torch_sum_block<1>(
+        L,
+        [&](int64_t e, float *a, float *b) {
+            float u, v;
+            load_bf_pair(xr, e, al4, u, v);
+            a[0] = __fmul_rn(u, u);
+            b[0] = __fmul_rn(v, v);
+        },
+        [&](int64_t e, float *a) {
+            const float u = bf2f(xr[e]);
+            a[0] = __fmul_rn(u, u);
+        },
+        ss, l0);
+    if (tid == 0) rn_s = ds_rstd(ss[0], (float)L, norm_eps);
     __syncthreads();
-    if (chain_live) m_s[r * NM + j] = __fmul_rn(acc, rn_s[r]);
+    if (tid < NM) m_s[tid] = __fmul_rn(m_s[tid], rn_s);
     __syncthreads();
-    if (tid < nrows) {
-        const int64_t t = t0 + tid;
-        hc_split_sinkhorn<HC>(m_s + tid * NM, scale, base, iters, hc_eps, pre + t * HC, post + t * HC,
-                              comb + t * HC * HC);
-    }
+    if (tid == 0)
+        hc_split_sinkhorn<HC>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC, comb + t * HC * HC);
 }
 
 template <int HC>
@@ -761,15 +828,19 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
                             float norm_eps, float hc_eps) {
     using cfg = hc_cfg<HC>;
     const int64_t L = HC * D;
-    const unsigned grid = ew_blocks(T, HC_R);
+    const int nseg = (int)((L + BE_HC_MIX_SEG - 1) / BE_HC_MIX_SEG);
+    float *part = (float *)cuda_be_scratch_raw(be, (size_t)(T * cfg::NM * nseg) * sizeof(float)); /* [T, NM, nseg] */
+    const dim3 grid(ew_blocks(T, HC_R), (unsigned)nseg);
     const size_t smem = (size_t)cfg::STAGES * cfg::STAGE_BYTES;
     if (L % 8 == 0 && al16(X) && al16(fn))
-        hc_mixes_kernel<HC, true><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(
-            pre, post, comb, X, T, D, fn, scale, base, iters, norm_eps, hc_eps);
+        hc_mix_part_kernel<HC, true><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
     else
-        hc_mixes_kernel<HC, false><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(
-            pre, post, comb, X, T, D, fn, scale, base, iters, norm_eps, hc_eps);
+        hc_mix_part_kernel<HC, false><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
     KERNEL_CHECK();
+    hc_mix_finish_kernel<HC><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
+        pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps);
+    KERNEL_CHECK();
+    cuda_be_scratch_free(be, part);
 }
 
 void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
