@@ -107,7 +107,7 @@ bench: all
 	$(BUILD_DIR)/bench/bench_linear_cuda results/cuda_linear_decode.csv
 	python3 tests/bench/torch_linear_baseline.py results/torch_linear_decode.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --csv results/cuda_step.csv --profile results/cuda_step_profile.csv
-	$(BUILD_DIR)/bench/bench_step --backend cuda --prefill-mma --batch 64 --csv results/cuda_step_mma.csv
+	$(BUILD_DIR)/bench/bench_step --backend cuda --exact-linears --csv results/cuda_step_exact.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" --csv results/cuda_step_ctx2048.csv
 	python3 tests/bench/plot_results.py results
 

@@ -259,10 +259,12 @@ void backend_cpu_free(struct backend *be);
  * ds_err_set when there is no usable device. */
 int backend_cuda_init(struct backend *be, int device);
 void backend_cuda_free(struct backend *be);
-/* Let FP8/FP4 linears of more than 16 rows (prefill chunks, large batches) use the tensor-core
- * path (linear_mma_sm80.cu): several times faster there, but a block's 32 products are then added
- * by the mma unit, so a row's last bits depend on how many rows share its call — results are no
- * longer batch invariant. Off by default. */
+/* FP8/FP4 linears on the tensor cores (linear_mma_sm80.cu; on) or in the CPU backend's k order
+ * (linear_sm80.cu; off). Both are batch invariant: the tensor-core decode (<= 16 rows) and prefill
+ * tilings give a row the same bits. The tensor cores add a block's 32 products in their own order,
+ * so with them the linears match the CPU backend within the linear bound of src/tolerances.h, not
+ * bit for bit; they are 1.4x (8 rows) to 3x (64 rows) faster. Off after backend_cuda_init; the
+ * engine turns it on unless --exact-linears. */
 void backend_cuda_set_mma(struct backend *be, bool on);
 /* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
 void *backend_cuda_stream(struct backend *be);

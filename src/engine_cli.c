@@ -20,8 +20,8 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
             ds_die("--window-layout: '%s' is not one of reference, decode", v);
         return 1;
     }
-    if (!strcmp(argv[*i], "--prefill-mma")) {
-        f->prefill_mma = true;
+    if (!strcmp(argv[*i], "--exact-linears")) {
+        f->exact_linears = true;
         return 1;
     }
     if (!strcmp(argv[*i], "--backend") && *i + 1 < argc) {
@@ -41,13 +41,13 @@ const char *engine_backend_name(enum engine_backend b) { return b == ENGINE_BACK
 
 void engine_backend_init(struct backend *be, const struct engine_flags *f, int device) {
     if (f->backend == ENGINE_BACKEND_CPU) {
-        if (f->prefill_mma) ds_die("--prefill-mma needs --backend cuda");
+        if (f->exact_linears) ds_die("--exact-linears needs --backend cuda");
         if (backend_cpu_init(be)) ds_die("cannot initialise the CPU backend");
         return;
     }
 #ifdef DS_HAVE_CUDA
     if (backend_cuda_init(be, device < 0 ? 0 : device)) ds_die_err();
-    backend_cuda_set_mma(be, f->prefill_mma);
+    backend_cuda_set_mma(be, !f->exact_linears);
 #else
     (void)device;
     ds_die("--backend cuda: this dsbatch was built without CUDA (nvcc was not found at build time)");

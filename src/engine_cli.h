@@ -19,7 +19,7 @@ struct engine_flags {
     bool no_stale_keys;
     enum window_layout layout;
     enum engine_backend backend; /* --backend cpu|cuda */
-    bool prefill_mma;            /* --prefill-mma: tensor-core linears for calls > 16 rows (not batch invariant) */
+    bool exact_linears;          /* --exact-linears: FP8/FP4 linears in the CPU backend's k order on the GPU */
 };
 
 /* "cpu" / "cuda", for logs and the configuration echoed into output files. */

@@ -25,7 +25,7 @@ void *cuda_be_scratch_raw(struct backend *be, size_t bytes);
 void cuda_be_scratch_free(struct backend *be, void *p);
 /* Multiprocessors of the backend's device (for grid sizing). */
 int cuda_be_sms(struct backend *be);
-/* Whether FP8/FP4 linears of more than 16 rows may take the tensor-core path (backend_cuda_set_mma). */
+/* Whether FP8/FP4 linears take the tensor-core path (backend_cuda_set_mma; on unless --exact-linears). */
 bool cuda_be_mma(struct backend *be);
 
 /* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */

@@ -32,6 +32,12 @@ size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k);
 void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s, int64_t n,
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
 
+/* bench_linear_cuda only: variants of the decode tiling (T <= 8), same bits; returns the name. */
+int cuda_linear_mma_decode_variants(void);
+const char *cuda_linear_mma_decode_variant(int fmt, int v, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
+                                           const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld,
+                                           void *workspace, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -429,6 +429,184 @@ void launch(cudaStream_t st, __nv_bfloat16 *y, const __nv_bfloat16 *a, const uin
                                                                                     pair);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Decode kernel (T <= 16, FP8/FP4): the same per-output arithmetic as mma_linear_kernel — the
+ * same k-permuted activations, the same weight decode into the same fragment registers, per
+ * k-block P'_b = mma(mma(0, first 16), second 16) then acc = fma(P'_b, s_w[b], acc) in block
+ * order — so a row's bits do not depend on which of the two kernels ran it (test_cuda_ops,
+ * test_linear_mma_kernels_agree). What changes is the tiling, for weight bandwidth at a handful of
+ * rows: one m16 tile (MR = 8: rows 8..15 are zero registers, not shared memory), a CTA of DW warps
+ * of one n8 tile each (BN = 16, so a [1280, k] weight spreads over 80 CTAs), and DKB k-blocks per
+ * cp.async stage (8 KB to 13 KB) with up to 4 stages, so each CTA keeps ~10-30 KB of weights in
+ * flight. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall on distinct
+ * banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart mod 128). */
+constexpr int DW = 2;       /* warps per CTA (the default tiling) */
+constexpr int DKB = 8;      /* k-blocks per stage */
+constexpr int DCAP = 512;   /* k-blocks whose weight scales the CTA keeps in shared memory */
+
+template <int F, int MR, int DW_ = DW, int DKB_ = DKB> struct dcfg {
+    static constexpr int NWARP = DW_, KB = DKB_;
+    static constexpr int BN = 8 * NWARP, THREADS = 32 * NWARP;
+    static constexpr int B_ROW = F == K_FP8 ? 32 : 16;
+    static constexpr int B_LD = KB * B_ROW + (F == K_FP8 ? 32 : 16);
+    static constexpr int A_LD = KB * 64 + 16;
+    static constexpr int A_BYTES = MR * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * DCAP;
+    static constexpr int ROOM = 48 * 1024 - S_BYTES;
+    static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
+    static constexpr int A_CHUNKS = MR * KB * 4, B_CHUNKS = BN * KB * B_ROW / 16;
+    static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16), "decode tile");
+};
+
+/* Two 8x8 b16 matrices (lanes 0-15 give the row addresses): r[0] from lanes 0-7's rows, r[1] from
+ * lanes 8-15's. */
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+template <int F, int MR, int NW_, int KB_>
+__global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
+    mma_decode_kernel(__nv_bfloat16 *__restrict__ y, const __nv_bfloat16 *__restrict__ a,
+                      const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
+                      int64_t ld_b, int64_t s_ld, int pair_store) {
+    using C = dcfg<F, MR, NW_, KB_>;
+    constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::KB;
+    __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
+    __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales [S_ROWS][nb] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t n0 = (int64_t)blockIdx.x * C::BN;
+    const int64_t nw0 = n0 + warp * 8; /* the warp's n8 tile */
+    const int nb = (int)(k / 32), nst = (nb + DKB - 1) / DKB;
+    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+    const uint32_t sbase = smem_addr(smem);
+
+    /* stage st <- k-blocks [DKB·i, DKB·i + DKB); chunks past T, n or the last block are zero-filled */
+    auto load_stage = [&](int st, int i) {
+        const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
+        const int b0 = i * DKB;
+#pragma unroll
+        for (int q = tid; q < C::A_CHUNKS; q += C::THREADS) {
+            const int r = q / (DKB * 4), c = q % (DKB * 4), blk = b0 + c / 4;
+            const bool v = r < T && blk < nb;
+            cp_async16(so + (uint32_t)(r * C::A_LD + c * 16), v ? abase + (int64_t)r * k * 2 + (int64_t)b0 * 64 + c * 16 : abase, v);
+        }
+        constexpr int BCH = DKB * B_ROW / 16; /* chunks per weight row per stage */
+#pragma unroll
+        for (int q = tid; q < C::B_CHUNKS; q += C::THREADS) {
+            const int r = q / BCH, c = q % BCH, blk = b0 + c * 16 / B_ROW;
+            const bool v = n0 + r < n && blk < nb;
+            cp_async16(so + (uint32_t)(C::A_BYTES + r * C::B_LD + c * 16),
+                       v ? w + (n0 + r) * ld_b + (int64_t)b0 * B_ROW + c * 16 : w, v);
+        }
+    };
+
+    /* the CTA's weight scales for the whole k (nb <= DCAP, the host checks), read once with plain
+     * loads while the first stages are in flight: a scale loaded per stage into registers put its
+     * latency on every stage. FP8: the CTA's 16 rows lie in one 32-row group; FP4: one row each.
+     * Rows past n read as scale 0 (never stored). */
+    auto load_scales = [&]() {
+        for (int q = tid; q < C::S_ROWS * nb; q += C::THREADS) {
+            const int r = q / nb, b = q % nb;
+            const int64_t srow = F == K_FP8 ? n0 / 32 : n0 + r;
+            const bool ok = F == K_FP8 ? n0 < n : n0 + r < n;
+            s_sm[r * DCAP + b] = ok ? __ldg(s + srow * s_ld + b) : (uint8_t)0;
+        }
+    };
+    const int sr0 = F == K_FP8 ? 0 : warp * 8 + 2 * t; /* the lane's scale rows (columns 2t, 2t+1) */
+    const int sr1 = F == K_FP8 ? 0 : sr0 + 1;
+
+    /* fragment addresses (stage-relative) */
+    const uint32_t ldA = MR == 16 ? (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * C::A_LD + (lane >> 4) * 16)
+                                  : (uint32_t)((lane & 7) * C::A_LD + ((lane >> 3) & 1) * 16);
+    const int rdB = C::A_BYTES + (warp * 8 + g) * C::B_LD + t * (B_ROW / 4);
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < nst) load_stage(st, st);
+        cp_async_commit();
+    }
+    load_scales(); /* published by the loop's first __syncthreads */
+    for (int i = 0; i < nst; i++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (i + STAGES - 1 < nst) load_stage((i + STAGES - 1) % STAGES, i + STAGES - 1);
+        cp_async_commit();
+        const int st = i % STAGES;
+        const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
+        const uint8_t *const sb = smem + st * C::STAGE_BYTES + rdB;
+        const int nblk = nb - i * DKB < DKB ? nb - i * DKB : DKB;
+        /* all the stage's block products first (independent mma pairs the warp can keep in
+         * flight; blocks past nb multiply zero-filled tiles and are not folded), then the
+         * ordered fold: with the fold inside the block loop, in-order issue stalled every block
+         * on its mma latency (~260 cycles per block at 1-2 warps per SM) */
+        float p[DKB][4];
+#pragma unroll
+        for (int j = 0; j < DKB; j++) {
+            uint32_t b[4];
+            if (F == K_FP8) {
+                const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
+                b[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
+                b[1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
+                b[2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
+                b[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
+            } else {
+                e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + j * B_ROW), b);
+            }
+            uint32_t a0[4], a1[4];
+            if (MR == 16) {
+                ldmatrix_x4(a0, so + ldA + (uint32_t)(j * 64));
+                ldmatrix_x4(a1, so + ldA + (uint32_t)(j * 64 + 32));
+            } else {
+                uint32_t r0[2], r1[2];
+                ldmatrix_x2(r0, so + ldA + (uint32_t)(j * 64));
+                ldmatrix_x2(r1, so + ldA + (uint32_t)(j * 64 + 32));
+                a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+                a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+            }
+            mma_bf16(p[j], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+            mma_bf16(p[j], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[j][0], p[j][1], p[j][2], p[j][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < DKB; j++) {
+            if (j < nblk) {
+                const int kb = i * DKB + j;
+                const float q0 = e8m0f(s_sm[sr0 * DCAP + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * DCAP + kb]);
+                acc[0] = __fmaf_rn(p[j][0], q0, acc[0]);
+                acc[1] = __fmaf_rn(p[j][1], q1, acc[1]);
+                acc[2] = __fmaf_rn(p[j][2], q0, acc[2]);
+                acc[3] = __fmaf_rn(p[j][3], q1, acc[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    const int64_t col = nw0 + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int64_t row = g + 8 * h;
+        if (row >= T) continue;
+        __nv_bfloat16 *yr = y + row * n;
+        const float v0 = acc[2 * h], v1 = acc[2 * h + 1];
+        if (pair_store) {
+            if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
+        } else {
+            if (col < n) yr[col] = __float2bfloat16_rn(v0);
+            if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
+        }
+    }
+}
+
+template <int F, int MR, int NW_ = DW, int KB_ = DKB>
+void launch_decode(cudaStream_t st, __nv_bfloat16 *y, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s,
+                   int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+    using C = dcfg<F, MR, NW_, KB_>;
+    const int64_t nt = (n + C::BN - 1) / C::BN;
+    if (nt > 0x7fffffff) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n too large for the grid");
+    mma_decode_kernel<F, MR, NW_, KB_><<<(unsigned)nt, C::THREADS, 0, st>>>(y, a, w, s, T, n, k, ld_b, s_ld, pair);
+}
+
 } /* namespace */
 
 /* The configurations in use (warps along T, warps along n, n8 tiles per warp, CTAs per SM), tuned
@@ -470,10 +648,53 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
     const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
     __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
     const uint8_t *wb = (const uint8_t *)w;
+    if (quant && T <= 16 && k / 32 <= DCAP) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
+        if (fmt == WF_FP8) {
+            if (T <= 8) launch_decode<K_FP8, 8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP8, 16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+        } else {
+            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP4, 16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+        }
+        KERNEL_CHECK();
+        return;
+    }
     switch (fmt) {
     case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
     case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
     default: launch<K_FP4, cfg_fp4>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
     }
     KERNEL_CHECK();
+}
+
+/* bench_linear_cuda only: the decode tiling's alternatives (warps per CTA x k-blocks per stage) at
+ * T <= 8, for choosing DW / DKB on a device; every variant gives the same bits. */
+extern "C" int cuda_linear_mma_decode_variants(void) { return 5; }
+extern "C" const char *cuda_linear_mma_decode_variant(int fmt, int v, uint16_t *y, const uint16_t *x, int64_t T,
+                                                      const void *w, const uint8_t *s, int64_t n, int64_t k,
+                                                      int64_t ld, int64_t s_ld, void *workspace, void *stream) {
+    static const char *names[] = {"w2k8", "w1k8", "w4k8", "w2k4", "w2k16"};
+    if (v < 0 || v >= 5 || T > 8 || T < 1 || k % 32 || k / 32 > DCAP || (fmt != WF_FP8 && fmt != WF_FP4))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_decode_variant", "bad variant or shape");
+    cudaStream_t st = (cudaStream_t)stream;
+    const int64_t n8 = T * k / 8;
+    mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
+                                                                       (__nv_bfloat16 *)workspace, n8);
+    KERNEL_CHECK();
+    const __nv_bfloat16 *a = (const __nv_bfloat16 *)workspace;
+    __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
+    const uint8_t *wb = (const uint8_t *)w;
+    const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
+#define DV(F)                                                                                          \
+    switch (v) {                                                                                       \
+    case 0: launch_decode<F, 8, 2, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
+    case 1: launch_decode<F, 8, 1, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
+    case 2: launch_decode<F, 8, 4, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
+    case 3: launch_decode<F, 8, 2, 4>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
+    default: launch_decode<F, 8, 2, 16>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;             \
+    }
+    if (fmt == WF_FP8) DV(K_FP8) else DV(K_FP4)
+#undef DV
+    KERNEL_CHECK();
+    return names[v];
 }

@@ -1,7 +1,9 @@
 /* Decode-shape benchmark of the SM80 FP8/FP4 linear kernels (make bench, GPU machine).
  * First the ceiling: device-to-device copy bandwidth (cudaMemcpyDeviceToDevice of 1 GiB, bytes
- * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16: the
- * kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
+ * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16, 64, on
+ * both paths — exact (linear_sm80.cu, the CPU's k order, 16 rows per launch as cuda_op_linear
+ * chunks them) and mma (linear_mma_sm80.cu: the decode tiling up to 16 rows, the prefill tiling
+ * above): the kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
  * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
  * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup,
  * both as plain launches (host launch overhead included) and replayed from a CUDA graph of one
@@ -12,7 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "cuda/cuda_linear.h"
+#include "cuda/linear_mma.h"
 
 #define CK(x)                                                                                      \
     do {                                                                                           \
@@ -22,6 +26,24 @@
             exit(2);                                                                               \
         }                                                                                          \
     } while (0)
+
+/* One linear call as the CUDA backend makes it on each path (mma >= 2: decode tiling variant
+ * mma - 2, for tuning; T <= 8). */
+static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
+                        int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
+    if (mma >= 2) {
+        cuda_linear_mma_decode_variant(fp4 ? WF_FP4 : WF_FP8, mma - 2, y, x, T, w, s, n, k, ld, s_ld, ws, st);
+        return;
+    }
+    if (mma) {
+        cuda_linear_mma(fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
+        int64_t nt = T - t0 < CUDA_LINEAR_MAX_T ? T - t0 : CUDA_LINEAR_MAX_T;
+        (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y + t0 * n, x + t0 * k, nt, w, s, n, k, ld, s_ld, ws, st);
+    }
+}
 
 static double copy_bandwidth(void) {
     size_t bytes = (size_t)1 << 30;
@@ -55,10 +77,10 @@ int main(int argc, char **argv) {
     double bw = copy_bandwidth();
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
-    fprintf(f, "device,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
+    fprintf(f, "device,path,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
                "graph_gb_per_s,graph_fraction_of_copy_bw\n");
     printf("# %s, L2 %d MiB, device-to-device copy %.0f GB/s\n", prop.name, prop.l2CacheSize >> 20, bw / 1e9);
-    printf("# %-4s %6s %6s %3s %10s %10s %8s %10s %10s %8s\n", "op", "n", "k", "T", "us/call", "GB/s", "of copy",
+    printf("# %-5s %-6s %6s %6s %3s %10s %10s %8s %10s %10s %8s\n", "path", "op", "n", "k", "T", "us/call", "GB/s", "of copy",
            "graph us", "GB/s", "of copy");
     const struct {
         const char *name;
@@ -67,9 +89,16 @@ int main(int argc, char **argv) {
     } shapes[] = {{"wq_a", 0, 1280, 5120},  {"wkv", 0, 512, 5120},   {"wq_b", 0, 4096, 1280},
                   {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
                   {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
-    const int64_t Ts[] = {1, 8, 16};
+    const int64_t Ts[] = {1, 8, 16, 64};
+    /* argv[2] == --variants: also the decode tiling's alternatives (tuning) */
+    const int npaths = 2 + (argc > 2 && !strcmp(argv[2], "--variants") ? cuda_linear_mma_decode_variants() : 0);
+    for (int mma = 0; mma < npaths; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
-        for (size_t ti = 0; ti < 3; ti++) {
+        for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
+            if (mma >= 2 && Ts[ti] > 8) continue;
+            char pname[32];
+            snprintf(pname, sizeof pname, "%s", mma == 0 ? "exact" : "mma");
+            if (mma >= 2) snprintf(pname, sizeof pname, "mma:%d", mma - 2); /* variant index */
             int fp4 = shapes[si].fp4;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
@@ -85,9 +114,10 @@ int main(int argc, char **argv) {
             CK(cudaMalloc((void **)&x, sizeof(uint16_t) * T * k));
             CK(cudaMemset(x, 0x3f, sizeof(uint16_t) * T * k));
             CK(cudaMalloc((void **)&y, sizeof(uint16_t) * T * n));
-            CK(cudaMalloc(&ws, cuda_linear_workspace_bytes(T, k)));
-            for (int i = 0; i < copies; i++)
-                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
+            size_t wsb = mma ? cuda_linear_mma_workspace_bytes(T, k)
+                             : cuda_linear_workspace_bytes(T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T, k);
+            CK(cudaMalloc(&ws, wsb));
+            for (int i = 0; i < copies; i++) call_linear(mma, fp4, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
             CK(cudaDeviceSynchronize());
             int reps = copies * ((200 + copies - 1) / copies);
             cudaEvent_t e0, e1;
@@ -96,7 +126,7 @@ int main(int argc, char **argv) {
             CK(cudaEventRecord(e0, 0));
             for (int i = 0; i < reps; i++) {
                 int c = i % copies;
-                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
+                call_linear(mma, fp4, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
             }
             CK(cudaEventRecord(e1, 0));
             CK(cudaEventSynchronize(e1));
@@ -110,8 +140,7 @@ int main(int argc, char **argv) {
             cudaGraphExec_t exec;
             CK(cudaStreamCreate(&st));
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            for (int c = 0; c < copies; c++)
-                (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
+            for (int c = 0; c < copies; c++) call_linear(mma, fp4, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
             CK(cudaStreamEndCapture(st, &graph));
             CK(cudaGraphInstantiate(&exec, graph, 0));
             CK(cudaGraphLaunch(exec, st));
@@ -126,10 +155,10 @@ int main(int argc, char **argv) {
             CK(cudaGraphExecDestroy(exec));
             CK(cudaGraphDestroy(graph));
             CK(cudaStreamDestroy(st));
-            printf("  %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%% %10.2f %10.0f %7.1f%%\n", shapes[si].name,
+            printf("  %-5s %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%% %10.2f %10.0f %7.1f%%\n", pname, shapes[si].name,
                    (long long)n, (long long)k, (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw, gus, ggbs,
                    100.0 * ggbs * 1e9 / bw);
-            fprintf(f, "%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f,%.3f,%.1f,%.4f\n", prop.name, shapes[si].name,
+            fprintf(f, "%s,%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f,%.3f,%.1f,%.4f\n", prop.name, pname, shapes[si].name,
                     (long long)n, (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9, gus, ggbs,
                     ggbs * 1e9 / bw);
             CK(cudaFree(w));

@@ -78,7 +78,7 @@ struct args {
     int64_t prefill[MAX_LIST];
     uint64_t seed;
     bool balanced; /* --routing balanced (default) | model */
-    bool mma;      /* --prefill-mma: tensor-core linears for calls of more than 16 rows */
+    bool exact;    /* --exact-linears: FP8/FP4 linears in the CPU's k order (default: tensor cores) */
 };
 
 static void usage(FILE *f) {
@@ -86,7 +86,7 @@ static void usage(FILE *f) {
             "usage: bench_step [--backend cpu|cuda] [--device N] [--preset PATH] [--tp 8] [--pp 2]\n"
             "                  [--layers N | --layers A-B] [--ctx 512] [--steps 8] [--batch 1,8,64,256]\n"
             "                  [--prefill 2048,8192] [--chunk 2048] [--engram-vocab 100000] [--seed 1]\n"
-            "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--prefill-mma]\n"
+            "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--exact-linears]\n"
             "  Times decode steps and prefill of TP rank 0 of pipeline stage 0 (the embedding stage) at the\n"
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
@@ -132,8 +132,8 @@ static void parse_args(int argc, char **argv, struct args *a) {
             usage(stdout);
             exit(0);
         }
-        if (!strcmp(k, "--prefill-mma")) {
-            a->mma = true;
+        if (!strcmp(k, "--exact-linears")) {
+            a->exact = true;
             continue;
         }
         if (i + 1 >= argc) ds_die("%s: needs a value (see --help)", k);
@@ -552,7 +552,7 @@ int main(int argc, char **argv) {
     /* ---- backend, engine ---- */
     struct backend be;
     const struct engine_flags ef = {.backend = strcmp(a.backend, "cuda") ? ENGINE_BACKEND_CPU : ENGINE_BACKEND_CUDA,
-                                    .prefill_mma = a.mma};
+                                    .exact_linears = a.exact};
     engine_backend_init(&be, &ef, a.device);
     g_real_ops = be.ops;
     g_wrap_ops = *be.ops;
@@ -703,7 +703,7 @@ int main(int argc, char **argv) {
         printf("%-8s %8d %6lld %10.3f %10.3f %11.1f %8.1f %16.2f %14.2f %10.2f\n", r.kind, bs, (long long)r.ctx, ms,
                1e3 * best, (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct, uniform,
                (double)g_comm_bytes / a.steps / 1e6);
-        emit(csv, &r, a.mma ? "cuda-prefill-mma" : a.backend);
+        emit(csv, &r, a.exact ? "cuda-exact-linears" : a.backend);
     }
 
     /* ---- prefill ---- */
@@ -745,7 +745,7 @@ int main(int argc, char **argv) {
                r.kind, (long long)n, 0, ms, "-", (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct,
                "-", (double)g_comm_bytes / 1e6, (double)n / (ms * 1e-3), forwards, forwards == 1 ? "" : "s",
                (long long)chunk);
-        emit(csv, &r, a.mma ? "cuda-prefill-mma" : a.backend);
+        emit(csv, &r, a.exact ? "cuda-exact-linears" : a.backend);
     }
     if (csv) fclose(csv);
     if (prof) fclose(prof);

@@ -36,19 +36,25 @@ def main():
             if x["op"] not in ops:
                 ops.append(x["op"])
         ts = sorted({int(x["T"]) for x in r})
-        fig, ax = plt.subplots(figsize=(9, 4))
+        paths = []
+        for x in r:
+            if x.get("path", "exact") not in paths:
+                paths.append(x.get("path", "exact"))
+        fig, axes = plt.subplots(1, len(paths), figsize=(9 * len(paths), 4), squeeze=False)
         w = 0.8 / len(ts)
-        for i, t in enumerate(ts):
-            vals = [next((100 * float(x["graph_fraction_of_copy_bw"]) for x in r if x["op"] == o and int(x["T"]) == t), 0)
-                    for o in ops]
-            ax.bar([j + i * w for j in range(len(ops))], vals, w, label="T=%d" % t)
-        ax.axhline(70, color="k", ls="--", lw=0.8)
-        ax.text(len(ops) - 0.5, 71, "target 70 %", ha="right", fontsize=8)
-        ax.set_xticks([j + w * (len(ts) - 1) / 2 for j in range(len(ops))])
-        ax.set_xticklabels(ops)
-        ax.set_ylabel("%% of copy bandwidth (%.0f GB/s)" % copy_bw)
-        ax.set_title("FP8/FP4 decode linears, per-rank V4.1-Flash shapes (%s)" % r[0]["device"])
-        ax.legend()
+        for ax, path in zip(axes[0], paths):
+            for i, t in enumerate(ts):
+                vals = [next((100 * float(x["graph_fraction_of_copy_bw"]) for x in r
+                              if x.get("path", "exact") == path and x["op"] == o and int(x["T"]) == t), 0) for o in ops]
+                ax.bar([j + i * w for j in range(len(ops))], vals, w, label="T=%d" % t)
+            ax.axhline(70, color="k", ls="--", lw=0.8)
+            ax.text(len(ops) - 0.5, 71, "target 70 %", ha="right", fontsize=8)
+            ax.set_xticks([j + w * (len(ts) - 1) / 2 for j in range(len(ops))])
+            ax.set_xticklabels(ops)
+            ax.set_ylim(0, 100)
+            ax.set_ylabel("%% of copy bandwidth (%.0f GB/s)" % copy_bw)
+            ax.set_title("FP8/FP4 linears, %s path, per-rank V4.1-Flash shapes (%s)" % (path, r[0]["device"]), fontsize=9)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(d, "cuda_linear_decode.png"), dpi=110)
     step = os.path.join(d, "cuda_step.csv")

@@ -24,8 +24,8 @@ for step in "$@"; do
     bench)
       ( timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --csv "$OUT/cuda_step.csv" \
           --profile "$OUT/cuda_step_profile.csv" ${BENCH_STEP_ARGS:-}
-        timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --prefill-mma --csv "$OUT/cuda_step_mma.csv" \
-          ${BENCH_MMA_ARGS:-}
+        timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --exact-linears --csv "$OUT/cuda_step_exact.csv" \
+          ${BENCH_EXACT_ARGS:-}
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" \
           --csv "$OUT/cuda_step_ctx2048.csv" ${BENCH_CTX_ARGS:-}
         timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;

@@ -1106,6 +1106,55 @@ static void test_batch_invariance_linear(void **st) {
     h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "FP8 odd [37,160]", &h, Ts, 3, probes, 6);
 }
 
+/* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 16) and the
+ * prefill tiling (T > 16) within the linear bound of the CPU backend, and bit-identical to each
+ * other for the same row — a row alone, in a call of 8 or 16 (decode kernel) and in a call of 64 or
+ * 300 (prefill kernel) — so the switch keeps results batch invariant. */
+static void mma_switch(bool on) {
+#ifdef DS_HAVE_CUDA
+    if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
+#else
+    (void)on;
+#endif
+}
+
+static void test_linear_mma(void **st) {
+    NEED_GPU(st);
+    mma_switch(true);
+    const int64_t Ts[] = {1, 3, 8, 9, 16, 17, 64, 130};
+    struct hw h;
+    seed_tag("mma weights");
+    h = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wq_a [1280,5120]", &h, Ts, 8, 1.0f);
+    h = hw_fp8(HD, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wkv [512,5120]", &h, Ts, 8, 1.0f);
+    h = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f),
+    dense_cases(OP_LINEAR, "mma wo_b TP slice [5120,1024] of 8192", &h, Ts, 8, 1.0f);
+    h = hw_fp4(MOE_INTER, DIM), dense_cases(OP_LINEAR, "mma FP4 w1 [2304,5120]", &h, Ts, 8, 1.0f);
+    h = hw_fp4(DIM, MOE_INTER), dense_cases(OP_LINEAR, "mma FP4 w2 [5120,2304]", &h, Ts, 8, 0.2f);
+    for (int i = 0; i < 5; i++) {
+        char nm[64];
+        h = hw_fp8(ODD_NK[i][0], ODD_NK[i][1], 0, ODD_NK[i][1], 0.05f);
+        dense_cases(OP_LINEAR, odd_name(nm, sizeof nm, ODD_NK[i]), &h, T_ODD, NT_ODD, 1.0f);
+        h = hw_fp4(ODD_NK[i][0], ODD_NK[i][1]), dense_cases(OP_LINEAR, odd_name(nm, sizeof nm, ODD_NK[i]), &h, T_ODD, NT_ODD, 1.0f);
+    }
+    h = hw_fp8(37, 160, 32, 96, 0.05f), dense_cases(OP_LINEAR, "mma odd slice [37,96] of 160 at 32", &h, T_ODD, NT_ODD, 1.0f);
+    mma_switch(false);
+}
+
+static void test_linear_mma_kernels_agree(void **st) {
+    NEED_GPU(st);
+    mma_switch(true);
+    const int64_t Ts[] = {8, 16, 64, 300}, probes[] = {0, 5, 7, 15, 63, 150, 299};
+    struct hw h;
+    seed_tag("mma bi weights");
+    h = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), lin_invariance(OP_LINEAR, "mma FP8 wq_b slice [4096,1280]", &h, Ts, 4, probes, 7);
+    h = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f),
+    lin_invariance(OP_LINEAR, "mma FP8 wo_b TP slice [5120,1024]", &h, Ts, 4, probes, 7);
+    h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "mma FP4 expert w1 [2304,5120]", &h, Ts, 4, probes, 7);
+    h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "mma FP8 odd [37,160]", &h, Ts, 4, probes, 7);
+    h = hw_fp4(33, 96), lin_invariance(OP_LINEAR, "mma FP4 odd [33,96]", &h, Ts, 4, probes, 7);
+    mma_switch(false);
+}
+
 static void test_batch_invariance_head(void **st) {
     NEED_GPU(st);
     struct hw h;
@@ -1175,6 +1224,8 @@ int main(void) {
         cmocka_unit_test(test_moe_experts),
         cmocka_unit_test(test_shared_expert),
         cmocka_unit_test(test_batch_invariance_linear),
+        cmocka_unit_test(test_linear_mma),
+        cmocka_unit_test(test_linear_mma_kernels_agree),
         cmocka_unit_test(test_batch_invariance_head),
         cmocka_unit_test(test_batch_invariance_moe_experts),
     };
