@@ -19,7 +19,7 @@ extern "C" {
 
 /* Device workspace cuda_linear_mma needs for T rows of k: the quantized activations, T*k bf16
  * (FP8/FP4; BF16 needs none but the size is the same for every format). */
-size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k);
+size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k);
 
 /* fmt: enum wfmt of kernels/backend.h (WF_BF16, WF_FP8, WF_FP4; WF_F32 is refused).
  *  WF_FP8: w = e4m3 [n, ld bytes], s = e8m0 [ceil(n/32), s_ld] (one per 32x32 tile);
@@ -31,12 +31,6 @@ size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k);
  * Asynchronous on `stream` (a cudaStream_t; NULL = the legacy default stream). */
 void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s, int64_t n,
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
-
-/* bench_linear_cuda only: variants of the decode tiling (T <= 8), same bits; returns the name. */
-int cuda_linear_mma_decode_variants(void);
-const char *cuda_linear_mma_decode_variant(int fmt, int v, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
-                                           const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld,
-                                           void *workspace, void *stream);
 
 #ifdef __cplusplus
 }

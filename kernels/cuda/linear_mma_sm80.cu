@@ -30,11 +30,17 @@
  *    blocks ahead by one thread per row and staged as fp32 in shared memory.
  *
  * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
- * call, or on the grid/tile choice: no split-K, one CTA owns an output from k = 0 to k, and the
- * tensor core's per-element dot product does not depend on the fragment position):
- *  - FP8/FP4: for each k-block b in increasing order, P'_b = mma(mma(0, first 16), second 16)
- *    over the activations q·s_x and the weight codes q_w (all exact in bf16, every product exact
- *    in fp32), then acc = fma(P'_b, s_w[b], acc) in fp32; y = bf16_rn(acc).
+ * call, or on the grid/tile choice: the k split is fixed by k alone, one CTA owns an output over a
+ * whole k-chunk, and the tensor core's per-element dot product does not depend on the fragment
+ * position):
+ *  - k is cut into chunks of KCH = 32 k-blocks (1024 values; the last one shorter). Within a
+ *    chunk, for each k-block b in increasing order, P'_b = mma(mma(0, first 16), second 16) over
+ *    the activations q·s_x and the weight codes q_w (all exact in bf16, every product exact in
+ *    fp32), then acc = fma(P'_b, s_w[b], acc) in fp32 from acc = 0. One chunk: y = bf16_rn(acc);
+ *    more: each chunk's acc is stored in fp32 and mma_chunk_sum_kernel forms
+ *    y = bf16_rn(((acc_0 + acc_1) + acc_2) + ...). The chunks are what lets a decode-sized call
+ *    spread one output's k over several CTAs: one CTA per output over all of k was latency bound
+ *    (~0.3 µs per 8 k-blocks, 27 µs for k = 5120 whatever the tile).
  *    Versus the reference acc += (P_b · s_x) · s_w, P_b the k-order fp32 sum of q_x·q_w:
  *      · the tensor core's sum scales exactly with its inputs while everything stays in the fp32
  *        normal range (checked on the H200 over 8M random fragments: bit-identical to
@@ -43,10 +49,11 @@
  *      · fma(P'_b, s_w, acc) equals the separately rounded mul + add because s_w is a power of
  *        two (an exact product) unless P'_b · s_w leaves the fp32 normal range (e8m0 scales below
  *        about 2^-86, or overflow), which real checkpoints never reach.
- *    The scaled block partials are folded in block order exactly like the CPU backend.
- *  - BF16: acc = mma(... mma(mma(0, k 0..15), k 16..31) ..., last 16), one fp32 accumulation over
- *    the whole k in k order, whose order inside each group of 16 products (plus the running sum) is
- *    the tensor core's; y = bf16_rn(acc).
+ *    The scaled block partials are folded in block order within a chunk, the chunks in order (the
+    CPU backend folds all blocks in one order; the difference is within the linear bound).
+ *  - BF16: per chunk acc = mma(... mma(mma(0, k 0..15), k 16..31) ..., last 16), one fp32
+ *    accumulation over the chunk in k order, whose order inside each group of 16 products (plus the
+ *    running sum) is the tensor core's; the chunks folded as above.
  *  - e4m3 NaN codes (0x7F/0xFF) in the weights decode as ±480 here, not NaN (the checkpoint has
  *    none: the reference quantizer saturates at ±448). NaN scales propagate as in the reference.
  */
@@ -59,6 +66,7 @@ namespace {
 constexpr int BM = 128;    /* rows of x (T) per CTA */
 constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
 constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
+constexpr int KCH = 32;    /* k-blocks per k-chunk: the fixed split of every output's sum (order contract) */
 
 enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
 
@@ -208,11 +216,11 @@ __global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 
  * The GEMM. a: [T, k] bf16 (the k-permuted quantized activations for FP8/FP4, x itself for BF16);
  * w rows ld_b bytes apart; s: e8m0 scales (FP8 [ceil(n/32), s_ld], FP4 [n, s_ld]). Grid: x = n
  * tiles, y = T tiles. */
-template <int F, class C>
+template <int F, class C, bool PART>
 __global__ void __launch_bounds__(C::THREADS, C::MINB)
-    mma_linear_kernel(__nv_bfloat16 *__restrict__ y, const __nv_bfloat16 *__restrict__ a,
+    mma_linear_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
-                      int64_t ld_b, int64_t s_ld, int pair_store) {
+                      int64_t ld_b, int64_t s_ld, int pair_store, int chunk, int nb) {
     constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
                   B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[C::SMEM];
@@ -221,7 +229,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
     const int g = lane >> 2, t = lane & 3;      /* mma groupID, thread in group */
     const int wm = warp % WM, wn = warp / WM;   /* warp tile: rows wm*MT*16.., cols wn*WNC.. */
     const int64_t n0 = (int64_t)blockIdx.x * BN, m0 = (int64_t)blockIdx.y * BM;
-    const int nb = (int)(k / 32); /* the host keeps k / 32 < 2^31 */
+    /* the launch's k-chunk, blocks [b0, b0 + nb): kernel parameters (one launch per chunk), which
+     * live in constant memory — derived in registers they made the FP8 tile (255 registers) spill */
+    const int b0 = chunk * KCH;
 
     /* Per-thread copy assignments, fixed for the whole k loop. Thread tid copies 16-byte chunk
      * tid % 4 of activation rows tid / 4 + c * A_RS (c < A_CH), and chunk tid % B_PER_ROW of
@@ -235,12 +245,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
     static_assert(A_CH * THREADS == BM * 4 && A_RS % 8 == 0 && (B_CH == 1 || B_RS % 8 == 0), "copy layout");
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
     const int ra = tid >> 2, qa = tid & 3;
-    const uint8_t *gA = abase + (m0 + ra) * k * 2 + qa * 16;
+    const uint8_t *gA = abase + (m0 + ra) * k * 2 + qa * 16 + (int64_t)b0 * A_ROW;
     const int64_t strideA = (int64_t)A_RS * k * 2;
     const int nvA = m0 + ra >= T ? 0 : (int)min((int64_t)A_CH, (T - 1 - m0 - ra) / A_RS + 1); /* valid chunks */
     const uint32_t oA = (uint32_t)(ra * A_ROW + ((qa ^ ((ra >> 1) & 3)) << 4));
     const int rb = tid / B_PER_ROW, qb = tid % B_PER_ROW;
-    const uint8_t *gB = w + (n0 + rb) * ld_b + qb * 16;
+    const uint8_t *gB = w + (n0 + rb) * ld_b + qb * 16 + (int64_t)b0 * B_ROW;
     const int64_t strideB = (int64_t)B_RS * ld_b;
     const int nvB = rb >= BN || n0 + rb >= n ? 0 : (int)min((int64_t)B_CH, (n - 1 - n0 - rb) / B_RS + 1);
     /* BF16 rows are read with ldmatrix: swizzled like A; FP8/FP4 rows are read whole */
@@ -276,10 +286,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
     bool okS = false;
     if (F == K_FP4 && tid < BN) {
         okS = n0 + tid < n;
-        offS = (uint32_t)(tid * s_ld);
+        offS = (uint32_t)(tid * s_ld + b0);
     } else if (F == K_FP8) {
         okS = (n0 + wn * WNC) / 32 * 32 < n;
-        offS = (uint32_t)(wn * WNC / 32 * s_ld);
+        offS = (uint32_t)(wn * WNC / 32 * s_ld + b0);
     }
     /* the raw scale byte of the next block (blocks are read in order; 0x100 = no scale, i.e. 0),
      * decoded by e8m0f only where it is used, so the load's latency is not waited on early */
@@ -406,8 +416,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
             for (int h = 0; h < 2; h++) {
                 const int64_t row = m0 + wm * MT * 16 + mi * 16 + g + 8 * h;
                 if (row >= T) continue;
-                __nv_bfloat16 *yr = y + row * n;
                 const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
+                if (PART) { /* the chunk's fp32 partial; mma_chunk_sum_kernel folds the chunks */
+                    float *pr = part + ((int64_t)chunk * T + row) * n;
+                    if (col < n) pr[col] = v0;
+                    if (col + 1 < n) pr[col + 1] = v1;
+                    continue;
+                }
+                __nv_bfloat16 *yr = y + row * n;
                 if (pair_store) { /* n even, y 4-byte aligned: col < n implies col + 1 < n */
                     if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
                 } else {
@@ -420,29 +436,48 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
 }
 
 template <int F, class C>
-void launch(cudaStream_t st, __nv_bfloat16 *y, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s, int64_t T,
-            int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
-    const int64_t mt = (T + BM - 1) / BM, nt = (n + C::BN - 1) / C::BN;
-    if (mt > 65535 || nt > 0x7fffffff)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T or n too large for the grid");
-    mma_linear_kernel<F, C><<<dim3((unsigned)nt, (unsigned)mt), C::THREADS, 0, st>>>(y, a, w, s, T, n, k, ld_b, s_ld,
-                                                                                    pair);
+void launch(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s,
+            int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+    const int64_t mt = (T + BM - 1) / BM, nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH;
+    if (mt > 65535 || nt > 0x7fffffff || nch > 65535)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T, n or k too large for the grid");
+    const dim3 grid((unsigned)nt, (unsigned)mt);
+    for (int c = 0; c < (nch > 0 ? nch : 1); c++) {
+        const int nb = (int)(k / 32 - (int64_t)c * KCH < KCH ? k / 32 - (int64_t)c * KCH : KCH);
+        if (part)
+            mma_linear_kernel<F, C, true><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c, nb);
+        else
+            mma_linear_kernel<F, C, false><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c, nb);
+    }
+}
+
+/* y[t, i] = bf16(((part[0] + part[1]) + part[2]) + ...) over the k-chunks, [nch][T][n] fp32. */
+__global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ part, int64_t tn,
+                                     int nch) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < tn; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = part[i];
+        for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
+        y[i] = __float2bfloat16_rn(v);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------
  * Decode kernel (T <= 16, FP8/FP4): the same per-output arithmetic as mma_linear_kernel — the
  * same k-permuted activations, the same weight decode into the same fragment registers, per
  * k-block P'_b = mma(mma(0, first 16), second 16) then acc = fma(P'_b, s_w[b], acc) in block
- * order — so a row's bits do not depend on which of the two kernels ran it (test_cuda_ops,
- * test_linear_mma_kernels_agree). What changes is the tiling, for weight bandwidth at a handful of
- * rows: one m16 tile (MR = 8: rows 8..15 are zero registers, not shared memory), a CTA of DW warps
- * of one n8 tile each (BN = 16, so a [1280, k] weight spreads over 80 CTAs), and DKB k-blocks per
- * cp.async stage (8 KB to 13 KB) with up to 4 stages, so each CTA keeps ~10-30 KB of weights in
- * flight. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall on distinct
+ * order, the same k-chunks — so a row's bits do not depend on which of the two kernels ran it
+ * (test_cuda_ops, test_linear_mma_kernels_agree). What changes is the tiling, for weight bandwidth
+ * at a handful of rows: one m16 tile (MR = 8: rows 8..15 are zero registers, not shared memory), a
+ * CTA of DW warps of one n8 tile each and one k-chunk (grid: n / 16 x chunks, so a [1280, 5120]
+ * weight spreads over 400 CTAs), and DKB k-blocks per cp.async stage (8 KB to 13 KB) with up to 4
+ * stages. Measured on the H200 before the chunks: 1, 2 or 4 warps per CTA and 4, 8 or 16 blocks per
+ * stage all took ~27 µs for [1280, 5120], the time of one CTA's walk over k. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall on distinct
  * banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart mod 128). */
 constexpr int DW = 2;       /* warps per CTA (the default tiling) */
+/* calls of up to this many rows take the decode tiling (one m16 tile per CTA, grid z over the
+ * tiles: the weights are re-read from L2 per tile); the 128 x 128 prefill tile above it */
+constexpr int64_t MMA_DECODE_MAX_T = 256;
 constexpr int DKB = 8;      /* k-blocks per stage */
-constexpr int DCAP = 512;   /* k-blocks whose weight scales the CTA keeps in shared memory */
 
 template <int F, int MR, int DW_ = DW, int DKB_ = DKB> struct dcfg {
     static constexpr int NWARP = DW_, KB = DKB_;
@@ -451,7 +486,7 @@ template <int F, int MR, int DW_ = DW, int DKB_ = DKB> struct dcfg {
     static constexpr int B_LD = KB * B_ROW + (F == K_FP8 ? 32 : 16);
     static constexpr int A_LD = KB * 64 + 16;
     static constexpr int A_BYTES = MR * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * DCAP;
+    static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * KCH;
     static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
     static constexpr int A_CHUNKS = MR * KB * 4, B_CHUNKS = BN * KB * B_ROW / 16;
@@ -466,18 +501,20 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
 
 template <int F, int MR, int NW_, int KB_>
 __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
-    mma_decode_kernel(__nv_bfloat16 *__restrict__ y, const __nv_bfloat16 *__restrict__ a,
+    mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store) {
     using C = dcfg<F, MR, NW_, KB_>;
     constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::KB;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
-    __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales [S_ROWS][nb] */
+    __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int64_t n0 = (int64_t)blockIdx.x * C::BN;
+    const int64_t n0 = (int64_t)blockIdx.x * C::BN, m0 = (int64_t)blockIdx.z * 16; /* grid z: m16 tiles */
     const int64_t nw0 = n0 + warp * 8; /* the warp's n8 tile */
-    const int nb = (int)(k / 32), nst = (nb + DKB - 1) / DKB;
+    /* this CTA's k-chunk (grid y): blocks [kb0, kb0 + nb); the A and B sources start there */
+    const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(k / 32);
+    const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH, nst = (nb + DKB - 1) / DKB;
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
     const uint32_t sbase = smem_addr(smem);
 
@@ -488,8 +525,9 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
 #pragma unroll
         for (int q = tid; q < C::A_CHUNKS; q += C::THREADS) {
             const int r = q / (DKB * 4), c = q % (DKB * 4), blk = b0 + c / 4;
-            const bool v = r < T && blk < nb;
-            cp_async16(so + (uint32_t)(r * C::A_LD + c * 16), v ? abase + (int64_t)r * k * 2 + (int64_t)b0 * 64 + c * 16 : abase, v);
+            const bool v = m0 + r < T && blk < nb;
+            cp_async16(so + (uint32_t)(r * C::A_LD + c * 16),
+                       v ? abase + (m0 + r) * k * 2 + (int64_t)(kb0 + b0) * 64 + c * 16 : abase, v);
         }
         constexpr int BCH = DKB * B_ROW / 16; /* chunks per weight row per stage */
 #pragma unroll
@@ -497,20 +535,20 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
             const int r = q / BCH, c = q % BCH, blk = b0 + c * 16 / B_ROW;
             const bool v = n0 + r < n && blk < nb;
             cp_async16(so + (uint32_t)(C::A_BYTES + r * C::B_LD + c * 16),
-                       v ? w + (n0 + r) * ld_b + (int64_t)b0 * B_ROW + c * 16 : w, v);
+                       v ? w + (n0 + r) * ld_b + (int64_t)(kb0 + b0) * B_ROW + c * 16 : w, v);
         }
     };
 
-    /* the CTA's weight scales for the whole k (nb <= DCAP, the host checks), read once with plain
-     * loads while the first stages are in flight: a scale loaded per stage into registers put its
-     * latency on every stage. FP8: the CTA's 16 rows lie in one 32-row group; FP4: one row each.
-     * Rows past n read as scale 0 (never stored). */
+    /* the CTA's weight scales for its chunk, read once with plain loads while the first stages
+     * are in flight: a scale loaded per stage into registers put its latency on every stage.
+     * FP8: the CTA's rows lie in one 32-row group; FP4: one row each. Rows past n read as scale 0
+     * (never stored). */
     auto load_scales = [&]() {
-        for (int q = tid; q < C::S_ROWS * nb; q += C::THREADS) {
-            const int r = q / nb, b = q % nb;
+        for (int q = tid; q < C::S_ROWS * KCH; q += C::THREADS) {
+            const int r = q / KCH, b = q % KCH;
             const int64_t srow = F == K_FP8 ? n0 / 32 : n0 + r;
-            const bool ok = F == K_FP8 ? n0 < n : n0 + r < n;
-            s_sm[r * DCAP + b] = ok ? __ldg(s + srow * s_ld + b) : (uint8_t)0;
+            const bool ok = (F == K_FP8 ? n0 < n : n0 + r < n) && b < nb;
+            s_sm[r * KCH + b] = ok ? __ldg(s + srow * s_ld + kb0 + b) : (uint8_t)0;
         }
     };
     const int sr0 = F == K_FP8 ? 0 : warp * 8 + 2 * t; /* the lane's scale rows (columns 2t, 2t+1) */
@@ -572,7 +610,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
         for (int j = 0; j < DKB; j++) {
             if (j < nblk) {
                 const int kb = i * DKB + j;
-                const float q0 = e8m0f(s_sm[sr0 * DCAP + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * DCAP + kb]);
+                const float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
                 acc[0] = __fmaf_rn(p[j][0], q0, acc[0]);
                 acc[1] = __fmaf_rn(p[j][1], q1, acc[1]);
                 acc[2] = __fmaf_rn(p[j][2], q0, acc[2]);
@@ -585,10 +623,16 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
     const int64_t col = nw0 + 2 * t;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int64_t row = g + 8 * h;
+        const int64_t row = m0 + g + 8 * h;
         if (row >= T) continue;
-        __nv_bfloat16 *yr = y + row * n;
         const float v0 = acc[2 * h], v1 = acc[2 * h + 1];
+        if (part) {
+            float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
+            if (col < n) pr[col] = v0;
+            if (col + 1 < n) pr[col + 1] = v1;
+            continue;
+        }
+        __nv_bfloat16 *yr = y + row * n;
         if (pair_store) {
             if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
         } else {
@@ -599,12 +643,15 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
 }
 
 template <int F, int MR, int NW_ = DW, int KB_ = DKB>
-void launch_decode(cudaStream_t st, __nv_bfloat16 *y, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s,
-                   int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
+                   const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
     using C = dcfg<F, MR, NW_, KB_>;
-    const int64_t nt = (n + C::BN - 1) / C::BN;
-    if (nt > 0x7fffffff) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n too large for the grid");
-    mma_decode_kernel<F, MR, NW_, KB_><<<(unsigned)nt, C::THREADS, 0, st>>>(y, a, w, s, T, n, k, ld_b, s_ld, pair);
+    const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + 15) / 16;
+    if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
+    mma_decode_kernel<F, MR, NW_, KB_>
+        <<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(y, part, a, w, s, T, n,
+                                                                                             k, ld_b, s_ld, pair);
 }
 
 } /* namespace */
@@ -616,8 +663,15 @@ typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
 
-extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t k) {
-    return T > 0 && k > 0 ? sizeof(uint16_t) * (size_t)T * (size_t)k : 0;
+/* Workspace: the quantized activations [T, k] bf16 (FP8/FP4), then, when k has more than one
+ * chunk, the chunks' fp32 partials [nch][T][n]. */
+static size_t act_bytes(int64_t T, int64_t k) { return ((size_t)T * (size_t)k * sizeof(uint16_t) + 15) & ~(size_t)15; }
+static int64_t n_chunks(int64_t k) { return k > 0 ? (k / 32 + KCH - 1) / KCH : 1; }
+
+extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k) {
+    if (T <= 0 || n <= 0 || k <= 0) return 0;
+    const int64_t nch = n_chunks(k);
+    return act_bytes(T, k) + (nch > 1 ? (size_t)nch * (size_t)T * (size_t)n * sizeof(float) : 0);
 }
 
 extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s,
@@ -634,8 +688,14 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
                  "x, w and workspace must be 16-byte aligned and the weight row stride a multiple of 16 bytes");
     if (k > (1 << 22) || ld_b > (1 << 22) || (quant && s_ld > (1 << 22)))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "k or a row stride above 4 Mi");
-    if (quant && (!s || !workspace))
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "FP8/FP4 need scales and a workspace");
+    const int64_t nch = n_chunks(k);
+    if (quant && !s)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "FP8/FP4 need scales");
+    if ((quant || nch > 1) && !workspace)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
+                 "a workspace of cuda_linear_mma_workspace_bytes is needed (quantized activations, chunk partials)");
+    if (nch > 1 && (size_t)nch * (size_t)T * (size_t)n > ((size_t)1 << 40))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T x n x chunks too large");
     cudaStream_t st = (cudaStream_t)stream;
     const __nv_bfloat16 *a = (const __nv_bfloat16 *)x;
     if (quant && k > 0) {
@@ -648,53 +708,27 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
     const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
     __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
     const uint8_t *wb = (const uint8_t *)w;
-    if (quant && T <= 16 && k / 32 <= DCAP) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
+    /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
+    float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant ? act_bytes(T, k) : 0)) : NULL;
+    if (quant && T <= MMA_DECODE_MAX_T) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_FP8) {
-            if (T <= 8) launch_decode<K_FP8, 8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP8, 16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else {
-            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP4, 16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         }
+    } else {
+        switch (fmt) {
+        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+        case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+        default: launch<K_FP4, cfg_fp4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+        }
+    }
+    KERNEL_CHECK();
+    if (part) {
+        const int64_t tn = T * n, blocks = (tn + 255) / 256;
+        mma_chunk_sum_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
         KERNEL_CHECK();
-        return;
     }
-    switch (fmt) {
-    case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
-    case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
-    default: launch<K_FP4, cfg_fp4>(st, yb, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
-    }
-    KERNEL_CHECK();
-}
-
-/* bench_linear_cuda only: the decode tiling's alternatives (warps per CTA x k-blocks per stage) at
- * T <= 8, for choosing DW / DKB on a device; every variant gives the same bits. */
-extern "C" int cuda_linear_mma_decode_variants(void) { return 5; }
-extern "C" const char *cuda_linear_mma_decode_variant(int fmt, int v, uint16_t *y, const uint16_t *x, int64_t T,
-                                                      const void *w, const uint8_t *s, int64_t n, int64_t k,
-                                                      int64_t ld, int64_t s_ld, void *workspace, void *stream) {
-    static const char *names[] = {"w2k8", "w1k8", "w4k8", "w2k4", "w2k16"};
-    if (v < 0 || v >= 5 || T > 8 || T < 1 || k % 32 || k / 32 > DCAP || (fmt != WF_FP8 && fmt != WF_FP4))
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_decode_variant", "bad variant or shape");
-    cudaStream_t st = (cudaStream_t)stream;
-    const int64_t n8 = T * k / 8;
-    mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
-                                                                       (__nv_bfloat16 *)workspace, n8);
-    KERNEL_CHECK();
-    const __nv_bfloat16 *a = (const __nv_bfloat16 *)workspace;
-    __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
-    const uint8_t *wb = (const uint8_t *)w;
-    const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
-#define DV(F)                                                                                          \
-    switch (v) {                                                                                       \
-    case 0: launch_decode<F, 8, 2, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
-    case 1: launch_decode<F, 8, 1, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
-    case 2: launch_decode<F, 8, 4, 8>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
-    case 3: launch_decode<F, 8, 2, 4>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;               \
-    default: launch_decode<F, 8, 2, 16>(st, yb, a, wb, s, T, n, k, ld, s_ld, pair); break;             \
-    }
-    if (fmt == WF_FP8) DV(K_FP8) else DV(K_FP4)
-#undef DV
-    KERNEL_CHECK();
-    return names[v];
 }

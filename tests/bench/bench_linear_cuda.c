@@ -1,8 +1,8 @@
 /* Decode-shape benchmark of the SM80 FP8/FP4 linear kernels (make bench, GPU machine).
  * First the ceiling: device-to-device copy bandwidth (cudaMemcpyDeviceToDevice of 1 GiB, bytes
- * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16, 64, on
+ * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16, 64, 256, on
  * both paths — exact (linear_sm80.cu, the CPU's k order, 16 rows per launch as cuda_op_linear
- * chunks them) and mma (linear_mma_sm80.cu: the decode tiling up to 16 rows, the prefill tiling
+ * chunks them) and mma (linear_mma_sm80.cu: the decode tiling up to 256 rows, the prefill tiling
  * above): the kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
  * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
  * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup,
@@ -27,14 +27,9 @@
         }                                                                                          \
     } while (0)
 
-/* One linear call as the CUDA backend makes it on each path (mma >= 2: decode tiling variant
- * mma - 2, for tuning; T <= 8). */
+/* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
-    if (mma >= 2) {
-        cuda_linear_mma_decode_variant(fp4 ? WF_FP4 : WF_FP8, mma - 2, y, x, T, w, s, n, k, ld, s_ld, ws, st);
-        return;
-    }
     if (mma) {
         cuda_linear_mma(fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
         return;
@@ -89,16 +84,11 @@ int main(int argc, char **argv) {
     } shapes[] = {{"wq_a", 0, 1280, 5120},  {"wkv", 0, 512, 5120},   {"wq_b", 0, 4096, 1280},
                   {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
                   {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
-    const int64_t Ts[] = {1, 8, 16, 64};
-    /* argv[2] == --variants: also the decode tiling's alternatives (tuning) */
-    const int npaths = 2 + (argc > 2 && !strcmp(argv[2], "--variants") ? cuda_linear_mma_decode_variants() : 0);
-    for (int mma = 0; mma < npaths; mma++)
+    const int64_t Ts[] = {1, 8, 16, 64, 256};
+    for (int mma = 0; mma < 2; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
-            if (mma >= 2 && Ts[ti] > 8) continue;
-            char pname[32];
-            snprintf(pname, sizeof pname, "%s", mma == 0 ? "exact" : "mma");
-            if (mma >= 2) snprintf(pname, sizeof pname, "mma:%d", mma - 2); /* variant index */
+            const char *pname = mma ? "mma" : "exact";
             int fp4 = shapes[si].fp4;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
@@ -114,7 +104,7 @@ int main(int argc, char **argv) {
             CK(cudaMalloc((void **)&x, sizeof(uint16_t) * T * k));
             CK(cudaMemset(x, 0x3f, sizeof(uint16_t) * T * k));
             CK(cudaMalloc((void **)&y, sizeof(uint16_t) * T * n));
-            size_t wsb = mma ? cuda_linear_mma_workspace_bytes(T, k)
+            size_t wsb = mma ? cuda_linear_mma_workspace_bytes(T, n, k)
                              : cuda_linear_workspace_bytes(T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T, k);
             CK(cudaMalloc(&ws, wsb));
             for (int i = 0; i < copies; i++) call_linear(mma, fp4, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);

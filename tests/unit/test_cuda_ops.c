@@ -1106,10 +1106,10 @@ static void test_batch_invariance_linear(void **st) {
     h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "FP8 odd [37,160]", &h, Ts, 3, probes, 6);
 }
 
-/* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 16) and the
- * prefill tiling (T > 16) within the linear bound of the CPU backend, and bit-identical to each
- * other for the same row — a row alone, in a call of 8 or 16 (decode kernel) and in a call of 64 or
- * 300 (prefill kernel) — so the switch keeps results batch invariant. */
+/* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 256) and the
+ * prefill tiling (T > 256) within the linear bound of the CPU backend, and bit-identical to each
+ * other for the same row — a row alone, in a call of 8, 16 or 64 (decode kernel: one, one, four
+ * m16 tiles) and in a call of 300 (prefill kernel) — so the switch keeps results batch invariant. */
 static void mma_switch(bool on) {
 #ifdef DS_HAVE_CUDA
     if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
@@ -1121,15 +1121,15 @@ static void mma_switch(bool on) {
 static void test_linear_mma(void **st) {
     NEED_GPU(st);
     mma_switch(true);
-    const int64_t Ts[] = {1, 3, 8, 9, 16, 17, 64, 130};
+    const int64_t Ts[] = {1, 3, 8, 9, 16, 17, 64, 130, 300};
     struct hw h;
     seed_tag("mma weights");
-    h = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wq_a [1280,5120]", &h, Ts, 8, 1.0f);
-    h = hw_fp8(HD, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wkv [512,5120]", &h, Ts, 8, 1.0f);
+    h = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wq_a [1280,5120]", &h, Ts, 9, 1.0f);
+    h = hw_fp8(HD, DIM, 0, DIM, 0.02f), dense_cases(OP_LINEAR, "mma wkv [512,5120]", &h, Ts, 9, 1.0f);
     h = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f),
-    dense_cases(OP_LINEAR, "mma wo_b TP slice [5120,1024] of 8192", &h, Ts, 8, 1.0f);
-    h = hw_fp4(MOE_INTER, DIM), dense_cases(OP_LINEAR, "mma FP4 w1 [2304,5120]", &h, Ts, 8, 1.0f);
-    h = hw_fp4(DIM, MOE_INTER), dense_cases(OP_LINEAR, "mma FP4 w2 [5120,2304]", &h, Ts, 8, 0.2f);
+    dense_cases(OP_LINEAR, "mma wo_b TP slice [5120,1024] of 8192", &h, Ts, 9, 1.0f);
+    h = hw_fp4(MOE_INTER, DIM), dense_cases(OP_LINEAR, "mma FP4 w1 [2304,5120]", &h, Ts, 9, 1.0f);
+    h = hw_fp4(DIM, MOE_INTER), dense_cases(OP_LINEAR, "mma FP4 w2 [5120,2304]", &h, Ts, 9, 0.2f);
     for (int i = 0; i < 5; i++) {
         char nm[64];
         h = hw_fp8(ODD_NK[i][0], ODD_NK[i][1], 0, ODD_NK[i][1], 0.05f);
