@@ -369,6 +369,30 @@ __device__ __forceinline__ void load_bf_pair(const uint16_t *p, int64_t e, bool 
     }
 }
 
+/* 1 / sqrtf(mean(x²) + eps) of a bf16 row [n] (the rmsnorm / mHC statistic), summed by the whole CTA
+ * in torch's order and returned to every thread. Every thread of the CTA calls it (barriers inside);
+ * l0: shared [TSB_CAP · 64], r_s: one shared float. */
+__device__ __forceinline__ float row_rstd_block(const uint16_t *xr, int64_t n, float eps, float *l0, float *r_s) {
+    const bool al4 = ((uintptr_t)xr & 3) == 0;
+    float ss[1];
+    torch_sum_block<1>(
+        n,
+        [&](int64_t e, float *a, float *b) {
+            float u, v;
+            load_bf_pair(xr, e, al4, u, v);
+            a[0] = __fmul_rn(u, u);
+            b[0] = __fmul_rn(v, v);
+        },
+        [&](int64_t e, float *a) {
+            const float u = bf2f(xr[e]);
+            a[0] = __fmul_rn(u, u);
+        },
+        ss, l0);
+    if (threadIdx.x == 0) *r_s = ds_rstd(ss[0], (float)n, eps);
+    __syncthreads();
+    return *r_s;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * RMSNorm: one CTA of RMS_WARPS warps per row, the sum of squares by torch_sum_block (a row of
  * 4096 is 4 independent level-0 runs: one warp per row spent ~23 µs on its serial loads). y may
@@ -385,24 +409,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     const int64_t row = blockIdx.x;
     const uint16_t *xr = x + row * n; /* [n] bf16 */
     uint16_t *yr = y + row * n;       /* [n] bf16 */
-    const bool al4 = ((uintptr_t)xr & 3) == 0;
-    float ss[1];
-    torch_sum_block<1>(
-        n,
-        [&](int64_t e, float *a, float *b) {
-            float u, v;
-            load_bf_pair(xr, e, al4, u, v);
-            a[0] = __fmul_rn(u, u);
-            b[0] = __fmul_rn(v, v);
-        },
-        [&](int64_t e, float *a) {
-            const float u = bf2f(xr[e]);
-            a[0] = __fmul_rn(u, u);
-        },
-        ss, l0);
-    if (threadIdx.x == 0) r_s = ds_rstd(ss[0], (float)n, eps);
-    __syncthreads();
-    const float r = r_s;
+    const float r = row_rstd_block(xr, n, eps, l0, &r_s);
     for (int64_t e = (int64_t)threadIdx.x * VEC; e < n; e += RMS_WARPS * 32 * VEC) {
         float xv[VEC], wv[VEC];
         load_bf<VEC>(xr + e, xv);
@@ -798,25 +805,8 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
         for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, pr[sg]);
         m_s[tid] = acc;
     }
-    const uint16_t *xr = X + t * L; /* [L] bf16 */
-    const bool al4 = ((uintptr_t)xr & 3) == 0;
-    float ss[1];
-    torch_sum_block<1>(
-        L,
-        [&](int64_t e, float *a, float *b) {
-            float u, v;
-            load_bf_pair(xr, e, al4, u, v);
-            a[0] = __fmul_rn(u, u);
-            b[0] = __fmul_rn(v, v);
-        },
-        [&](int64_t e, float *a) {
-            const float u = bf2f(xr[e]);
-            a[0] = __fmul_rn(u, u);
-        },
-        ss, l0);
-    if (tid == 0) rn_s = ds_rstd(ss[0], (float)L, norm_eps);
-    __syncthreads();
-    if (tid < NM) m_s[tid] = __fmul_rn(m_s[tid], rn_s);
+    const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */
+    if (tid < NM) m_s[tid] = __fmul_rn(m_s[tid], rn);
     __syncthreads();
     if (tid == 0)
         hc_split_sinkhorn<HC>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC, comb + t * HC * HC);
