@@ -737,13 +737,28 @@ int main(int argc, char **argv) {
         prefill_one(&B, n, chunk, tok);
         be.ops->sync(&be);
         double ms = 1e3 * (now_s() - ts);
+        const double comm_mb = (double)g_comm_bytes / 1e6; /* of the timed run only */
+        if (prof) { /* the same prompt again through the profiler: where a prefill's time goes */
+            if (plan) routing(&be, plan, false); /* the plan from its start again */
+            struct backend inner = be;
+            prof_backend_init(&be, &inner);
+            prefill_one(&B, n, chunk, tok);
+            be.ops->sync(&be);
+            char label[32];
+            snprintf(label, sizeof label, "prefill_%lld", (long long)n);
+            double op_ms = 1e3 * prof_backend_report(&be, prof, label, 1);
+            fprintf(prof, "%s,_ops_total,0,%.3f,100\n%s,_step_plain,0,%.3f,0\n", label, op_ms, label, ms);
+            fflush(prof);
+            prof_backend_free(&be);
+            be = inner;
+        }
         routing(&be, NULL, false);
         if (plan) be.ops->free(&be, plan);
         struct row r = {"prefill", n, 0, ms,
                         (uint64_t)forwards * B.dense_bytes + expert_read + (uint64_t)n * B.tok_bytes};
         printf("%-8s %8lld %6d %10.3f %10s %11.1f %8.1f %16.2f %14s %10.2f  %.0f tokens/s, %d chunk%s of %lld\n",
                r.kind, (long long)n, 0, ms, "-", (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct,
-               "-", (double)g_comm_bytes / 1e6, (double)n / (ms * 1e-3), forwards, forwards == 1 ? "" : "s",
+               "-", comm_mb, (double)n / (ms * 1e-3), forwards, forwards == 1 ? "" : "s",
                (long long)chunk);
         emit(csv, &r, a.exact ? "cuda-exact-linears" : a.backend);
     }

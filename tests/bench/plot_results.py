@@ -5,7 +5,7 @@ cuda_linear_decode.csv   -> cuda_linear_decode.png: each FP8/FP4 linear at the p
                             fraction of the device-to-device copy bandwidth, per T (graph replays).
 cuda_step.csv            -> cuda_step.png: the decode step of one rank's shard (TP8 x PP2 rank 0) as
                             weight bytes / time against the copy bandwidth, per batch.
-cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's time goes, per op family
+cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's (and a prefill's) time goes, per op family
                             (synchronized per-op times) next to the plain step time.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
@@ -96,7 +96,7 @@ def main():
         ax.set_xticks(range(len(runs)))
         ax.set_xticklabels(runs)
         ax.set_ylabel("ms per step")
-        ax.set_title("Decode step: synchronized per-op time (left) vs plain step (right)")
+        ax.set_title("Decode steps and prefills: synchronized per-op time (left) vs plain run (right)")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(os.path.join(d, "cuda_step_profile.png"), dpi=110)
