@@ -263,7 +263,7 @@ void backend_cuda_free(struct backend *be);
  * (linear_sm80.cu; off). Both are batch invariant: the tensor-core decode (<= 16 rows) and prefill
  * tilings give a row the same bits. The tensor cores add a block's 32 products in their own order,
  * so with them the linears match the CPU backend within the linear bound of src/tolerances.h, not
- * bit for bit; they are 1.4x (8 rows) to 3x (64 rows) faster. Off after backend_cuda_init; the
+ * bit for bit; a decode step is 1.6x (8 rows) to 3.4x (64 rows) faster with them. Off after backend_cuda_init; the
  * engine turns it on unless --exact-linears. */
 void backend_cuda_set_mma(struct backend *be, bool on);
 /* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */

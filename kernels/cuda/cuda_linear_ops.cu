@@ -1,8 +1,10 @@
 /* Dense projections of the SM80 backend: the op-table entries linear, linear_f32, grouped_linear
- * (wo_a) and head. FP8/FP4 weights go to the block-scaled kernels of linear_sm80.cu (through their
- * C interface, in chunks of CUDA_LINEAR_MAX_T rows); BF16 (and F32) weights run here.
+ * (wo_a) and head. FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
+ * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
+ * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
+ * rows); BF16 (and F32) weights run here.
  *
- * Numerics: every output is one sequential fp32 sum over k in k order, starting from +0, with a
+ * Numerics of the kernels here: every output is one sequential fp32 sum over k in k order, starting from +0, with a
  * round-to-nearest product and a round-to-nearest add per term (no FMA: __fmul_rn/__fadd_rn), then
  * one rounding to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for fp32 outputs. That is
  * the CPU backend's order (kernels/cpu/cpu_linear.c), so every op here is bit-identical to it,

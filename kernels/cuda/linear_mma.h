@@ -1,8 +1,9 @@
-/* C interface of the SM80 tensor-core linear (kernels/cuda/linear_mma_sm80.cu): the prefill path
- * (T > 16 rows) of the FP8 / FP4 / BF16 linears, callable from host C (no CUDA headers needed).
+/* C interface of the SM80 tensor-core linear (kernels/cuda/linear_mma_sm80.cu): the default path of
+ * the FP8 / FP4 linears at every T (and a BF16 one), callable from host C (no CUDA headers needed).
  * Pointers are device pointers; shapes and semantics as kernels/backend.h states for `linear`:
  * y[T, n] bf16 = x[T, k] bf16 · Wᵀ, FP8/FP4 with the reference's per-32 FP8 activation
- * quantization and per-k-block scaled partials summed in block order, BF16 as one fp32 sum.
+ * quantization and per-k-block scaled partials summed in block order within fixed k-chunks of
+ * 1,024 values, the chunks in order (BF16: one fp32 sum per chunk).
  * Not bit-identical to the CPU backend: the two mma.sync of a 32-wide k-block sum their products
  * in the tensor core's order (BF16: the whole k sum goes through the mma accumulator), see the
  * top of the .cu file. Batch invariant: an output's roundings depend only on its row of x and

@@ -1,9 +1,10 @@
-/* Tensor-core (mma.sync) linear layers for prefill-sized batches (T > 16) on SM80: FP8 (32x32 tile
+/* Tensor-core (mma.sync) linear layers on SM80, every T (a decode tiling up to 256 rows, a prefill
+ * tiling above; the engine's default, --exact-linears aside): FP8 (32x32 tile
  * scales), FP4 (per-row per-32 scales) and BF16 weights, y[T, n] bf16 = x[T, k] bf16 · Wᵀ. SM80
  * instructions only (mma.sync.m16n8k16 bf16 -> fp32, ldmatrix, cp.async, prmt, fma.bf16x2): no
  * wgmma, TMA or FP8 mma, so the same code runs on SM80/SM86 and, JIT-compiled, on later parts.
  *
- * Two kernels per call:
+ * The kernels of a call:
  *  - mma_act_quant_kernel (FP8/FP4 only): the reference's per-32 FP8 activation quantization with
  *    act_quant_kernel's arithmetic (linear_sm80.cu: amax as a max, power-of-two scale by the
  *    exponent bits, __fdiv_rn, clamp, RNE satfinite e4m3), 4 threads per 32-group. It stores the
@@ -11,7 +12,9 @@
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
- *  - mma_linear_kernel: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
+ *  - mma_decode_kernel (FP8/FP4, T <= 256): see its own comment below;
+ *  - mma_linear_kernel (T > 256, and BF16), one launch per k-chunk: CTA tile 128 (T) x 128 (n) x
+ *    32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
  *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
  *      BF16: 8 warps as 2 (T) x 4 (n), warp tile 64 x 32 (4 x 4 m16n8 fragments), 48 KB of
@@ -27,7 +30,9 @@
  *    FP4 the block's first mma sums k = 8t + {0..3} over t, the second k = 8t + {4..7}: a fixed
  *    set of 16 products each, the same for A and B. Weight scales: FP8's one per warp per block
  *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
- *    blocks ahead by one thread per row and staged as fp32 in shared memory.
+ *    blocks ahead by one thread per row and staged as fp32 in shared memory;
+ *  - mma_chunk_sum_kernel, when k has more than one chunk: the chunks' fp32 partials folded in
+ *    order into y.
  *
  * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
  * call, or on the grid/tile choice: the k split is fixed by k alone, one CTA owns an output over a
