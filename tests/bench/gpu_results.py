@@ -6,7 +6,8 @@ cuda_step_ctx2048.csv, cuda_linear_decode.csv), writes results/cuda_h200.json (t
 the device, every test's summary line, the decode-step rows as fractions of the measured copy
 bandwidth) and redraws the PNGs (plot_results.py).
 
-Usage: gpu_results.py RUN_DIR --commit SHA --command "what ran" [--results results]
+Usage: gpu_results.py RUN --commit SHA --command "what ran" [--results results]
+RUN: the run's directory or its run.tgz (what device_run.sh leaves in $OUT).
 """
 import argparse
 import csv
@@ -16,6 +17,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 
 CSVS = ["cuda_step.csv", "cuda_step_profile.csv", "cuda_step_exact.csv", "cuda_step_ctx2048.csv",
         "cuda_linear_decode.csv"]
@@ -34,6 +37,11 @@ def main():
     ap.add_argument("--command", required=True)
     ap.add_argument("--results", default="results")
     a = ap.parse_args()
+    if os.path.isfile(a.run):  # run.tgz
+        tmp = tempfile.mkdtemp()
+        with tarfile.open(a.run) as t:
+            t.extractall(tmp)
+        a.run = tmp
     for c in CSVS:
         src = os.path.join(a.run, c)
         if os.path.exists(src):

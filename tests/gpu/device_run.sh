@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, carry=["carry"]): set up the carried libraries without
+# On the GPU machine (device tool, carry=["carry/pkg.tgz"]): set up the carried libraries without
 # shadowing the machine's own (a library is linked in only where its soname is missing), then run
-# the steps named in $@ (test, engine, bench, mpi) with every log and result under $OUT.
+# the steps named in $@ (test, engine, bench, nccl, multi) with every log and result in one archive,
+# $OUT/run.tgz (the device tool brings back only a handful of files; tests/bench/gpu_results.py
+# reads the archive), and the summary lines of each step on stdout.
 set -u
 cd "$(dirname "$0")/../.."
 [ -f carry/pkg.tgz ] && tar -C carry -xzf carry/pkg.tgz
@@ -10,7 +12,7 @@ for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*
 export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export DSBATCH=$PWD/carry/gpu/dsbatch GOLDEN=$PWD/carry/golden
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" # loose files until the end (a run cut short still brings them back)
 nvidia-smi -L > "$OUT/device.txt" 2>&1
 ldd carry/gpu/dsbatch | grep "not found" >> "$OUT/device.txt"
 for step in "$@"; do
@@ -32,3 +34,8 @@ for step in "$@"; do
     multi) OUT="$OUT" timeout ${T_MULTI:-590} bash tests/gpu/multi_gpu.sh ;;  # issue #7, 8 GPUs: see its header
   esac
 done
+grep -hE "PASSED|FAILED|FATAL" "$OUT"/test_cuda.txt 2>/dev/null
+grep -hE "^(ok|not ok)" "$OUT"/test_cuda_engine.txt "$OUT"/test_nccl.txt 2>/dev/null
+grep -hE "^(decode|prefill) " "$OUT"/bench.txt 2>/dev/null
+A=$(mktemp -u /tmp/run.XXXXXX.tgz)
+tar -C "$OUT" --exclude=./run.tgz -czf "$A" . && find "$OUT" -mindepth 1 -delete && mv "$A" "$OUT/run.tgz"
