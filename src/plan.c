@@ -116,6 +116,14 @@ static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp) 
  * context-dependent buffers (index scores) take every sequence of the batch at max_seq_len; the
  * attention reads the rings and compressed caches in place (the kv arena), and the chunk's own
  * rows (the "window kv" term) sit in the arena's scratch rows. */
+/* The temporaries of one FP8/FP4 linear call on the GPU's tensor-core path (linear_mma_sm80.cu):
+ * the quantized activations [T, k] bf16 and, with more than one k-chunk of 1,024, the chunks'
+ * fp32 partials [nch, T, n] (the engram projection's are the largest: 6 x T x 25,600 x 4 bytes). */
+static uint64_t lin_tmp(int64_t T, int64_t n, int64_t k) {
+    int64_t nch = (k + 1023) / 1024;
+    return (uint64_t)(T * k * 2) + (nch > 1 ? (uint64_t)(nch * T * n * 4) : 0);
+}
+
 static uint64_t workspace_of(const struct model_config *c, int b, int e, bool first, bool last, int tp,
                              const struct plan_opts *o) {
     int64_t T = o->max_batch_tokens, L = o->max_seq_len, Sb = o->max_seqs < T ? o->max_seqs : T;
@@ -134,6 +142,7 @@ static uint64_t workspace_of(const struct model_config *c, int b, int e, bool fi
         int64_t nk = r->ratio > 0 ? L / r->ratio : 0, kc = r->ratio > 0 ? (c->index_topk < nk ? c->index_topk : nk) : 0;
         /* q_a, q, window kv, attention out, grouped out, gathered groups, wo_b rows; index lists */
         uint64_t attn = (uint64_t)(T * (ql + 2 * Hl * hd + hd + Gl * R + G * R + Dl) * 2 + T * (W + kc) * 4 * 2);
+        attn += u64max(u64max(lin_tmp(T, ql, D), lin_tmp(T, Hl * hd, ql)), u64max(lin_tmp(T, hd, D), lin_tmp(T, D, Gl * R)));
         if (r->owns_compressor) {
             attn += (uint64_t)(T * hd * 2 + T * id * 2);
             if (r->ratio > 1) attn += (uint64_t)(T * hd * 4 * 2 + 2 * (T / r->ratio + Sb) * r->ratio * hd * 4);
@@ -143,7 +152,10 @@ static uint64_t workspace_of(const struct model_config *c, int b, int e, bool fi
                                (r->is_candidate_source ? T * nk : 0));
         int64_t k = r->n_active;
         uint64_t moe = (uint64_t)(T * k * 8 + T * D * 6 + T * k * D * 2 * (1 + (tp > 1 ? tp : 0)));
-        uint64_t engram = r->engram_idx >= 0 ? (uint64_t)(T * C * 8 * 2 + T * C * ehd * 2 + T * (hc + 1) * D * 2) : 0;
+        moe += u64max(lin_tmp(T, c->moe_inter_dim, D), lin_tmp(T, D, c->moe_inter_dim)); /* shared expert */
+        uint64_t engram = r->engram_idx >= 0 ? (uint64_t)(T * C * 8 * 2 + T * C * ehd * 2 + T * (hc + 1) * D * 2) +
+                                                   lin_tmp(T, (hc + 1) * D, C * ehd)
+                                             : 0;
         peak = u64max(peak, u64max(engram, block + u64max(attn, moe)));
     }
     if (last) { /* final hidden, selected rows, fp32 logits (own columns, gathered, host) for every row */
