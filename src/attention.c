@@ -20,9 +20,8 @@
 #define OPS (m->be->ops)
 
 /* every buffer of this file is a temporary its op writes before anything reads it (entries past
- * what an op writes, e.g. index-score columns past a row's keys, are never read): no zero fill */
-static void *tmp(struct model *m, size_t bytes) { return OPS->scratch(m->be, bytes); }
-static void tfree(struct model *m, void *p) { OPS->free(m->be, p); }
+ * what an op writes, e.g. index-score columns past a row's keys, are never read): model_tmp, no
+ * zero fill */
 
 /* Latents emitted by a KV source in this call. */
 struct emitted {
@@ -44,7 +43,7 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
     em->group = ds_malloc(sizeof(int64_t) * (size_t)(T + 1));
     bf16_t *lat;
     if (ratio == 1) {
-        lat = tmp(m, (size_t)T * hd * 2);
+        lat = model_tmp(m, (size_t)T * hd * 2);
         OPS->linear(m->be, lat, x, T, &aw->cmp_wkv);
         for (int i = 0; i < b->n; i++)
             for (int64_t t = 0; t < b->seqs[i].len; t++) {
@@ -52,7 +51,7 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
                 em->group[em->n++] = b->seqs[i].start + t;
             }
     } else {
-        float *kvf = tmp(m, (size_t)T * hd * 4), *scf = tmp(m, (size_t)T * hd * 4);
+        float *kvf = model_tmp(m, (size_t)T * hd * 4), *scf = model_tmp(m, (size_t)T * hd * 4);
         OPS->linear_f32(m->be, kvf, x, T, &aw->cmp_wkv);
         OPS->linear_f32(m->be, scf, x, T, &aw->cmp_wgate);
         /* Every closing group pools its `ratio` fp32 rows: those of this call from kvf/scf, the
@@ -60,8 +59,8 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
          * state takes this call's last row of each group slot, as a token-by-token walk leaves
          * it, so decode steps and prefill chunks pool the same rows. Two batches of copies: the
          * group reads see the state from before this call. */
-        float *gkv = tmp(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
-        float *gsc = tmp(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
+        float *gkv = model_tmp(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
+        float *gsc = model_tmp(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
         size_t rowb = (size_t)hd * 4;
         struct seg_list groups = {0}, state = {0};
         for (int i = 0; i < b->n; i++) {
@@ -89,12 +88,12 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
         seg_flush(m, &state);
         seg_free(&groups);
         seg_free(&state);
-        lat = tmp(m, (size_t)(em->n ? em->n : 1) * hd * 2);
+        lat = model_tmp(m, (size_t)(em->n ? em->n : 1) * hd * 2);
         if (em->n) OPS->compress_pool(m->be, lat, gkv, gsc, em->n, ratio, hd);
-        tfree(m, kvf);
-        tfree(m, scf);
-        tfree(m, gkv);
-        tfree(m, gsc);
+        model_tfree(m, kvf);
+        model_tfree(m, scf);
+        model_tfree(m, gkv);
+        model_tfree(m, gsc);
     }
     if (em->n) OPS->rmsnorm(m->be, lat, lat, aw->cmp_norm, em->n, hd, (float)c->norm_eps);
     return lat;
@@ -104,7 +103,7 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
 static int32_t *latent_positions(struct model *m, const struct emitted *em, int ratio) {
     int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)(em->n + 1));
     for (int64_t i = 0; i < em->n; i++) h[i] = (int32_t)(em->group[i] * ratio);
-    int32_t *d = tmp(m, sizeof(int32_t) * (size_t)(em->n + 1));
+    int32_t *d = model_tmp(m, sizeof(int32_t) * (size_t)(em->n + 1));
     OPS->upload(m->be, d, h, sizeof(int32_t) * (size_t)em->n);
     free(h);
     return d;
@@ -117,7 +116,7 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     const struct attn_weights *aw = &m->w->layers[l].attn;
     struct layer_cache *lc = &m->lc[l];
     int64_t id = c->index_head_dim, rd = c->rope_dim, n = em->n;
-    bf16_t *k = tmp(m, (size_t)n * id * 2);
+    bf16_t *k = model_tmp(m, (size_t)n * id * 2);
     OPS->linear(m->be, k, lat, n, &aw->idx_wk);
     OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps);
     OPS->rope(m->be, k, n, 1, id, id, id - rd, rd, lpos, m->freqs[l], false);
@@ -130,7 +129,7 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     }
     seg_flush(m, &sl);
     seg_free(&sl);
-    tfree(m, k);
+    model_tfree(m, k);
 }
 
 /* Compressed KV: RoPE at the group's first token, FP4 (16, e4m3) QDQ, into the source cache. */
@@ -166,13 +165,13 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         kmax = i64max(kmax, i64min(c->index_topk, nk));
     }
     /* a forward with nothing to select still publishes its (empty) rows for the layers reading them */
-    int32_t *top = tmp(m, sizeof(int32_t) * (size_t)(T * kmax + 1));
+    int32_t *top = model_tmp(m, sizeof(int32_t) * (size_t)(T * kmax + 1));
     b->topk[l] = top;
     b->topk_w[l] = kmax;
     if (kmax == 0) return;
 
-    bf16_t *iq = tmp(m, (size_t)T * ihl * id * 2);
-    bf16_t *wr = tmp(m, (size_t)T * ihl * 2);
+    bf16_t *iq = model_tmp(m, (size_t)T * ihl * id * 2);
+    bf16_t *wr = model_tmp(m, (size_t)T * ihl * 2);
     OPS->linear(m->be, iq, qr, T, &aw->idx_wq_b);
     OPS->rope(m->be, iq, T, ihl, ihl * id, id, id - rd, rd, b->pos, m->freqs[l], false);
     OPS->qdq_fp4_32(m->be, iq, T * ihl * id);
@@ -182,13 +181,13 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
 
     /* every sequence's rows scored into one [T, nk_max] buffer; the selection runs on the backend
      * from per-row parameters, so nothing comes back to the host mid-forward */
-    float *S_d = tmp(m, (size_t)(T * nk_max + 1) * 4);
+    float *S_d = model_tmp(m, (size_t)(T * nk_max + 1) * 4);
     int32_t *vis_h = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
     int32_t *prm = ds_calloc((size_t)(T * TOPK_P_COUNT + 1), sizeof(int32_t));
     for (int i = 0; i < b->n; i++)
         for (int64_t t = 0; t < b->seqs[i].len; t++)
             vis_h[b->row0[i] + t] = (int32_t)((b->seqs[i].start + t + 1) / ratio);
-    int32_t *vis_d = tmp(m, sizeof(int32_t) * (size_t)(T + 1));
+    int32_t *vis_d = model_tmp(m, sizeof(int32_t) * (size_t)(T + 1));
     OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)T);
     /* one index_scores call for the batch: each row names its sequence's key cache and count */
     const bf16_t **krow = ds_calloc((size_t)T + 1, sizeof *krow);
@@ -218,20 +217,20 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
             pr[TOPK_P_VISIBLE] = (int32_t)vis;
         }
     }
-    const bf16_t **krow_d = tmp(m, sizeof *krow * (size_t)T);
-    int32_t *nkrow_d = tmp(m, sizeof(int32_t) * (size_t)T);
+    const bf16_t **krow_d = model_tmp(m, sizeof *krow * (size_t)T);
+    int32_t *nkrow_d = model_tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, krow_d, krow, sizeof *krow * (size_t)T);
     OPS->upload(m->be, nkrow_d, nkrow, sizeof(int32_t) * (size_t)T);
     OPS->index_scores(m->be, S_d, nk_max, iq, ihl * id, NULL, krow_d, nkrow_d, wr, w_scale, vis_d, T, ihl, id, nk_max);
     free(krow);
     free(nkrow);
-    int32_t *prm_d = tmp(m, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
+    int32_t *prm_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
     OPS->upload(m->be, prm_d, prm, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
     const uint8_t *mask = NULL;
     int64_t ld_m = 0;
     if (r->is_candidate_source) {
-        tfree(m, b->cand);
-        b->cand = tmp(m, (size_t)(T * nk_max + 1));
+        model_tfree(m, b->cand);
+        b->cand = model_tmp(m, (size_t)(T * nk_max + 1));
         b->cand_w = nk_max;
         OPS->cand_mask(m->be, b->cand, nk_max, S_d, nk_max, prm_d, T, c->candidate_topk_blocks,
                        c->candidate_block_size);
@@ -242,13 +241,13 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
     OPS->index_topk(m->be, top, kmax, S_d, nk_max, prm_d, mask, ld_m, T);
     free(prm);
     free(vis_h);
-    tfree(m, prm_d);
-    tfree(m, krow_d);
-    tfree(m, nkrow_d);
-    tfree(m, vis_d);
-    tfree(m, S_d);
-    tfree(m, iq);
-    tfree(m, wr);
+    model_tfree(m, prm_d);
+    model_tfree(m, krow_d);
+    model_tfree(m, nkrow_d);
+    model_tfree(m, vis_d);
+    model_tfree(m, S_d);
+    model_tfree(m, iq);
+    model_tfree(m, wr);
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *out,
@@ -260,8 +259,8 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     int64_t Hl = aw->wq_b.n / hd;
     float eps = (float)c->norm_eps;
 
-    bf16_t *qr = tmp(m, (size_t)T * ql * 2);
-    bf16_t *q = tmp(m, (size_t)T * Hl * hd * 2);
+    bf16_t *qr = model_tmp(m, (size_t)T * ql * 2);
+    bf16_t *q = model_tmp(m, (size_t)T * Hl * hd * 2);
     bf16_t *kv = m->kv + m->kv_cache_rows * hd; /* [T, hd]: the arena's scratch rows (model_kv_reserve) */
     OPS->linear(m->be, qr, x, T, &aw->wq_a);
     OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
@@ -281,9 +280,9 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
             int32_t *lpos = latent_positions(m, &em, r->ratio);
             if (r->owns_index_keys) write_index_keys(m, l, b, lat, &em, lpos);
             write_compressed_kv(m, l, b, lat, &em, lpos);
-            tfree(m, lpos);
+            model_tfree(m, lpos);
         }
-        tfree(m, lat);
+        model_tfree(m, lat);
         free(em.chunk);
         free(em.group);
     }
@@ -350,39 +349,39 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
             seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, (size_t)hd * 2);
         }
     }
-    int32_t *idx_d = tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
+    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
     OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx));
     if (kc) {
-        int32_t *at_d = tmp(m, sizeof(int32_t) * (size_t)(2 * T));
+        int32_t *at_d = model_tmp(m, sizeof(int32_t) * (size_t)(2 * T));
         OPS->upload(m->be, at_d, at, sizeof(int32_t) * (size_t)(2 * T));
         OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, at_d, T, kc);
-        tfree(m, at_d);
+        model_tfree(m, at_d);
     }
     free(at);
-    bf16_t *o = tmp(m, (size_t)T * Hl * hd * 2);
+    bf16_t *o = model_tmp(m, (size_t)T * Hl * hd * 2);
     float scale = (float)pow((double)hd, -0.5);
     OPS->sparse_attn(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
     seg_flush(m, &ring);
     seg_free(&ring);
     OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
     int64_t Gl = aw->wo_a.n / c->o_lora_rank;
-    bf16_t *u = tmp(m, (size_t)T * aw->wo_a.n * 2);
+    bf16_t *u = model_tmp(m, (size_t)T * aw->wo_a.n * 2);
     OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
     /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b */
     int64_t K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
-    bf16_t *uf = tmp(m, (size_t)(T * K) * 2), *ol = tmp(m, (size_t)(T * Dl) * 2);
+    bf16_t *uf = model_tmp(m, (size_t)(T * K) * 2), *ol = model_tmp(m, (size_t)(T * Dl) * 2);
     model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
     OPS->linear(m->be, ol, uf, T, &aw->wo_b);
     model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
-    tfree(m, uf);
-    tfree(m, ol);
+    model_tfree(m, uf);
+    model_tfree(m, ol);
 
     free(nw);
     free(idx);
-    tfree(m, idx_d);
-    tfree(m, o);
-    tfree(m, u);
-    tfree(m, qr);
-    tfree(m, q);
+    model_tfree(m, idx_d);
+    model_tfree(m, o);
+    model_tfree(m, u);
+    model_tfree(m, qr);
+    model_tfree(m, q);
     return 0;
 }

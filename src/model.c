@@ -47,11 +47,6 @@ struct engine_opts engine_opts_default(const struct model_config *cfg) {
 }
 
 static void *balloc(struct model *m, size_t bytes) { return OPS->alloc(m->be, bytes); }
-/* A forward's temporary that its producer writes whole before it is read: no zero fill. */
-static void *tmp(struct model *m, size_t bytes) { return OPS->scratch(m->be, bytes); }
-static void bfree(struct model *m, void *p) {
-    if (p) OPS->free(m->be, p);
-}
 
 /* A weight the backend cannot take is a bug or a resource limit, never a state to run on. */
 static void prep_weight(struct backend *be, struct qweight *w, bool dequant_bf16) {
@@ -127,7 +122,7 @@ static int model_kv_reserve(struct model *m, int64_t T) {
     size_t rb = (size_t)m->cfg->head_dim * 2;
     bf16_t *kv = balloc(m, (size_t)want * rb);
     OPS->copy(m->be, kv, m->kv, (size_t)m->kv_cache_rows * rb);
-    bfree(m, m->kv);
+    model_tfree(m, m->kv);
     m->kv = kv;
     m->kv_rows = want;
     model_kv_place(m);
@@ -267,14 +262,14 @@ void model_free(struct model *m) {
     const struct model_config *c = m->cfg;
     int total = config_total_layers(c);
     for (int l = 0; l < total; l++) {
-        bfree(m, m->freqs[l]);
-        bfree(m, m->engram_w[l]);
+        model_tfree(m, m->freqs[l]);
+        model_tfree(m, m->engram_w[l]);
     }
     for (int l = 0; l < c->n_layers; l++) {
         struct layer_cache *lc = &m->lc[l];
-        bfree(m, lc->kidx);
-        bfree(m, lc->cmp_kv);
-        bfree(m, lc->cmp_sc);
+        model_tfree(m, lc->kidx);
+        model_tfree(m, lc->cmp_kv);
+        model_tfree(m, lc->cmp_sc);
         struct layer_weights *lw = &m->w->layers[l];
         if (!lw->present) continue;
         const struct layer_role *r = &c->role[l];
@@ -302,7 +297,7 @@ void model_free(struct model *m) {
         m->be->ops->tensor_release(m->be, *m->prep_field[i]);
         *m->prep_field[i] = m->prep_host[i];
     }
-    bfree(m, m->kv);
+    model_tfree(m, m->kv);
     free(m->prep_field);
     free(m->prep_host);
     for (int s = 0; s < m->opt.max_seqs; s++) free(m->slots[s].hist);
@@ -340,10 +335,10 @@ void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T
         OPS->copy(m->be, dst, src, row_bytes * (size_t)T);
         return;
     }
-    void *all = tmp(m, row_bytes * (size_t)T * (size_t)m->tp_size);
+    void *all = model_tmp(m, row_bytes * (size_t)T * (size_t)m->tp_size);
     m->opt.tp->ops->allgather(m->opt.tp, src, all, row_bytes * (size_t)T, what);
     OPS->interleave(m->be, dst, all, m->tp_size, T, row_bytes);
-    bfree(m, all);
+    model_tfree(m, all);
 }
 
 /* key sync wire format: int32 n_seq, then per sequence (slot, publishing layer or -1); int32 n_rows,
@@ -398,7 +393,7 @@ void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, u
     /* this stage's new key rows: gathered on the backend by one copy_segs, then one download (a
      * download waits for the device: once per forward, not once per row) */
     size_t rb = (size_t)id * 2, nnew = (size_t)(nrows - up_rows), first = ol;
-    bf16_t *g = nnew ? tmp(m, nnew * rb) : NULL;
+    bf16_t *g = nnew ? model_tmp(m, nnew * rb) : NULL;
     struct seg_list sl = {0};
     for (int i = 0; i < n; i++)
         for (int l = 0; l < c->n_layers; l++) {
@@ -418,7 +413,7 @@ void model_key_sync_append(struct model *m, const struct fwd_seq *seqs, int n, u
         OPS->download(m->be, h, g, nnew * rb);
         for (size_t q = 0; q < nnew; q++) memcpy(out + first + q * row_bytes + 12, h + q * rb, rb);
         free(h);
-        bfree(m, g);
+        model_tfree(m, g);
     }
     seg_free(&sl);
     free(up);
@@ -443,7 +438,7 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len) {
     /* the mirrored rows: one upload of all of them, then one copy_segs into the caches */
     size_t rb = (size_t)id * 2;
     uint8_t *h = ds_malloc((size_t)nrows * rb + 1);
-    bf16_t *g = nrows ? tmp(m, (size_t)nrows * rb) : NULL;
+    bf16_t *g = nrows ? model_tmp(m, (size_t)nrows * rb) : NULL;
     struct seg_list sl = {0};
     int32_t kept = 0;
     int rc = 0;
@@ -472,7 +467,7 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len) {
         seg_flush(m, &sl);
     }
     seg_free(&sl);
-    bfree(m, g);
+    model_tfree(m, g);
     free(h);
     return rc;
 }
@@ -506,15 +501,15 @@ static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const st
             engram_hash_position(m->ec, li, m->slots[s->slot].hist, s->start + t, ids + (b->row0[i] + t) * C);
     }
     if (hooks && hooks->engram_ids) hooks->engram_ids(hooks->ctx, l, ids, T, C);
-    int64_t *ids_d = tmp(m, sizeof(int64_t) * (size_t)(T * C));
+    int64_t *ids_d = model_tmp(m, sizeof(int64_t) * (size_t)(T * C));
     OPS->upload(m->be, ids_d, ids, sizeof(int64_t) * (size_t)(T * C));
-    bf16_t *rows = tmp(m, (size_t)(T * C * hd) * 2);
+    bf16_t *rows = model_tmp(m, (size_t)(T * C * hd) * 2);
     OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
     /* row-split table: exactly one rank holds each row, the others add zeros (exact) */
     if (m->tp_size > 1 && ew->rows_local < ew->rows)
         m->opt.tp->ops->allreduce_sum(m->opt.tp, rows, (size_t)(T * C * hd), COMM_BF16, "engram rows");
     free(ids);
-    bfree(m, ids_d);
+    model_tfree(m, ids_d);
     return rows;
 }
 
@@ -523,10 +518,10 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     const struct model_config *c = m->cfg;
     const struct engram_weights *ew = &m->w->layers[l].engram;
     int64_t T = b->T, D = c->dim, hc = c->hc_mult;
-    bf16_t *kv = tmp(m, (size_t)(T * (hc + 1) * D) * 2);
+    bf16_t *kv = model_tmp(m, (size_t)(T * (hc + 1) * D) * 2);
     OPS->linear(m->be, kv, rows, T, &ew->wkv);
     OPS->engram_gate(m->be, X, kv, m->engram_w[l], T, hc, D, (float)c->norm_eps);
-    bfree(m, kv);
+    model_tfree(m, kv);
 }
 
 /* MoE (§3.10): router, routed experts in ascending id order into fp32, shared expert, bf16. */
@@ -535,11 +530,11 @@ static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
     const struct layer_role *r = &c->role[l];
     int64_t T = b->T, D = c->dim, k = r->n_active;
-    int32_t *idx = tmp(m, sizeof(int32_t) * (size_t)(T * k));
-    float *wts = tmp(m, sizeof(float) * (size_t)(T * k));
+    int32_t *idx = model_tmp(m, sizeof(int32_t) * (size_t)(T * k));
+    float *wts = model_tmp(m, sizeof(float) * (size_t)(T * k));
     /* acc is summed into (zero fill needed); y keeps the slots of other ranks' experts untouched */
     float *acc = balloc(m, sizeof(float) * (size_t)(T * D));
-    bf16_t *sh = tmp(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
+    bf16_t *sh = model_tmp(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
     OPS->moe_experts(m->be, y, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
@@ -548,18 +543,18 @@ static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x
      * ascending expert id, the single-rank order */
     bf16_t *all = y;
     if (m->tp_size > 1) {
-        all = tmp(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
+        all = model_tmp(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
         m->opt.tp->ops->allgather(m->opt.tp, y, all, (size_t)(T * k * D) * 2, "moe experts");
     }
     OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
-    if (all != y) bfree(m, all);
-    bfree(m, y);
+    if (all != y) model_tfree(m, all);
+    model_tfree(m, y);
     OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
     OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
-    bfree(m, idx);
-    bfree(m, wts);
-    bfree(m, acc);
-    bfree(m, sh);
+    model_tfree(m, idx);
+    model_tfree(m, wts);
+    model_tfree(m, acc);
+    model_tfree(m, sh);
 }
 
 static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, bf16_t **Xtmp, float *P,
@@ -569,9 +564,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, b
     int64_t T = b->T, D = c->dim, hc = c->hc_mult;
     float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
     bf16_t *X = *Xp, *X1 = *Xtmp;
-    float *apre = tmp(m, sizeof(float) * (size_t)(T * hc)), *post = tmp(m, sizeof(float) * (size_t)(T * hc));
-    float *comb = tmp(m, sizeof(float) * (size_t)(T * hc * hc));
-    bf16_t *y = tmp(m, (size_t)(T * D) * 2), *o = tmp(m, (size_t)(T * D) * 2);
+    float *apre = model_tmp(m, sizeof(float) * (size_t)(T * hc));
+    float *post = model_tmp(m, sizeof(float) * (size_t)(T * hc));
+    float *comb = model_tmp(m, sizeof(float) * (size_t)(T * hc * hc));
+    bf16_t *y = model_tmp(m, (size_t)(T * D) * 2), *o = model_tmp(m, (size_t)(T * D) * 2);
 
     OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
                   c->hc_sinkhorn_iters, eps, hc_eps);
@@ -588,11 +584,11 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, b
         moe_forward(m, l, b, y, o);
         OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
     }
-    bfree(m, apre);
-    bfree(m, post);
-    bfree(m, comb);
-    bfree(m, y);
-    bfree(m, o);
+    model_tfree(m, apre);
+    model_tfree(m, post);
+    model_tfree(m, comb);
+    model_tfree(m, y);
+    model_tfree(m, o);
     return rc;
 }
 
@@ -663,16 +659,16 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
         }
-    b.pos = tmp(m, sizeof(int32_t) * (size_t)T);
+    b.pos = model_tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
     b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
 
-    int32_t *tok_d = tmp(m, sizeof(int32_t) * (size_t)T);
+    int32_t *tok_d = model_tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, tok_d, tok, sizeof(int32_t) * (size_t)T);
-    bf16_t *e = tmp(m, (size_t)(T * D) * 2);
-    bf16_t *X = tmp(m, (size_t)(T * hc * D) * 2), *X1 = tmp(m, (size_t)(T * hc * D) * 2);
-    float *P = tmp(m, sizeof(float) * (size_t)(T * hc));
+    bf16_t *e = model_tmp(m, (size_t)(T * D) * 2);
+    bf16_t *X = model_tmp(m, (size_t)(T * hc * D) * 2), *X1 = model_tmp(m, (size_t)(T * hc * D) * 2);
+    float *P = model_tmp(m, sizeof(float) * (size_t)(T * hc));
     if (first) {
         OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
         /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
@@ -702,7 +698,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     if (rc == 0 && last) {
         /* final collapse with the last FFN pre, norm, fp32 head over the rows asked for */
         int64_t R = model_logits_rows(seqs, n);
-        bf16_t *h = tmp(m, (size_t)(T * D) * 2), *hr = tmp(m, (size_t)(R * D) * 2);
+        bf16_t *h = model_tmp(m, (size_t)(T * D) * 2), *hr = model_tmp(m, (size_t)(R * D) * 2);
         OPS->hc_collapse(m->be, h, X, P, T, hc, D);
         OPS->rmsnorm(m->be, h, h, m->w->norm, T, D, (float)c->norm_eps);
         if (hooks && hooks->final_hidden) hooks->final_hidden(hooks->ctx, h, T);
@@ -719,33 +715,34 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        float *lg = tmp(m, sizeof(float) * (size_t)(R * Vl)), *full = tmp(m, sizeof(float) * (size_t)(R * V));
+        float *lg = model_tmp(m, sizeof(float) * (size_t)(R * Vl));
+        float *full = model_tmp(m, sizeof(float) * (size_t)(R * V));
         OPS->head(m->be, lg, hr, R, &m->w->head);
         model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
         OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));
-        bfree(m, lg);
-        bfree(m, full);
-        bfree(m, h);
-        bfree(m, hr);
+        model_tfree(m, lg);
+        model_tfree(m, full);
+        model_tfree(m, h);
+        model_tfree(m, hr);
     }
     if (rc == 0)
         for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
     for (int l = 0; l < c->n_layers; l++) {
-        bfree(m, b.topk[l]);
-        bfree(m, erows[l]);
+        model_tfree(m, b.topk[l]);
+        model_tfree(m, erows[l]);
     }
     free(erows);
     free(b.topk);
     free(b.topk_w);
-    bfree(m, b.cand);
+    model_tfree(m, b.cand);
     free(b.row0);
     free(b.pos_h);
     free(tok);
-    bfree(m, b.pos);
-    bfree(m, tok_d);
-    bfree(m, e);
-    bfree(m, X);
-    bfree(m, X1);
-    bfree(m, P);
+    model_tfree(m, b.pos);
+    model_tfree(m, tok_d);
+    model_tfree(m, e);
+    model_tfree(m, X);
+    model_tfree(m, X1);
+    model_tfree(m, P);
     return rc;
 }

@@ -66,6 +66,14 @@ struct batch {
     int64_t cand_w;
 };
 
+/* A forward's temporary that its producer writes whole before anything reads it: backend scratch,
+ * no zero fill (the CPU backend poisons it, so a read of anything unwritten fails the tests). */
+static inline void *model_tmp(struct model *m, size_t bytes) { return m->be->ops->scratch(m->be, bytes); }
+/* Frees a temporary or an alloc'ed buffer; NULL is allowed. */
+static inline void model_tfree(struct model *m, void *p) {
+    if (p) m->be->ops->free(m->be, p);
+}
+
 /* A batch of independent device copies for be->ops->copy_segs: a forward moves rows between
  * caches and scratch per sequence, and one call per batch (not per row) keeps the host's work per
  * step independent of the batch size. Adjacent rows merge into one segment. */
