@@ -4,9 +4,10 @@
  * waits except download and sync, so the host runs ahead of the GPU until the model needs a value.
  * Activations come from the stream-ordered pool (cudaMallocAsync with an unbounded release
  * threshold) through a host-side free list by size (cuda_be_scratch): the forward allocates and
- * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are copied once, compactly,
- * into device memory by weight_prepare (TP slices arrive as strided views into the checkpoint
- * mapping); the original description is parked in be_priv so release restores it exactly.
+ * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are
+ * copied once, compactly, into device memory by weight_prepare (TP slices arrive as strided
+ * views into the checkpoint mapping); the original description is parked in be_priv so release
+ * restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
  * as mapped pinned memory and read by the kernels over the bus. */
 #include <stdio.h>

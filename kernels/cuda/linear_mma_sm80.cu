@@ -478,23 +478,22 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
  * stages. Measured on the H200 before the chunks: 1, 2 or 4 warps per CTA and 4, 8 or 16 blocks per
  * stage all took ~27 µs for [1280, 5120], the time of one CTA's walk over k. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall on distinct
  * banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart mod 128). */
-constexpr int DW = 2;       /* warps per CTA (the default tiling) */
+constexpr int DW = 2;       /* warps per CTA */
 /* calls of up to this many rows take the decode tiling (one m16 tile per CTA, grid z over the
  * tiles: the weights are re-read from L2 per tile); the 128 x 128 prefill tile above it */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
 constexpr int DKB = 8;      /* k-blocks per stage */
 
-template <int F, int MR, int DW_ = DW, int DKB_ = DKB> struct dcfg {
-    static constexpr int NWARP = DW_, KB = DKB_;
-    static constexpr int BN = 8 * NWARP, THREADS = 32 * NWARP;
+template <int F, int MR> struct dcfg {
+    static constexpr int BN = 8 * DW, THREADS = 32 * DW;
     static constexpr int B_ROW = F == K_FP8 ? 32 : 16;
-    static constexpr int B_LD = KB * B_ROW + (F == K_FP8 ? 32 : 16);
-    static constexpr int A_LD = KB * 64 + 16;
+    static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16);
+    static constexpr int A_LD = DKB * 64 + 16;
     static constexpr int A_BYTES = MR * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * KCH;
     static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
-    static constexpr int A_CHUNKS = MR * KB * 4, B_CHUNKS = BN * KB * B_ROW / 16;
+    static constexpr int A_CHUNKS = MR * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
     static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16), "decode tile");
 };
 
@@ -504,13 +503,13 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
-template <int F, int MR, int NW_, int KB_>
-__global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
+template <int F, int MR>
+__global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store) {
-    using C = dcfg<F, MR, NW_, KB_>;
-    constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::KB;
+    using C = dcfg<F, MR>;
+    constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
     __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -647,14 +646,14 @@ __global__ void __launch_bounds__(dcfg<F, MR, NW_, KB_>::THREADS)
     }
 }
 
-template <int F, int MR, int NW_ = DW, int KB_ = DKB>
+template <int F, int MR>
 void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
                    const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
-    using C = dcfg<F, MR, NW_, KB_>;
+    using C = dcfg<F, MR>;
     const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + 15) / 16;
     if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
-    mma_decode_kernel<F, MR, NW_, KB_>
+    mma_decode_kernel<F, MR>
         <<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(y, part, a, w, s, T, n,
                                                                                              k, ld_b, s_ld, pair);
 }
