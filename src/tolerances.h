@@ -89,7 +89,8 @@
 #define TOL_GPU_ELEMENTWISE_EXACT 0
 
 /* linear (FP8, FP4, BF16) and grouped_linear, bf16 out: only the order of the k-sum may differ
- * (a fixed warp-shuffle tree over per-lane k-block partials, or the MMA's internal order), the
+ * (a fixed warp-shuffle tree over per-lane k-block partials, or the MMA's internal order within
+ * fixed k-chunks of 1,024 added in order: linear_mma_sm80.cu; the bound holds for any order), the
  * activation quantization is exact (act_quant is deterministic), and the scalings by s_x·s_w are
  * powers of two (exact). Terms t_i = x̂_i·ŵ_i over the whole k (x̂ the dequantized activation, ŵ the
  * dequantized weight); both fp32 accumulators are within the sum bound of Σ t, then each is rounded
@@ -119,7 +120,8 @@
 #define TOL_GPU_ROPE_ATOL_U 10.0
 #define TOL_GPU_ROPE_OUT_ULPS 1
 
-/* hc_mixes (fp32 out): m = (Σ x·fn)·r is a sum of hc·D terms (bound above, with Σ|x·fn|·r) times
+/* hc_mixes (fp32 out): m = (Σ x·fn)·r is a sum of hc·D terms (both backends in the same segmented
+ * order, BE_HC_MIX_SEG; the bound, with Σ|x·fn|·r, holds for any order) times
  * the normalizing scale (the rmsnorm bound); z = m·scale + base adds 2u per backend. pre/post =
  * sigmoid(z) (+ eps): the slope of sigmoid on [z − Δz, z + Δz] times Δz, plus expf's ulps (both
  * backends) and the add/divide (2u each). comb = split_sinkhorn's 2·iters normalization steps: each
