@@ -5,9 +5,10 @@
  * wgmma, TMA or FP8 mma, so the same code runs on SM80/SM86 and, JIT-compiled, on later parts.
  *
  * The kernels of a call:
- *  - mma_act_quant_kernel (FP8/FP4 only): the reference's per-32 FP8 activation quantization with
- *    act_quant_kernel's arithmetic (linear_sm80.cu: amax as a max, power-of-two scale by the
- *    exponent bits, __fdiv_rn, clamp, RNE satfinite e4m3), 4 threads per 32-group. It stores the
+ *  - mma_act_quant_kernel (FP8/FP4 only; in mma_sm80.cuh with the other shared primitives): the
+ *    reference's per-32 FP8 activation quantization with act_quant_kernel's arithmetic
+ *    (linear_sm80.cu: amax as a max, power-of-two scale by the exponent bits, __fdiv_rn, clamp,
+ *    RNE satfinite e4m3), 4 threads per 32-group. It stores the
  *    dequantized value q·s_x as bf16 in the workspace ([T, k] bf16): q has at most 4 significant
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
@@ -63,15 +64,14 @@
  *    none: the reference quantizer saturates at ±448). NaN scales propagate as in the reference.
  */
 #include "backend.h"
-#include "cuda_common.cuh"
 #include "linear_mma.h"
+#include "mma_sm80.cuh"
 
 namespace {
 
 constexpr int BM = 128;    /* rows of x (T) per CTA */
 constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
 constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
-constexpr int KCH = 32;    /* k-blocks per k-chunk: the fixed split of every output's sum (order contract) */
 
 enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
 
@@ -94,128 +94,6 @@ template <int F, int WM_, int WN_, int NJ_, int MINB_> struct cfg {
     static_assert(SMEM <= 48 * 1024, "tile exceeds 48 KB of shared memory (SM86)");
     static_assert(MT * 16 * WM == BM && THREADS >= S_N && 32 % WNC == 0, "tile shape");
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy global -> shared; valid == false zero-fills the 16 bytes (src is not read). */
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-/* d = A(16x16, row) · B(16x8, col) + c, bf16 inputs, fp32 accumulation. */
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1, float c0, float c1, float c2, float c3) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
-}
-
-/* e8m0 byte -> fp32 exactly as ds_e8m0 (255 = NaN, 0 = 2^-127), without branches; 0x100 (not a
- * byte: a missing row) -> 0. */
-__device__ __forceinline__ float e8m0f(uint32_t b) {
-    uint32_t bits = b << 23;
-    bits = b == 0u ? 0x00400000u : bits;
-    bits = b == 255u ? 0x7fc00000u : bits;
-    bits = b > 255u ? 0u : bits;
-    return __uint_as_float(bits);
-}
-
-/* Four 8x8 b16 matrices from shared memory: lane L gives the address of row L % 8 of matrix L / 8
- * (16 contiguous bytes); register j receives row (lane / 4), elements 2 (lane % 4) + {0, 1} of
- * matrix j. */
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-/* bf16x2 a·b + c, round to nearest (subnormal inputs and results are kept). */
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-/* Two e4m3 bytes of u (chosen by sel: 0x1404 = bytes 0,1; 0x3424 = bytes 2,3) -> bf16x2 (lower
- * byte in the low half). prmt puts each byte in the high byte of its 16-bit lane; the 7 magnitude
- * bits move to bf16 bits 4..10 (exponent field = the e4m3 exponent, top 3 mantissa bits = its
- * mantissa) and the sign stays at bit 15, which is the value times 2^-120 for normals and
- * subnormals alike (an e4m3 subnormal m·2^-9 lands on the bf16 subnormal m·2^-129); the bf16
- * multiply by 2^120 (0x7B80) is then exact. -0 as the addend keeps the sign of zeros. */
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t u, uint32_t sel) {
-    uint32_t p = __byte_perm(u, 0u, sel);
-    uint32_t r = ((p >> 4) & 0x07f007f0u) | (p & 0x80008000u);
-    return fma_bf16x2(r, 0x7B807B80u, 0x80008000u);
-}
-
-/* Eight e2m1 codes (one 32-bit word, byte i = codes 2i (low nibble) and 2i+1 (high)) -> four
- * bf16x2 (code 2i in the low half of out[i]). Each code is put in the top nibble of its 16-bit
- * lane (sign at bit 15), the 3 magnitude bits move to bits 6..8 (exponent field = e, top mantissa
- * bit = m): the value times 2^-126 (code 1 = 0.5 lands on the bf16 subnormal 2^-127), then an exact
- * multiply by 2^126 (0x7E80). */
-__device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t u, uint32_t (&out)[4]) {
-    const uint32_t u4 = u << 4; /* code 2i in the high nibble of byte i */
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        /* byte 1 = u4 byte i (code 2i on top), byte 3 = u byte i (code 2i+1 on top); bytes 0 and 2
-         * only feed bits the masks drop */
-        const uint32_t sel = (uint32_t)(((4 + i) << 12) | (i << 8) | (i << 4) | i);
-        uint32_t p = __byte_perm(u4, u, sel);
-        uint32_t r = ((p >> 6) & 0x01c001c0u) | (p & 0x80008000u);
-        out[i] = fma_bf16x2(r, 0x7E807E80u, 0x80008000u);
-    }
-}
-
-/* ---------------------------------------------------------------------------------------------
- * Activation quantization: 4 threads per 32-value group, 8 values (16 bytes) per thread. The
- * group amax is a max (exact in any order), so every thread derives act_quant_kernel's scale. */
-__global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 *__restrict__ x,
-                                                            __nv_bfloat16 *__restrict__ xq, int64_t n8) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool ok = i < n8; /* n8 is a multiple of 4, so a group is all in or all out */
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (ok) raw = __ldg(reinterpret_cast<const uint4 *>(x) + i);
-    const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
-    float v[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = __uint_as_float(((wd[j / 2] >> (16 * (j % 2))) & 0xffffu) << 16);
-    float amax = fabsf(v[0]);
-#pragma unroll
-    for (int j = 1; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, 1e-4f);
-    /* 2^ceil(log2(amax / 448)) by the exponent bits, as the reference's fast_round_scale */
-    float t = __fmul_rn(amax, 1.0f / 448.0f);
-    int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
-    float sc = __int_as_float((e + 127) << 23);
-    uint32_t o[4];
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-        uint32_t h[2];
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            float r = fminf(fmaxf(__fdiv_rn(v[j + q], sc), -448.0f), 448.0f);
-            __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
-            __nv_bfloat16 b = __float2bfloat16_rn(__fmul_rn(ds_e4m3((uint8_t)c), sc));
-            h[q] = (uint32_t)__bfloat16_as_ushort(b);
-        }
-        o[j / 2] = h[0] | (h[1] << 16);
-    }
-    /* k-permuted store (see the top of the file): value pair c of this thread (k = 8t' + 2c + {0,1}
-     * of the group, t' = i % 4) goes to group word 4c + t' */
-    if (ok) {
-        uint32_t *dst = reinterpret_cast<uint32_t *>(xq) + (i >> 2) * 16 + (i & 3);
-#pragma unroll
-        for (int c = 0; c < 4; c++) dst[4 * c] = o[c];
-    }
-}
 
 /* ---------------------------------------------------------------------------------------------
  * The GEMM. a: [T, k] bf16 (the k-permuted quantized activations for FP8/FP4, x itself for BF16);
@@ -497,11 +375,6 @@ template <int F, int MR> struct dcfg {
     static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16), "decode tile");
 };
 
-/* Two 8x8 b16 matrices (lanes 0-15 give the row addresses): r[0] from lanes 0-7's rows, r[1] from
- * lanes 8-15's. */
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
 
 template <int F, int MR>
 __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
@@ -680,6 +553,12 @@ extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t 
 
 extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s,
                                 int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream) {
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
+}
+
+extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
+                                       const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
+                                       void *stream) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
     if (T <= 0 || n <= 0) return;
@@ -714,7 +593,10 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant ? act_bytes(T, k) : 0)) : NULL;
-    if (quant && T <= MMA_DECODE_MAX_T) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
+    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
+    if (tiling == CUDA_MMA_DECODE && (!quant || T > MMA_DECODE_MAX_T))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes FP8/FP4 and T <= 256");
+    if (quant && decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_FP8) {
             if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);

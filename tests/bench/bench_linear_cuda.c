@@ -2,8 +2,8 @@
  * First the ceiling: device-to-device copy bandwidth (cudaMemcpyDeviceToDevice of 1 GiB, bytes
  * read + written / time). Then each TP8 per-rank V4.1-Flash decode shape at T = 1, 8, 16, 64, 256, on
  * both paths — exact (linear_sm80.cu, the CPU's k order, 16 rows per launch as cuda_op_linear
- * chunks them) and mma (linear_mma_sm80.cu: the decode tiling up to 256 rows, the prefill tiling
- * above): the kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
+ * chunks them), mma (linear_mma_sm80.cu: the decode tiling up to 256 rows, the prefill tiling
+ * above) and mma128 (the prefill tiling forced at T >= 16: which tiling a T should take): the kernel's weight+scale+activation bytes / time, as a fraction of the copy bandwidth. Weights
  * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
  * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup,
  * both as plain launches (host launch overhead included) and replayed from a CUDA graph of one
@@ -30,8 +30,9 @@
 /* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
-    if (mma) {
-        cuda_linear_mma(fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
+    if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T */
+        cuda_linear_mma_tiling(mma == 2 ? CUDA_MMA_PREFILL : CUDA_MMA_AUTO, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k,
+                               ld, s_ld, ws, st);
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
@@ -85,12 +86,13 @@ int main(int argc, char **argv) {
                   {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
                   {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
     const int64_t Ts[] = {1, 8, 16, 64, 256};
-    for (int mma = 0; mma < 2; mma++)
+    for (int mma = 0; mma < 3; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
-            const char *pname = mma ? "mma" : "exact";
+            const char *pname = mma == 2 ? "mma128" : mma ? "mma" : "exact";
             int fp4 = shapes[si].fp4;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
+            if (mma == 2 && T < 16) continue; /* the prefill tiling at decode sizes: T = 16, 64, 256 */
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
             size_t wb = (size_t)(n * ld), sb = (size_t)(s_rows * s_ld);
             int copies = (int)(4.0 * prop.l2CacheSize / (double)(wb + sb)) + 2;
