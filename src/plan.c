@@ -19,6 +19,7 @@
 
 #include "cli.h"
 #include "config.h"
+#include "cuda/moe_mma.h"
 #include "engine_cli.h"
 #include "engram_service.h"
 #include "loader.h"
@@ -152,7 +153,9 @@ static uint64_t workspace_of(const struct model_config *c, int b, int e, bool fi
                                (r->is_candidate_source ? T * nk : 0));
         int64_t k = r->n_active;
         uint64_t moe = (uint64_t)(T * k * 8 + T * D * 6 + T * k * D * 2 * (1 + (tp > 1 ? tp : 0)));
-        moe += u64max(lin_tmp(T, c->moe_inter_dim, D), lin_tmp(T, D, c->moe_inter_dim)); /* shared expert */
+        /* the shared expert's linears, or the routed experts' tensor-core passes (moe_mma.h) */
+        moe += u64max(u64max(lin_tmp(T, c->moe_inter_dim, D), lin_tmp(T, D, c->moe_inter_dim)),
+                      (uint64_t)moe_mma_workspace_bytes(T, k, (r->n_experts + tp - 1) / tp, D, c->moe_inter_dim, D));
         uint64_t engram = r->engram_idx >= 0 ? (uint64_t)(T * C * 8 * 2 + T * C * ehd * 2 + T * (hc + 1) * D * 2) +
                                                    lin_tmp(T, (hc + 1) * D, C * ehd)
                                              : 0;

@@ -174,7 +174,9 @@
  * the interval for the GPU's own selection (k-term sum, divide, route_scale). */
 #define TOL_GPU_ROUTER_NEAR_TIE_SWAPS 1
 
-/* moe_experts, shared_expert: g = bf16(x̂·w1ᵀ), u = bf16(x̂·w3ᵀ) by the linear bound (either can flip
+/* moe_experts, shared_expert (either path: the exact kernels, or the tensor cores, whose sums are
+ * the tensor-core linears' and so within the same order-free linear bound):
+ * g = bf16(x̂·w1ᵀ), u = bf16(x̂·w3ᵀ) by the linear bound (either can flip
  * one bf16 ulp), clamps (monotone), silu (not monotone: its exact range over the interval), expf ulps,
  * the products by u and the routing weight, bf16(h) (another flip), then h's activation
  * quantization for w2: a flipped h can move its e4m3 code by one step and, if it is the block's

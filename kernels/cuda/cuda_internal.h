@@ -90,4 +90,10 @@ void cuda_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const 
 void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                            const struct qweight *w3, const struct qweight *w2, float limit);
 
+/* ---- moe_mma_sm80.cu: moe_experts on the tensor cores (cuda_op_moe_experts calls it when the mma
+ * switch is on, after checking the shapes) ---- */
+void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                          const struct qweight *w3, const struct qweight *w2, float limit);
+
 #endif /* DS_CUDA_INTERNAL_H */

@@ -293,7 +293,7 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
         if (cuda_be_mma(be)) {
             /* tensor-core path, every T (decode and prefill tilings give a row the same bits):
              * a block's 32 products are added by the mma unit, not in the CPU's k order */
-            void *ws = cuda_be_scratch(be, cuda_linear_mma_workspace_bytes(T, W->n, W->k));
+            void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(T, W->n, W->k));
             cuda_linear_mma((int)W->fmt, y, x, T, W->w, W->s, W->n, W->k, W->ld, W->s_ld, ws,
                             (void *)cuda_be_stream(be));
             cuda_be_scratch_free(be, ws);
@@ -302,7 +302,7 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
         /* linear_sm80 takes at most CUDA_LINEAR_MAX_T rows per call; rows are independent, so
          * the chunking changes no bit. One workspace serves every chunk (stream order). */
         int64_t tc = T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T;
-        void *ws = cuda_be_scratch(be, cuda_linear_workspace_bytes(tc, W->k));
+        void *ws = cuda_be_scratch_raw(be, cuda_linear_workspace_bytes(tc, W->k));
         void *st = (void *)cuda_be_stream(be);
         for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
             int64_t n_t = T - t0 < CUDA_LINEAR_MAX_T ? T - t0 : CUDA_LINEAR_MAX_T;

@@ -10,7 +10,9 @@
  * another libm (or a glibc >= 2.41 with CORE-MATH log1pf), the router scores and the SwiGLU
  * could differ from it by 1 ulp of fp32 there; nothing else would.
  *
- * Routed experts without a host synchronization: idx/wts stay on the device. A one-CTA plan
+ * Routed experts: by default on the tensor cores (moe_mma_sm80.cu, the same bits as the
+ * tensor-core linears); with --exact-linears the exact kernels here. Both without a host
+ * synchronization: idx/wts stay on the device. A one-CTA plan
  * kernel buckets the (t, slot) pairs routed to this rank's experts by expert (counting sort) and
  * cuts every expert's bucket into tiles of at most 4 pairs; the expert kernels then run over
  * (tile slot x output-row tile), each CTA finding its expert and pairs in the plan, so a tile's
@@ -35,21 +37,14 @@
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
 #include "cuda_linear.h"
+#include "moe_common.cuh"
+#include "moe_mma.h"
 
 #include <cuda_fp16.h>
 
 /* ---------------------------------------------------------------------------------------------
  * Exact conversions and quantization (src/formats.c) */
 
-static __device__ __forceinline__ float mo_bf16f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
-
-/* bf16_from_f32: RNE by integer add, NaN -> 0x7FC0. */
-static __device__ __forceinline__ uint16_t mo_bf16_rne(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* e4m3_from_f32, integer for integer. */
 static __device__ __forceinline__ uint32_t mo_e4m3_enc(float f) {
@@ -167,16 +162,6 @@ static __device__ float mo_log1pf(float x) {
                                f));
 }
 
-/* The clamped SwiGLU of one element (swiglu_rows in cpu_moe.c): g, u are the bf16 GEMM outputs
- * widened; silu(g) = g / (1 + expf(-g)); the routing weight, if any, multiplies last. */
-static __device__ __forceinline__ float mo_swiglu(float g, float u, float limit, bool has_wt, float wt) {
-    if (limit > 0.0f) {
-        u = u < -limit ? -limit : (u > limit ? limit : u);
-        g = g > limit ? limit : g;
-    }
-    float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, ds_expf(-g))), u);
-    return has_wt ? __fmul_rn(wt, h) : h;
-}
 
 /* ---------------------------------------------------------------------------------------------
  * Router */
@@ -262,7 +247,7 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
     if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
     cudaStream_t st = cuda_be_stream(be);
-    float *z = (float *)cuda_be_scratch(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
+    float *z = (float *)cuda_be_scratch_raw(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
     cuda_op_linear_f32(be, z, x, T, gate); /* fp32, k order: the CPU's linear_f32 */
     size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
     if (smem > 48 * 1024)
@@ -279,50 +264,7 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
 #define MOE_P 4        /* pairs per tile */
 #define MOE_WARPS 16   /* warps per CTA of the expert kernels */
 #define MOE_DOTS 4     /* dot products (weight rows) per warp: 4 x 4 pairs = 16 accumulators per warp */
-#define MOE_CHUNK 64   /* experts per launch (pointer table passed by value) */
-#define MOE_MAX_LOCAL 1024
 
-/* Expert pointers of one launch: [expert - c0][matrix] (gate/up: 0 = w1, 1 = w3; down: 0 = w2). */
-struct moe_wtab {
-    const uint8_t *w[MOE_CHUNK][2];
-    const uint8_t *s[MOE_CHUNK][2];
-};
-
-/* Plan, int32: tstart [n_local + 1] (first tile of each expert; tstart[n_local] = tiles), off
- * [n_local + 1] (first list entry of each expert), list [M] (flat pair ids t*k + slot). One CTA:
- * count per expert, prefix sums on thread 0 (n_local <= 1024 adds), then scatter. */
-__global__ void __launch_bounds__(1024)
-    moe_plan_kernel(int32_t *__restrict__ plan, const int32_t *__restrict__ idx, int64_t M, int64_t e0, int n_local) {
-    __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL];
-    int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
-    for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
-        cnt[i] = 0;
-        fill[i] = 0;
-    }
-    __syncthreads();
-    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
-        int64_t e = (int64_t)idx[p] - e0;
-        if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int o = 0, ts = 0;
-        for (int e = 0; e < n_local; e++) {
-            offs[e] = o;
-            off[e] = o;
-            tstart[e] = ts;
-            o += cnt[e];
-            ts += (cnt[e] + MOE_P - 1) / MOE_P;
-        }
-        off[n_local] = o;
-        tstart[n_local] = ts;
-    }
-    __syncthreads();
-    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
-        int64_t e = (int64_t)idx[p] - e0;
-        if (e >= 0 && e < n_local) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
-    }
-}
 
 /* act_quant_fp8_32 of x rows: one warp per 32-group; q = the e4m3 value as fp16 (exact), s the
  * group's scale. x [rows, k] bf16 -> q [rows, k], s [rows, k/32]. */
@@ -507,17 +449,11 @@ static __device__ __forceinline__ int32_t mo_sel(const int32_t pairs[MOE_P], int
  * pairs (entries past np repeat the first). Returns np (>= 1 for j < tstart[c0 + cn]). */
 static __device__ int mo_tile(const int32_t *plan, int n_local, int64_t j, int c0, int cn, int *le_out,
                               int32_t pairs[MOE_P]) {
-    const int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
-    int lo = c0, hi = c0 + cn - 1; /* last le with tstart[le] <= j */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (tstart[mid] <= j) lo = mid; else hi = mid - 1;
-    }
-    const int64_t first = off[lo] + (j - tstart[lo]) * MOE_P, end = off[lo + 1];
-    const int np = (int)(end - first < MOE_P ? end - first : MOE_P);
+    int64_t first;
+    const int np = moe_tile_span(plan, n_local, j, c0, cn, MOE_P, le_out, &first);
+    const int32_t *list = plan + 2 * (n_local + 1);
 #pragma unroll
     for (int t = 0; t < MOE_P; t++) pairs[t] = list[first + (t < np ? t : 0)];
-    *le_out = lo;
     return np;
 }
 
@@ -623,6 +559,10 @@ void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const i
     }
     if (w1[0].ld % 16 || w2[0].ld % 16)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts", "FP4 row stride not 16-byte aligned");
+    if (cuda_be_mma(be)) { /* tensor cores (moe_mma_sm80.cu); --exact-linears: the exact kernels below */
+        cuda_moe_mma_experts(be, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
+        return;
+    }
     cudaStream_t st = cuda_be_stream(be);
 
     /* scratch: plan int32 [2 (n_local + 1) + M] | qx fp16 [T, D] | sx [T, D/32] | qh fp16 [M, I] |
@@ -631,14 +571,14 @@ void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const i
     size_t b_qx = align256(sizeof(__half) * (size_t)(T * D)), b_sx = align256(sizeof(float) * (size_t)(T * D / 32));
     size_t b_qh = align256(sizeof(__half) * (size_t)(M * I));
     size_t b_sh = align256(sizeof(float) * (size_t)(M * I / 32));
-    uint8_t *scr = (uint8_t *)cuda_be_scratch(be, b_plan + b_qx + b_sx + b_qh + b_sh);
+    uint8_t *scr = (uint8_t *)cuda_be_scratch_raw(be, b_plan + b_qx + b_sx + b_qh + b_sh);
     int32_t *plan = (int32_t *)scr;
     __half *qx = (__half *)(scr + b_plan);
     float *sx = (float *)(scr + b_plan + b_qx);
     __half *qh = (__half *)(scr + b_plan + b_qx + b_sx);
     float *sh = (float *)(scr + b_plan + b_qx + b_sx + b_qh);
 
-    moe_plan_kernel<<<1, 1024, 0, st>>>(plan, idx, M, e0, (int)n_local);
+    moe_plan_kernel<<<1, 1024, 0, st>>>(plan, NULL, idx, M, e0, (int)n_local, MOE_P);
     KERNEL_CHECK();
     int64_t groups = T * D / 32;
     moe_quant_kernel<<<(unsigned)((groups * 32 + 255) / 256), 256, 0, st>>>(qx, sx, (const uint16_t *)x, groups);
@@ -649,8 +589,7 @@ void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const i
         const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
         /* tiles of this chunk <= (M + min(cn, M)(P - 1)) / P; the grid is capped near 4 CTAs per
          * SM per kernel and each CTA strides over the tiles that exist */
-        const int64_t busy = cn < M ? cn : M;
-        const int64_t tiles = (M + busy * (MOE_P - 1) + MOE_P - 1) / MOE_P;
+        const int64_t tiles = moe_tiles_max(M, cn, MOE_P);
         moe_wtab ta, tb;
         for (int i = 0; i < cn; i++) {
             ta.w[i][0] = (const uint8_t *)w1[c0 + i].w;
@@ -736,7 +675,7 @@ void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64
     if (w3->n != w1->n || w3->k != w1->k || w2->k != w1->n)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "inconsistent w1/w3/w2 shapes");
     const int64_t I = w1->n;
-    bf16_t *g = (bf16_t *)cuda_be_scratch(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
+    bf16_t *g = (bf16_t *)cuda_be_scratch_raw(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
     cuda_op_linear(be, g, x, T, w1);
     cuda_op_linear(be, u, x, T, w3);
     int64_t n = T * I, blocks = (n + 255) / 256;

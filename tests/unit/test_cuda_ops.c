@@ -885,6 +885,8 @@ static void test_router(void **st) {
     router_case("odd 33 experts top-4 no norm", 3, 33, 129, 4, 1.0f, false, 1.0f);
 }
 
+static void mma_switch(bool on);
+
 /* Routing like a busy rank: about 40% of the slots on local experts (half of those on 8 hot ones),
  * the rest anywhere; distinct experts per token; positive weights summing to route_scale. */
 static void make_routing(int32_t *idx, float *wts, int64_t T, int64_t k, int64_t E, int64_t e0, int64_t n_local) {
@@ -1015,6 +1017,98 @@ static void test_moe_experts(void **st) {
     moe_experts_case("odd 3 of 37 [64,96] top-4 no limit", &ex, 3, 4, 0.0f);
     moe_experts_case("odd 3 of 37 [64,96] top-1", &ex, 64, 1, 10.0f);
     free_experts(&ex);
+}
+
+/* The tensor-core routed experts (the mma switch) against the composition of the GPU's own
+ * tensor-core ops: with every routing weight 1, pair (t, slot) on local expert e must be, bit for
+ * bit, shared_expert(x_t) with e's weights — linear w1, linear w3, the SwiGLU, linear w2, all on
+ * the tensor-core linears, one expert's rows per call. T = 300 at the real shape takes two passes
+ * of the path's partial buffer (moe_mma.h). */
+static void moe_mma_composition_case(const char *name, struct experts *ex, int64_t T, int64_t k, float limit) {
+    const int64_t D = ex->D;
+    char tag[160];
+    snprintf(tag, sizeof tag, "moe_experts mma composition %s T=%lld", name, (long long)T);
+    seed_tag(tag);
+    bf16_t *x = NEW(bf16_t, T * D), *yg = NEW(bf16_t, T * k * D), *xr = NEW(bf16_t, T * k * D), *yr = NEW(bf16_t, T * k * D);
+    int32_t *idx = NEW(int32_t, T * k);
+    float *wts = NEW(float, T * k);
+    int64_t *slot = NEW(int64_t, T * k);
+    fill_act(x, T * D, 1.0f);
+    make_routing(idx, wts, T, k, ex->E, ex->e0, ex->n_local);
+    bool any = false;
+    for (int64_t i = 0; i < T * k; i++) {
+        wts[i] = 1.0f;
+        any |= idx[i] >= ex->e0 && idx[i] < ex->e0 + ex->n_local;
+    }
+    if (!any) idx[0] = (int32_t)ex->e0; /* no slot was local: one is (a row's experts stay distinct) */
+    void *dx = g_in(x, (size_t)(T * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4), *dw = g_in(wts, (size_t)(T * k) * 4),
+         *dy = g_out((size_t)(T * k * D) * 2, PZ_16);
+    GPU->moe_experts(&gpu_be, dy, dx, di, dw, T, k, ex->e0, ex->n_local, ex->g1, ex->g3, ex->g2, limit);
+    g_get(yg, dy, (size_t)(T * k * D) * 2);
+    g_free(dx);
+    g_free(di);
+    g_free(dw);
+    g_free(dy);
+    struct cmp c;
+    cmp_begin(&c, "moe_experts", "mma = composition of GPU ops: %s T=%lld", name, (long long)T);
+    long long local = 0;
+    for (int64_t le = 0; le < ex->n_local; le++) {
+        int64_t n = 0;
+        for (int64_t ts = 0; ts < T * k; ts++)
+            if (idx[ts] == ex->e0 + le) {
+                memcpy(xr + n * D, x + (ts / k) * D, (size_t)D * 2);
+                slot[n++] = ts;
+            }
+        if (!n) continue;
+        void *dxr = g_in(xr, (size_t)(n * D) * 2), *dyr = g_out((size_t)(n * D) * 2, PZ_16);
+        GPU->shared_expert(&gpu_be, dyr, dxr, n, &ex->g1[le], &ex->g3[le], &ex->g2[le], limit);
+        g_get(yr, dyr, (size_t)(n * D) * 2);
+        g_free(dxr);
+        g_free(dyr);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t d = 0; d < D; d++)
+                cmp_bits(&c, slot[r] * D + d, yg[slot[r] * D + d], yr[r * D + d], bf16_to_f32(yg[slot[r] * D + d]),
+                         bf16_to_f32(yr[r * D + d]));
+        local += n;
+    }
+    for (int64_t ts = 0; ts < T * k; ts++) /* another rank's slot: the poison survives */
+        if (idx[ts] < ex->e0 || idx[ts] >= ex->e0 + ex->n_local)
+            for (int64_t d = 0; d < D; d++) cmp_bits(&c, ts * D + d, yg[ts * D + d], POISON16, bf16_to_f32(yg[ts * D + d]), NAN);
+    snprintf(c.what + strlen(c.what), sizeof c.what - strlen(c.what), " (%lld local slots)", local);
+    if (!local) cmp_fail(&c, "no slot was routed to a local expert: the case checks nothing");
+    cmp_end(&c);
+    free(x);
+    free(yg);
+    free(xr);
+    free(yr);
+    free(idx);
+    free(wts);
+    free(slot);
+}
+
+/* moe_experts with the mma switch on: the same order-free bound of the CPU backend as the exact
+ * kernels (the routing weights as made), and bit-identical to the composition above. */
+static void test_moe_experts_mma(void **st) {
+    NEED_GPU(st);
+    mma_switch(true);
+    seed_tag("experts real");
+    struct experts ex = rank_experts();
+    for (int i = 0; i < NT_REAL; i++) moe_experts_case("mma 48 of 384 FP4 [2304,5120] top-6", &ex, T_REAL[i], TOPK, 10.0f);
+    const int64_t Ts[] = {1, 8, 64, 300};
+    for (int i = 0; i < 4; i++) moe_mma_composition_case("48 of 384 FP4 [2304,5120] top-6", &ex, Ts[i], TOPK, 10.0f);
+    free_experts(&ex);
+    seed_tag("experts odd");
+    ex = make_experts(3, 96, 64, 5, 37);
+    moe_experts_case("mma odd 3 of 37 [64,96] top-2 limit 0.5", &ex, 17, 2, 0.5f);
+    moe_experts_case("mma odd 3 of 37 [64,96] top-4 no limit", &ex, 3, 4, 0.0f);
+    moe_mma_composition_case("odd 3 of 37 [64,96] top-2 limit 0.5", &ex, 40, 2, 0.5f);
+    moe_mma_composition_case("odd 3 of 37 [64,96] top-1", &ex, 64, 1, 10.0f);
+    free_experts(&ex);
+    seed_tag("experts odd wide");
+    ex = make_experts(2, 1088, 1056, 0, 9); /* k past one chunk, row tiles cut short: 1088 = 1024 + 64, 1056 = 16·66 */
+    moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3", &ex, 37, 3, 10.0f);
+    free_experts(&ex);
+    mma_switch(false);
 }
 
 static void shared_expert_case(const char *name, int64_t T, int64_t D, int64_t I, float limit) {
@@ -1184,13 +1278,17 @@ static void test_batch_invariance_moe_experts(void **st) {
     NEED_GPU(st);
     seed_tag("bi experts");
     struct experts ex = rank_experts();
-    bf16_t *x = NEW(bf16_t, 64 * DIM);
-    int32_t *idx = NEW(int32_t, 64 * TOPK);
-    float *wts = NEW(float, 64 * TOPK);
-    fill_act(x, 64 * DIM, 1.0f);
-    make_routing(idx, wts, 64, TOPK, N_EXPERTS, ex.e0, ex.n_local);
-    struct moe_ctx c = {&ex, TOPK, 10.0f, g_in(x, (size_t)(64 * DIM) * 2), g_in(idx, 64 * TOPK * 4), g_in(wts, 64 * TOPK * 4)};
+    bf16_t *x = NEW(bf16_t, 300 * DIM);
+    int32_t *idx = NEW(int32_t, 300 * TOPK);
+    float *wts = NEW(float, 300 * TOPK);
+    fill_act(x, 300 * DIM, 1.0f);
+    make_routing(idx, wts, 300, TOPK, N_EXPERTS, ex.e0, ex.n_local);
+    struct moe_ctx c = {&ex, TOPK, 10.0f, g_in(x, (size_t)(300 * DIM) * 2), g_in(idx, 300 * TOPK * 4), g_in(wts, 300 * TOPK * 4)};
     batch_invariance("moe_experts", "48 of 384 FP4 top-6", moe_rows, &c, (size_t)(TOPK * DIM) * 2, BI_T, 2, BI_PROBES, 4);
+    mma_switch(true);
+    const int64_t Ts[] = {8, 64, 300}, probes[] = {0, 5, 7, 63, 150, 299};
+    batch_invariance("moe_experts", "mma 48 of 384 FP4 top-6", moe_rows, &c, (size_t)(TOPK * DIM) * 2, Ts, 3, probes, 6);
+    mma_switch(false);
     g_free((void *)c.dx);
     g_free((void *)c.di);
     g_free((void *)c.dw);
@@ -1222,6 +1320,7 @@ int main(void) {
         cmocka_unit_test(test_moe_combine),
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_moe_experts),
+        cmocka_unit_test(test_moe_experts_mma),
         cmocka_unit_test(test_shared_expert),
         cmocka_unit_test(test_batch_invariance_linear),
         cmocka_unit_test(test_linear_mma),

@@ -1,0 +1,112 @@
+/* Pieces shared by the two routed-expert paths of the SM80 backend — the exact FP4 GEMV kernels
+ * (cuda_moe.cu) and the tensor-core ones (moe_mma_sm80.cu): the bf16 conversions and the clamped
+ * SwiGLU with the CPU backend's arithmetic, the experts' pointer table of one launch, and the
+ * routing plan (pairs bucketed by local expert and cut into tiles) with its tile lookup. Internal
+ * to each translation unit that includes it (anonymous namespace). */
+#ifndef DS_MOE_COMMON_CUH
+#define DS_MOE_COMMON_CUH
+
+#include "cuda_common.cuh"
+#include "cuda_libm.cuh"
+
+namespace {
+
+#define MOE_CHUNK 64   /* experts per launch (pointer table passed by value) */
+#define MOE_MAX_LOCAL 1024
+
+/* Expert pointers of one launch: [expert - c0][matrix] (gate/up: 0 = w1, 1 = w3; down: 0 = w2). */
+struct moe_wtab {
+    const uint8_t *w[MOE_CHUNK][2];
+    const uint8_t *s[MOE_CHUNK][2];
+};
+
+__device__ __forceinline__ float mo_bf16f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+/* bf16_from_f32: RNE by integer add, NaN -> 0x7FC0. */
+__device__ __forceinline__ uint16_t mo_bf16_rne(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The clamped SwiGLU of one element (swiglu_rows in cpu_moe.c): g, u are the bf16 GEMM outputs
+ * widened; silu(g) = g / (1 + expf(-g)); the routing weight, if any, multiplies last. */
+__device__ __forceinline__ float mo_swiglu(float g, float u, float limit, bool has_wt, float wt) {
+    if (limit > 0.0f) {
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+        g = g > limit ? limit : g;
+    }
+    float h = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, ds_expf(-g))), u);
+    return has_wt ? __fmul_rn(wt, h) : h;
+}
+
+/* Plan, int32: tstart [n_local + 1] (first tile of each expert; tstart[n_local] = tiles), off
+ * [n_local + 1] (first list entry of each expert; off[n_local] = the local pairs), list [M] (flat
+ * pair ids t*k + slot, grouped by expert). Tiles hold at most P pairs of one expert; with `tiles`
+ * (else NULL) the kernel also writes each tile's entry {le | np << 16, first list entry}, so that a
+ * CTA finds its tile with one load instead of a binary search (moe_tiles_max entries, moe_mma.h). One CTA:
+ * count per expert, prefix sums on thread 0 (n_local <= 1024 adds), then scatter. The order of
+ * pairs inside an expert's group comes from shared-memory atomics and is not deterministic; the
+ * users compute each pair the same way whatever its place. */
+__global__ void __launch_bounds__(1024)
+    moe_plan_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
+                    int64_t e0, int n_local, int P) {
+    __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL], tst[MOE_MAX_LOCAL];
+    int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
+    for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
+        cnt[i] = 0;
+        fill[i] = 0;
+    }
+    __syncthreads();
+    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+        int64_t e = (int64_t)idx[p] - e0;
+        if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int o = 0, ts = 0;
+        for (int e = 0; e < n_local; e++) {
+            offs[e] = o;
+            off[e] = o;
+            tst[e] = ts;
+            tstart[e] = ts;
+            o += cnt[e];
+            ts += (cnt[e] + P - 1) / P;
+        }
+        off[n_local] = o;
+        tstart[n_local] = ts;
+    }
+    __syncthreads();
+    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+        int64_t e = (int64_t)idx[p] - e0;
+        if (e >= 0 && e < n_local) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
+    }
+    if (tiles)
+        for (int e = threadIdx.x; e < n_local; e += blockDim.x)
+            for (int t = 0; t * P < cnt[e]; t++) {
+                const int first = offs[e] + t * P, np = cnt[e] - t * P < P ? cnt[e] - t * P : P;
+                tiles[tst[e] + t] = make_int2(e | (np << 16), first);
+            }
+}
+
+/* Tile j of the plan (j < tstart[c0 + cn]), looked up among the experts [c0, c0 + cn): its
+ * expert (*le, from a binary search of tstart) and its first list entry (*first); returns the
+ * tile's pairs (1..P). */
+__device__ __forceinline__ int moe_tile_span(const int32_t *plan, int n_local, int64_t j, int c0, int cn, int P,
+                                             int *le, int64_t *first) {
+    const int32_t *tstart = plan, *off = plan + n_local + 1;
+    int lo = c0, hi = c0 + cn - 1; /* last le with tstart[le] <= j */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tstart[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    const int64_t f = off[lo] + (j - tstart[lo]) * P, end = off[lo + 1];
+    *le = lo;
+    *first = f;
+    return (int)(end - f < P ? end - f : P);
+}
+
+} /* namespace */
+
+#endif /* DS_MOE_COMMON_CUH */

@@ -1,0 +1,53 @@
+/* Sizing of the tensor-core routed experts (kernels/cuda/moe_mma_sm80.cu), in plain C so that the
+ * planner (src/plan.c) counts the same temporaries the GPU path allocates. The path works through
+ * the call in passes of at most moe_mma_pass_tokens tokens: each pass keeps, per local pair, the
+ * fp32 partial sums of its k-chunks (gate/up: 2I outputs x ceil(D / 1024) chunks; down: Dout
+ * outputs x ceil(I / 1024) chunks, the same buffer reused) and the quantized h row, and the pass
+ * is sized so that this stays under MOE_MMA_PASS_BYTES. Rows are independent, so the pass size
+ * changes no bit of any output. */
+#ifndef DS_MOE_MMA_H
+#define DS_MOE_MMA_H
+
+#include <stdint.h>
+
+#define MOE_MMA_PASS_BYTES ((int64_t)160 << 20)
+#define MOE_MMA_KCHUNK 1024 /* values per k-chunk: the tensor-core linears' order contract */
+
+static inline int64_t moe_mma_chunks(int64_t k) { return (k + MOE_MMA_KCHUNK - 1) / MOE_MMA_KCHUNK; }
+
+/* fp32 partial values per pair: the larger of the gate/up and the down projection's */
+static inline int64_t moe_mma_part_per_pair(int64_t D, int64_t I, int64_t Dout) {
+    int64_t a = moe_mma_chunks(D) * 2 * I, b = moe_mma_chunks(I) * Dout;
+    return a > b ? a : b;
+}
+
+/* Tokens of one pass for a call of T tokens with k slots each (>= 1). */
+static inline int64_t moe_mma_pass_tokens(int64_t T, int64_t k, int64_t D, int64_t I, int64_t Dout) {
+    int64_t per_pair = moe_mma_part_per_pair(D, I, Dout) * 4 + I * 2;
+    int64_t t = MOE_MMA_PASS_BYTES / (per_pair * (k > 0 ? k : 1));
+    if (t < 1) t = 1;
+    return t < T ? t : T;
+}
+
+static inline int64_t moe_mma_align(int64_t b) { return (b + 255) & ~(int64_t)255; }
+
+#define MOE_MMA_TILE 16 /* pairs per tile: one m16 mma tile */
+
+/* The most tiles of at most P pairs of one expert that M pairs over n_local experts can make:
+ * sum over experts of ceil(cnt / P) <= (M + min(n_local, M) (P - 1)) / P. */
+static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
+    int64_t busy = n_local < M ? n_local : M;
+    return (M + busy * (P - 1) + P - 1) / P;
+}
+
+/* Device scratch of one call: the plan (int32 [2 (n_local + 1) + Tp k]) and its tile table (int2
+ * per tile), the quantized x of a pass [Tp, D] bf16, the quantized h [Tp k, I] bf16 and the
+ * partials [Tp k, part_per_pair] fp32. */
+static inline int64_t moe_mma_workspace_bytes(int64_t T, int64_t k, int64_t n_local, int64_t D, int64_t I,
+                                              int64_t Dout) {
+    int64_t tp = moe_mma_pass_tokens(T, k, D, I, Dout), m = tp * k;
+    return moe_mma_align(4 * (2 * (n_local + 1) + m)) + moe_mma_align(8 * moe_tiles_max(m, n_local, MOE_MMA_TILE)) +
+           moe_mma_align(tp * D * 2) + moe_mma_align(m * I * 2) + moe_mma_align(m * moe_mma_part_per_pair(D, I, Dout) * 4);
+}
+
+#endif /* DS_MOE_MMA_H */

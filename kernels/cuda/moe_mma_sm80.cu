@@ -1,0 +1,322 @@
+/* Routed FP4 experts on the tensor cores (SM80 mma.sync), the moe_experts op's default path on the
+ * GPU (--exact-linears takes the exact FP4 GEMV kernels of cuda_moe.cu instead).
+ *
+ * What a pair (t, slot) routed to local expert e gets, bit for bit: the same as computing expert e
+ * with the tensor-core linears (linear_mma_sm80.cu) on token t alone — g = linear(x_t, w1),
+ * u = linear(x_t, w3), h = bf16(wt · silu(min(g, limit)) · clamp(u)), y = linear(h, w2) — which the
+ * op test checks against the composition of the GPU's own ops, bit for bit. The kernels share the
+ * linears' primitives (mma_sm80.cuh) and their order contract: activations quantized per 32 with
+ * the reference's arithmetic and stored k-permuted, per k-block P'_b = mma(mma(0, first 16),
+ * second 16) over exact bf16 operands, acc = fma(P'_b, s_w[b], acc) in block order within fixed
+ * k-chunks of 1,024, the chunks' fp32 partials added in chunk order, then one bf16 rounding. None
+ * of it depends on which other pairs share the step, so the path is batch invariant.
+ *
+ * A call, per pass of at most moe_mma_pass_tokens tokens (moe_mma.h bounds the partials' memory):
+ *  1. moe_plan_kernel buckets the pass's local pairs by expert, tiles of <= 16 pairs (one m16 mma
+ *     tile); mma_act_quant_kernel quantizes x;
+ *  2. moe_mma_kernel<2> (gate/up): CTA = (one tile) x (64 rows of w1 or of w3) x (one k-chunk);
+ *     the CTA finds its tile with one load of the plan's tile table, the tile's x rows are gathered
+ *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the 64
+ *     weight rows stream through a 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
+ *     in registers, the chunk's weight scales sit decoded in shared memory; 8 warps of one n8 tile
+ *     each, 3 CTAs per SM; fp32 partials [chunk][list position][2I];
+ *  3. moe_gateup_finish_kernel: chunk sums, bf16 g and u, the SwiGLU with the routing weight, bf16
+ *     h, its act quant in the k-permuted layout [list position][I];
+ *  4. moe_mma_kernel<1> (down) over h the same way, partials [chunk][list position][Dout];
+ *  5. moe_down_finish_kernel: chunk sums -> y[t, slot] bf16. Slots routed elsewhere stay untouched.
+ * The grids cover an upper bound of the tile count (no host synchronization); CTAs past the plan's
+ * tiles exit at once.
+ *
+ * Why tensor cores here: the exact kernels spend ~5 instructions per FP4 weight (the e2m1 decode
+ * feeds one FMA per pair), so they were instruction bound at every batch; here a weight is decoded
+ * once per 16 pairs into bf16 pairs that feed mma.sync. A decode step has 1-4 pairs per expert,
+ * though, and then this kernel is instruction bound as well (Nsight Compute on the H200, batch 64
+ * gate/up: issue slots 71-82 % busy, 290 M warp instructions, DRAM 16 %): the per-weight decode
+ * (21 instructions per 8 weights) is about a third of its instructions, the per-stage pipeline
+ * bookkeeping and the ordered fold most of the rest. Measured per decode step of one rank (20
+ * layers): 11.8 ms at batch 64 (12.0 for the exact kernels), 18.7 ms at batch 256 (29). */
+#include "cuda_internal.h"
+#include "moe_common.cuh"
+#include "moe_mma.h"
+#include "mma_sm80.cuh"
+
+namespace {
+
+constexpr int XP = MOE_MMA_TILE;      /* pairs per tile: one m16 tile */
+constexpr int XW = 8;                 /* warps per CTA, one n8 tile of weight rows each */
+constexpr int XBN = 8 * XW;           /* weight rows per CTA */
+constexpr int XTHREADS = 32 * XW;
+constexpr int XMINB = 3;              /* CTAs per SM asked of the register allocator: 80 registers, no
+                                       * spills on SM80 or SM90 (at 64, the SM90 JIT spilled) */
+constexpr int XKB = 4;                /* k-blocks per cp.async stage */
+constexpr int XB_LD = XKB * 16 + 16;  /* FP4 weight row of a stage, padded: the lanes' 4-byte reads hit distinct banks */
+constexpr int XA_LD = XKB * 64 + 16;  /* activation row of a stage, padded: ldmatrix rows on distinct banks */
+constexpr int XA_BYTES = XP * XA_LD, XB_BYTES = XBN * XB_LD, XSTAGE = XA_BYTES + XB_BYTES;
+constexpr int XS_LD = XBN + 2;        /* the scale table's row: the decode's stores (32 blocks of one row per
+                                         * warp) 2-way conflicted at most, a lane's pair 8-byte aligned */
+constexpr int XS_BYTES = KCH * XS_LD * 4; /* the CTA's weight scales of its chunk as fp32 [KCH][XS_LD] */
+constexpr int XSTAGES = (48 * 1024 - XS_BYTES - 256) / XSTAGE > 4 ? 4 : (48 * 1024 - XS_BYTES - 256) / XSTAGE;
+static_assert(XSTAGES >= 2 && XSTAGE % 16 == 0 && XBN * XKB == XTHREADS, "expert tile");
+
+/* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 63 of
+ * matrix m (grid x = NM matrices x ceil(N / 64) row tiles; gate/up: m = 0 w1, 1 w3), k-chunk
+ * blockIdx.y. a: k-permuted quantized activations, K values per row; the tile's row r is a's row
+ * list[first + r] / a_div (gate/up: the pair's token) or first + r (down, a_div = 0: h is stored by
+ * list position). part [nch][mcap][NM N] fp32, row = list position.
+ * The prologue is a chain of dependent loads (the chunk's tile range, the tile's entry, the list)
+ * before the activations can be fetched, so the weights' first stages, which need only the
+ * expert, are issued before the list is read. */
+template <int NM>
+__global__ void __launch_bounds__(XTHREADS, XMINB)
+    moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
+                   int n_local, const __nv_bfloat16 *__restrict__ a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
+                   int64_t s_ld, float *__restrict__ part, int64_t mcap) {
+    __shared__ __align__(16) uint8_t smem[XSTAGES * XSTAGE];
+    __shared__ __align__(16) float s_sm[KCH][XS_LD]; /* decoded once: the fold reads a lane's two with one load */
+    __shared__ int64_t srow[XP]; /* byte offset of each tile row in a */
+    const int64_t j = (int64_t)plan[c0] + blockIdx.z;
+    if (j >= plan[c0 + cn]) return; /* uniform per CTA, before any barrier */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int2 te = tiles[j];
+    const int le = te.x & 0xffff, np = te.x >> 16;
+    const int64_t first = te.y;
+    const int64_t ntm = (N + XBN - 1) / XBN;
+    const int m = (int)(blockIdx.x / ntm);
+    const int64_t n0 = (int64_t)(blockIdx.x % ntm) * XBN;
+    const uint8_t *const w = tab.w[le - c0][m], *const s = tab.s[le - c0][m];
+    const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(K / 32);
+    const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH, nst = (nb + XKB - 1) / XKB;
+    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+    const uint32_t sbase = smem_addr(smem);
+
+    /* stage st <- k-blocks [XKB i, XKB i + XKB) of the chunk: the weights (one 16-byte k-block of
+     * one row per thread) and the tile's activation rows; blocks past nb and weight rows past N are
+     * zero-filled */
+    const int rb = tid / XKB, cb = tid % XKB;
+    const bool row_ok = n0 + rb < N;
+    const uint8_t *const wsrc = w + (row_ok ? (n0 + rb) * ld + (int64_t)(kb0 + cb) * 16 : 0);
+    const uint32_t bdst = sbase + (uint32_t)(XA_BYTES + rb * XB_LD + cb * 16);
+    auto load_b = [&](int st, int i) {
+        const bool v = row_ok && i * XKB + cb < nb;
+        cp_async16(bdst + (uint32_t)(st * XSTAGE), v ? wsrc + i * XKB * 16 : w, v);
+    };
+    auto load_a = [&](int st, int i) {
+        const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
+        const int b0 = i * XKB;
+        for (int q = tid; q < np * XKB * 4; q += XTHREADS) {
+            const int r = q / (XKB * 4), c = q % (XKB * 4), blk = b0 + c / 4;
+            const bool v = blk < nb;
+            cp_async16(so + (uint32_t)(r * XA_LD + c * 16), v ? abase + srow[r] + (int64_t)b0 * 64 + c * 16 : abase, v);
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < XSTAGES - 1; st++)
+        if (st < nst) load_b(st, st); /* in the first commit group below */
+    if (tid < np) {
+        const int64_t row = a_div ? (int64_t)plan[2 * (n_local + 1) + first + tid] / a_div : first + tid;
+        srow[tid] = row * K * 2 + (int64_t)kb0 * 64;
+    }
+    /* rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
+    for (int q = tid; q < XSTAGES * (XP - np) * (XA_LD / 16); q += XTHREADS) {
+        const int st = q / ((XP - np) * (XA_LD / 16)), rem = q % ((XP - np) * (XA_LD / 16));
+        const int r = np + rem / (XA_LD / 16), c = rem % (XA_LD / 16);
+        *reinterpret_cast<uint4 *>(smem + st * XSTAGE + r * XA_LD + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads(); /* srow */
+    const int sr0 = warp * 8 + 2 * t; /* the lane's scale rows sr0, sr0 + 1 (output columns 2t, 2t+1) */
+    /* the fragment addresses of the decode tiling's MR = 16 and MR = 8 forms (linear_mma_sm80.cu):
+     * a tile of at most 8 pairs reads half the A fragments, rows 8..15 being zero registers */
+    const uint32_t ldA16 = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * XA_LD + (lane >> 4) * 16);
+    const uint32_t ldA8 = (uint32_t)((lane & 7) * XA_LD + ((lane >> 3) & 1) * 16);
+    const int rdB = XA_BYTES + (warp * 8 + g) * XB_LD + t * 4;
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int st = 0; st < XSTAGES - 1; st++) {
+        if (st < nst) load_a(st, st);
+        cp_async_commit();
+    }
+    /* the chunk's scales of the CTA's rows, plain loads while the first stages are in flight, decoded
+     * once (e8m0f, as the linears); rows past N read as 0 (never stored) */
+    for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+        const int r = q / KCH, b = q % KCH;
+        s_sm[b][r] = e8m0f(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
+    }
+    for (int i = 0; i < nst; i++) {
+        cp_async_wait<XSTAGES - 2>();
+        __syncthreads();
+        if (i + XSTAGES - 1 < nst) {
+            load_b((i + XSTAGES - 1) % XSTAGES, i + XSTAGES - 1);
+            load_a((i + XSTAGES - 1) % XSTAGES, i + XSTAGES - 1);
+        }
+        cp_async_commit();
+        const int st = i % XSTAGES;
+        const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
+        const uint8_t *const sb = smem + st * XSTAGE + rdB;
+        const int nblk = nb - i * XKB < XKB ? nb - i * XKB : XKB;
+        float p[XKB][4]; /* the stage's block products first, then the ordered fold */
+#pragma unroll
+        for (int jb = 0; jb < XKB; jb++) {
+            uint32_t b[4];
+            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + jb * 16), b);
+            uint32_t a0[4], a1[4];
+            if (np > 8) {
+                ldmatrix_x4(a0, so + ldA16 + (uint32_t)(jb * 64));
+                ldmatrix_x4(a1, so + ldA16 + (uint32_t)(jb * 64 + 32));
+            } else {
+                uint32_t r0[2], r1[2];
+                ldmatrix_x2(r0, so + ldA8 + (uint32_t)(jb * 64));
+                ldmatrix_x2(r1, so + ldA8 + (uint32_t)(jb * 64 + 32));
+                a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+                a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+            }
+            mma_bf16(p[jb], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+            mma_bf16(p[jb], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
+        }
+#pragma unroll
+        for (int jb = 0; jb < XKB; jb++) {
+            if (jb < nblk) {
+                const float2 q = *reinterpret_cast<const float2 *>(&s_sm[i * XKB + jb][sr0]);
+                acc[0] = __fmaf_rn(p[jb][0], q.x, acc[0]);
+                acc[1] = __fmaf_rn(p[jb][1], q.y, acc[1]);
+                acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
+                acc[3] = __fmaf_rn(p[jb][3], q.y, acc[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    const int64_t col = n0 + warp * 8 + 2 * t, ldp = NM * N;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = g + 8 * h;
+        if (r >= np) continue;
+        float *pr = part + ((int64_t)blockIdx.y * mcap + first + r) * ldp + (int64_t)m * N;
+        if (col < N) pr[col] = acc[2 * h];
+        if (col + 1 < N) pr[col + 1] = acc[2 * h + 1];
+    }
+}
+
+/* The local pairs of the pass (off[n_local] of the plan). */
+__device__ __forceinline__ int64_t moe_local_pairs(const int32_t *plan, int n_local) {
+    return plan[n_local + 1 + n_local];
+}
+
+/* Gate/up -> quantized h: thread i8 takes 8 consecutive values of h of list position i8 / (I / 8)
+ * (4 threads per 32-group, as mma_act_quant_kernel): g = bf16 of w1's chunk sum, u = bf16 of
+ * w3's, h = bf16(wt · silu(min(g, limit)) · clamp(u)) (the exact kernels' and the CPU's formula),
+ * then the act quant of h into qh [mcap, I] k-permuted. Positions past the local pairs compute on
+ * zeros and store nothing (the 4 lanes of a group must all reach the shuffles). */
+__global__ void __launch_bounds__(256)
+    moe_gateup_finish_kernel(__nv_bfloat16 *__restrict__ qh, const float *__restrict__ part,
+                             const int32_t *__restrict__ plan, int n_local, const float *__restrict__ wts, int64_t I,
+                             int nch, int64_t mcap, float limit) {
+    const int64_t i8 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, per = I / 8;
+    const int64_t pos = i8 / per, i0 = (i8 % per) * 8;
+    const bool ok = pos < moe_local_pairs(plan, n_local);
+    float v[8];
+    float wt = 0.0f;
+    if (ok) wt = __ldg(wts + plan[2 * (n_local + 1) + pos]);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        v[e] = 0.0f;
+        if (!ok) continue;
+        const float *pg = part + pos * 2 * I + i0 + e, *pu = pg + I;
+        float sg = pg[0], su = pu[0];
+        for (int c = 1; c < nch; c++) {
+            sg = __fadd_rn(sg, pg[(int64_t)c * mcap * 2 * I]);
+            su = __fadd_rn(su, pu[(int64_t)c * mcap * 2 * I]);
+        }
+        const float gb = __bfloat162float(__float2bfloat16_rn(sg)), ub = __bfloat162float(__float2bfloat16_rn(su));
+        v[e] = mo_bf16f(mo_bf16_rne(mo_swiglu(gb, ub, limit, true, wt)));
+    }
+    uint32_t o[4];
+    mma_quant8(v, o);
+    if (ok) mma_store_perm8(reinterpret_cast<uint32_t *>(qh) + (i8 >> 2) * 16, (int)(i8 & 3), o);
+}
+
+/* Down -> y: y[list[pos], :] = bf16 of the chunk sums, for the local pairs. */
+__global__ void moe_down_finish_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ part,
+                                       const int32_t *__restrict__ plan, int n_local, int64_t Dout, int nch,
+                                       int64_t mcap) {
+    const int64_t count = moe_local_pairs(plan, n_local), total = count * Dout;
+    const int32_t *list = plan + 2 * (n_local + 1);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t pos = i / Dout, col = i % Dout;
+        float v = part[i];
+        for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * mcap * Dout + i]);
+        y[(int64_t)list[pos] * Dout + col] = __float2bfloat16_rn(v);
+    }
+}
+
+} /* namespace */
+
+void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                          const struct qweight *w3, const struct qweight *w2, float limit) {
+    const int64_t D = w1[0].k, I = w1[0].n, Dout = w2[0].n;
+    const int64_t ldg = w1[0].ld, sg = w1[0].s_ld, ldd = w2[0].ld, sd = w2[0].s_ld;
+    if ((uintptr_t)x % 16 || ldg % 16 || ldd % 16)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)",
+                 "x and the FP4 row strides must be 16-byte aligned");
+    const int64_t tp = moe_mma_pass_tokens(T, k, D, I, Dout), mcap = tp * k;
+    const int nchD = (int)moe_mma_chunks(D), nchI = (int)moe_mma_chunks(I);
+    cudaStream_t st = cuda_be_stream(be);
+    /* scratch (moe_mma_workspace_bytes): plan | qx [tp, D] | qh [mcap, I] | part [mcap, per pair] */
+    const size_t b_plan = (size_t)moe_mma_align(4 * (2 * (n_local + 1) + mcap)),
+                 b_tiles = (size_t)moe_mma_align(8 * moe_tiles_max(mcap, n_local, XP)),
+                 b_qx = (size_t)moe_mma_align(tp * D * 2), b_qh = (size_t)moe_mma_align(mcap * I * 2);
+    uint8_t *scr = (uint8_t *)cuda_be_scratch_raw(be, (size_t)moe_mma_workspace_bytes(T, k, n_local, D, I, Dout));
+    int32_t *plan = (int32_t *)scr;
+    int2 *tiles = (int2 *)(scr + b_plan);
+    __nv_bfloat16 *qx = (__nv_bfloat16 *)(scr + b_plan + b_tiles), *qh = (__nv_bfloat16 *)(scr + b_plan + b_tiles + b_qx);
+    float *part = (float *)(scr + b_plan + b_tiles + b_qx + b_qh);
+
+    const int64_t ntg = (I + XBN - 1) / XBN, ntd = (Dout + XBN - 1) / XBN;
+    if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", "expert too large for the grid");
+    for (int64_t t0 = 0; t0 < T; t0 += tp) {
+        const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
+        moe_plan_kernel<<<1, 1024, 0, st>>>(plan, tiles, idx + t0 * k, mn, e0, (int)n_local, XP);
+        KERNEL_CHECK();
+        const int64_t n8 = tn * D / 8;
+        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x + t0 * D, qx, n8);
+        KERNEL_CHECK();
+        for (int pass = 0; pass < 2; pass++) { /* 0: gate/up, 1: down */
+            for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
+                const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
+                const int64_t nt = moe_tiles_max(mn, cn, XP); /* the grid's tile slots */
+                if (nt > 65535)
+                    ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", "too many tiles");
+                moe_wtab tab;
+                for (int i = 0; i < cn; i++) {
+                    const struct qweight *a = pass ? &w2[c0 + i] : &w1[c0 + i], *b = pass ? &w2[c0 + i] : &w3[c0 + i];
+                    tab.w[i][0] = (const uint8_t *)a->w;
+                    tab.s[i][0] = a->s;
+                    tab.w[i][1] = (const uint8_t *)b->w;
+                    tab.s[i][1] = b->s;
+                }
+                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)(pass ? nchI : nchD), (unsigned)nt);
+                if (pass == 0)
+                    moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, plan, tiles, (int)n_local, qx, k, I, D,
+                                                                 ldg, sg, part, mcap);
+                else
+                    moe_mma_kernel<1><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, plan, tiles, (int)n_local, qh, 0, Dout,
+                                                                 I, ldd, sd, part, mcap);
+                KERNEL_CHECK();
+            }
+            if (pass == 0) {
+                const int64_t th = mn * I / 8;
+                moe_gateup_finish_kernel<<<(unsigned)((th + 255) / 256), 256, 0, st>>>(
+                    qh, part, plan, (int)n_local, wts + t0 * k, I, nchD, mcap, limit);
+            } else {
+                const int64_t blocks = (mn * Dout + 255) / 256;
+                moe_down_finish_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(
+                    (__nv_bfloat16 *)y + t0 * k * Dout, part, plan, (int)n_local, Dout, nchI, mcap);
+            }
+            KERNEL_CHECK();
+        }
+    }
+    cuda_be_scratch_free(be, scr);
+}
