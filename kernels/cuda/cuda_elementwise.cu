@@ -603,8 +603,8 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * before) kept a single CTA busy for ~370 µs at L = 16384.
  *
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
- * torch's order (torch_sum_block), and thread 0 runs the Sinkhorn split with C in registers (HC is
- * a template parameter). */
+ * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
+ * (hc_split_sinkhorn_warp; HC * HC > 32: thread 0 with C in registers; HC is a template parameter). */
 
 #define HC_R 4     /* rows per CTA */
 #define HC_KT 64   /* values per tile */
@@ -692,6 +692,53 @@ __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scal
     }
 #pragma unroll
     for (int e = 0; e < HC * HC; e++) comb[e] = C[e];
+}
+
+/* The same split with one lane per element of C (HC * HC <= 32; called by a whole warp, lanes
+ * past HC * HC compute on a copy of element 0 and store nothing). Bit for bit the serial version:
+ * each lane gathers its row's (or column's) HC values by shuffles and runs the serial code's loop
+ * over them in its order (the max, the sums), and rows (columns) are independent within a step,
+ * so only where the work runs changes. One step costs a few shuffles and one division per lane,
+ * where thread 0 alone ran HC * HC dependent-latency divisions per step (~25 µs per call at HC = 4
+ * and 20 iterations). */
+template <int HC>
+__device__ void hc_split_sinkhorn_warp(const float *m, const float *__restrict__ scale, const float *__restrict__ base,
+                                       int iters, float eps, float *pre, float *post, float *comb) {
+    static_assert(HC * HC <= 32, "one lane per element of C");
+    const int lane = threadIdx.x & 31;
+    const bool on = lane < HC * HC;
+    const int e = on ? lane : 0, j = e / HC, k = e % HC;
+    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
+    if (lane < HC) {
+        pre[lane] = __fadd_rn(ds_sigmoid(__fadd_rn(__fmul_rn(m[lane], s0), base[lane])), eps);
+        post[lane] = __fmul_rn(2.0f, ds_sigmoid(__fadd_rn(__fmul_rn(m[HC + lane], s1), base[HC + lane])));
+    }
+    float c = __fadd_rn(__fmul_rn(m[2 * HC + e], s2), base[2 * HC + e]);
+    float v[HC];
+#pragma unroll
+    for (int q = 0; q < HC; q++) v[q] = __shfl_sync(0xffffffffu, c, j * HC + q);
+    float mx = v[0];
+#pragma unroll
+    for (int q = 1; q < HC; q++) mx = v[q] > mx ? v[q] : mx;
+    c = ds_expf(__fsub_rn(c, mx)); /* softmax over k of row j, + eps */
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < HC; q++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, c, j * HC + q));
+    c = __fadd_rn(__fdiv_rn(c, sum), eps);
+    const int passes = iters > 1 ? iters : 1; /* as hc_split_sinkhorn */
+    for (int it = 0; it < passes; it++) {
+        if (it > 0) {
+            sum = 0.0f;
+#pragma unroll
+            for (int q = 0; q < HC; q++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, c, j * HC + q));
+            c = __fdiv_rn(c, __fadd_rn(sum, eps));
+        }
+        sum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < HC; q++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, c, q * HC + k));
+        c = __fdiv_rn(c, __fadd_rn(sum, eps));
+    }
+    if (on) comb[lane] = c;
 }
 
 /* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads.
@@ -808,8 +855,13 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */
     if (tid < NM) m_s[tid] = __fmul_rn(m_s[tid], rn);
     __syncthreads();
-    if (tid == 0)
+    if (HC * HC <= 32) {
+        if (tid < 32)
+            hc_split_sinkhorn_warp<(HC * HC <= 32 ? HC : 1)>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC,
+                                                             comb + t * HC * HC);
+    } else if (tid == 0) {
         hc_split_sinkhorn<HC>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC, comb + t * HC * HC);
+    }
 }
 
 template <int HC>
