@@ -13,6 +13,7 @@
 
 struct prof {
     struct backend *inner;
+    bool sync; /* false: host time inside each call only (prof_backend_init_host) */
     struct backend_ops ops;
     double sec[PROF_N_OPS_PUBLIC];
     long calls[PROF_N_OPS_PUBLIC];
@@ -70,12 +71,12 @@ static double now_s(void) {
 
 /* the inner backend is drained first, so an op is charged only for itself */
 static double prof_begin(struct backend *be) {
-    PR(be)->inner->ops->sync(PR(be)->inner);
+    if (PR(be)->sync) PR(be)->inner->ops->sync(PR(be)->inner);
     return now_s();
 }
 
 static void prof_end(struct backend *be, int op, double t0) {
-    PR(be)->inner->ops->sync(PR(be)->inner);
+    if (PR(be)->sync) PR(be)->inner->ops->sync(PR(be)->inner);
     PR(be)->sec[op] += now_s() - t0;
     PR(be)->calls[op]++;
 }
@@ -313,8 +314,14 @@ static const struct backend_ops prof_ops = {
 void prof_backend_init(struct backend *be, struct backend *inner) {
     struct prof *p = calloc(1, sizeof *p);
     p->inner = inner;
+    p->sync = true;
     be->ops = &prof_ops;
     be->priv = p;
+}
+
+void prof_backend_init_host(struct backend *be, struct backend *inner) {
+    prof_backend_init(be, inner);
+    PR(be)->sync = false;
 }
 
 void prof_backend_reset(struct backend *be) {

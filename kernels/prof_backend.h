@@ -11,6 +11,9 @@
 
 /* be becomes a backend whose ops run on inner and are timed; inner stays owned by the caller. */
 void prof_backend_init(struct backend *be, struct backend *inner);
+/* The same without the syncs: each op is charged only the host time of its call (the launches and
+ * the host work of an asynchronous backend; a download still waits for the device). */
+void prof_backend_init_host(struct backend *be, struct backend *inner);
 void prof_backend_reset(struct backend *be);
 /* CSV rows "label,op,calls,ms,share%" per op (divided by `per`, e.g. steps); returns seconds per `per`. */
 double prof_backend_report(struct backend *be, FILE *f, const char *label, int per);

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, after tests/gpu/pack.sh): Nsight Compute sections of the hot
+# decode kernels — the tensor-core routed experts at batch 64 inside bench_step's decode step, and
+# the decode linear tiling at T = 1 in bench_linear_cuda — into $OUT/ncu_*.txt. A diagnosis aid
+# for issue #6 (where a kernel's time goes: occupancy, stalls, memory throughput), not a test.
+set -u
+cd "$(dirname "$0")/../.."
+[ -f carry/pkg.tgz ] && [ ! -d carry/gpu ] && tar -C carry -xzf carry/pkg.tgz
+FILL=/tmp/ds-fill; mkdir -p $FILL
+for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
+export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+SECTIONS=${SECTIONS:-"--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"}
+# the context prefill (64 x 64 tokens: 2 forwards x 20 layers x 8 passes x 2 kernels = 640 launches)
+# and the warm-up step (40) come first
+timeout 240 $NCU --kernel-name regex:moe_mma_kernel --launch-skip ${MOE_SKIP:-680} --launch-count 2 $SECTIONS \
+  carry/gpu/bench/bench_step --backend cuda --ctx 64 --batch 64 --steps 1 --prefill "" > "$OUT/ncu_moe.txt" 2>&1
+[ -n "${NO_LINEAR:-}" ] || timeout 200 $NCU --kernel-name regex:mma_decode_kernel --launch-skip ${LIN_SKIP:-0} --launch-count 1 $SECTIONS \
+  carry/gpu/bench/bench_linear_cuda /tmp/lin.csv > "$OUT/ncu_linear.txt" 2>&1
+grep -E "Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Block Limit|Stall|Issued Warp|No Eligible|Warp Cycles" "$OUT"/ncu_*.txt | head -80
