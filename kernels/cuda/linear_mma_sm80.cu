@@ -345,7 +345,7 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode kernel (T <= 16, FP8/FP4): the same per-output arithmetic as mma_linear_kernel — the
+ * Decode kernel (T <= 256, FP8/FP4): the same per-output arithmetic as mma_linear_kernel — the
  * same k-permuted activations, the same weight decode into the same fragment registers, per
  * k-block P'_b = mma(mma(0, first 16), second 16) then acc = fma(P'_b, s_w[b], acc) in block
  * order, the same k-chunks — so a row's bits do not depend on which of the two kernels ran it
@@ -353,41 +353,49 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
  * at a handful of rows: one m16 tile (MR = 8: rows 8..15 are zero registers, not shared memory), a
  * CTA of DW warps of one n8 tile each and one k-chunk (grid: n / 16 x chunks, so a [1280, 5120]
  * weight spreads over 400 CTAs), and DKB k-blocks per cp.async stage (8 KB to 13 KB) with up to 4
- * stages. Measured on the H200 before the chunks: 1, 2 or 4 warps per CTA and 4, 8 or 16 blocks per
- * stage all took ~27 µs for [1280, 5120], the time of one CTA's walk over k. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall on distinct
- * banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart mod 128). */
+ * stages; above 16 rows a CTA takes 4 m16 tiles (dcfg). Measured on the H200 before the chunks: 1,
+ * 2 or 4 warps per CTA and 4, 8 or 16 blocks per stage all took ~27 µs for [1280, 5120], the time of
+ * one CTA's walk over k. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall
+ * on distinct banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart
+ * mod 128). */
 constexpr int DW = 2;       /* warps per CTA */
-/* calls of up to this many rows take the decode tiling (one m16 tile per CTA, grid z over the
- * tiles: the weights are re-read from L2 per tile); the 128 x 128 prefill tile above it */
+/* calls of up to this many rows take the decode tiling (one or four m16 tiles per CTA, grid z over
+ * them: the weights are re-read from L2 per row tile); the 128 x 128 prefill tile above it */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
-constexpr int DKB = 8;      /* k-blocks per stage */
-
-template <int F, int MR> struct dcfg {
+/* A decode configuration: MR rows of the one m16 tile (8: rows 8..15 are zero registers) or MT m16
+ * tiles per CTA (T > 16: MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once
+ * per 16 — at T = 256 the one-tile form decoded every weight 16 times and was instruction bound —
+ * with 2 k-blocks per stage to keep the 64 activation rows of a stage in shared memory). */
+template <int F, int MR, int MT = 1> struct dcfg {
+    static constexpr int DKB = MT == 1 ? 8 : 2; /* k-blocks per stage */
+    static constexpr int RM = MT == 1 ? MR : 16 * MT; /* activation rows per CTA */
     static constexpr int BN = 8 * DW, THREADS = 32 * DW;
     static constexpr int B_ROW = F == K_FP8 ? 32 : 16;
     static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16);
     static constexpr int A_LD = DKB * 64 + 16;
-    static constexpr int A_BYTES = MR * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int A_BYTES = RM * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * KCH;
     static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
-    static constexpr int A_CHUNKS = MR * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
-    static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16), "decode tile");
+    static constexpr int A_CHUNKS = RM * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
+    static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16) &&
+                      (MT == 1 || MR == 16),
+                  "decode tile");
 };
 
 
-template <int F, int MR>
-__global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
+template <int F, int MR, int MT>
+__global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store) {
-    using C = dcfg<F, MR>;
-    constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW;
+    using C = dcfg<F, MR, MT>;
+    constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::DKB;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
     __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int64_t n0 = (int64_t)blockIdx.x * C::BN, m0 = (int64_t)blockIdx.z * 16; /* grid z: m16 tiles */
+    const int64_t n0 = (int64_t)blockIdx.x * C::BN, m0 = (int64_t)blockIdx.z * (MT * 16); /* grid z: row tiles */
     const int64_t nw0 = n0 + warp * 8; /* the warp's n8 tile */
     /* this CTA's k-chunk (grid y): blocks [kb0, kb0 + nb); the A and B sources start there */
     const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(k / 32);
@@ -436,7 +444,9 @@ __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
                                   : (uint32_t)((lane & 7) * C::A_LD + ((lane >> 3) & 1) * 16);
     const int rdB = C::A_BYTES + (warp * 8 + g) * C::B_LD + t * (B_ROW / 4);
 
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[MT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; mi++) acc[mi][0] = acc[mi][1] = acc[mi][2] = acc[mi][3] = 0.0f;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < nst) load_stage(st, st);
@@ -456,10 +466,10 @@ __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
          * flight; blocks past nb multiply zero-filled tiles and are not folded), then the
          * ordered fold: with the fold inside the block loop, in-order issue stalled every block
          * on its mma latency (~260 cycles per block at 1-2 warps per SM) */
-        float p[DKB][4];
+        float p[DKB][MT][4];
 #pragma unroll
         for (int j = 0; j < DKB; j++) {
-            uint32_t b[4];
+            uint32_t b[4]; /* decoded once, used by every m16 tile of the CTA */
             if (F == K_FP8) {
                 const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
                 b[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
@@ -469,29 +479,37 @@ __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
             } else {
                 e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + j * B_ROW), b);
             }
-            uint32_t a0[4], a1[4];
-            if (MR == 16) {
-                ldmatrix_x4(a0, so + ldA + (uint32_t)(j * 64));
-                ldmatrix_x4(a1, so + ldA + (uint32_t)(j * 64 + 32));
-            } else {
-                uint32_t r0[2], r1[2];
-                ldmatrix_x2(r0, so + ldA + (uint32_t)(j * 64));
-                ldmatrix_x2(r1, so + ldA + (uint32_t)(j * 64 + 32));
-                a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
-                a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+#pragma unroll
+            for (int mi = 0; mi < MT; mi++) {
+                uint32_t a0[4], a1[4];
+                const uint32_t at = so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
+                if (MR == 16) {
+                    ldmatrix_x4(a0, at);
+                    ldmatrix_x4(a1, at + 32u);
+                } else {
+                    uint32_t r0[2], r1[2];
+                    ldmatrix_x2(r0, at);
+                    ldmatrix_x2(r1, at + 32u);
+                    a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+                    a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+                }
+                float *pj = p[j][mi];
+                mma_bf16(p[j][mi], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+                mma_bf16(p[j][mi], a1[0], a1[1], a1[2], a1[3], b[2], b[3], pj[0], pj[1], pj[2], pj[3]);
             }
-            mma_bf16(p[j], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
-            mma_bf16(p[j], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[j][0], p[j][1], p[j][2], p[j][3]);
         }
 #pragma unroll
         for (int j = 0; j < DKB; j++) {
             if (j < nblk) {
                 const int kb = i * DKB + j;
                 const float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
-                acc[0] = __fmaf_rn(p[j][0], q0, acc[0]);
-                acc[1] = __fmaf_rn(p[j][1], q1, acc[1]);
-                acc[2] = __fmaf_rn(p[j][2], q0, acc[2]);
-                acc[3] = __fmaf_rn(p[j][3], q1, acc[3]);
+#pragma unroll
+                for (int mi = 0; mi < MT; mi++) {
+                    acc[mi][0] = __fmaf_rn(p[j][mi][0], q0, acc[mi][0]);
+                    acc[mi][1] = __fmaf_rn(p[j][mi][1], q1, acc[mi][1]);
+                    acc[mi][2] = __fmaf_rn(p[j][mi][2], q0, acc[mi][2]);
+                    acc[mi][3] = __fmaf_rn(p[j][mi][3], q1, acc[mi][3]);
+                }
             }
         }
     }
@@ -499,10 +517,11 @@ __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
 
     const int64_t col = nw0 + 2 * t;
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int64_t row = m0 + g + 8 * h;
+    for (int mh = 0; mh < 2 * MT; mh++) {
+        const int mi = mh >> 1, h = mh & 1;
+        const int64_t row = m0 + mi * 16 + g + 8 * h;
         if (row >= T) continue;
-        const float v0 = acc[2 * h], v1 = acc[2 * h + 1];
+        const float v0 = acc[mi][2 * h], v1 = acc[mi][2 * h + 1];
         if (part) {
             float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
             if (col < n) pr[col] = v0;
@@ -519,14 +538,14 @@ __global__ void __launch_bounds__(dcfg<F, MR>::THREADS)
     }
 }
 
-template <int F, int MR>
+template <int F, int MR, int MT = 1>
 void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
                    const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
-    using C = dcfg<F, MR>;
-    const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + 15) / 16;
+    using C = dcfg<F, MR, MT>;
+    const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + C::RM - 1) / C::RM;
     if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
-    mma_decode_kernel<F, MR>
+    mma_decode_kernel<F, MR, MT>
         <<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(y, part, a, w, s, T, n,
                                                                                              k, ld_b, s_ld, pair);
 }
@@ -599,10 +618,12 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     if (quant && decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_FP8) {
             if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= 16) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else {
             if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         }
     } else {
         switch (fmt) {
