@@ -171,7 +171,7 @@ static __device__ float mo_log1pf(float x) {
 #define RT_MAX_K 64
 
 /* One warp per token row (4 per CTA). Shared memory per warp: s [E] and s + bias [E] fp32, the
- * chosen weights [k]. Scores per lane (e = lane + 32 j), then k rounds of an exact arg-max (max
+ * chosen weights [k]. Scores by the whole CTA, then per warp k rounds of an exact arg-max (max
  * involves no arithmetic, so the warp reduction's order cannot matter): the CPU scans ids upward
  * keeping the first candidate and replacing it only on a strictly greater value, i.e. the largest
  * value with ties to the lower id, except that a NaN first candidate is never replaced; the
@@ -185,16 +185,21 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float *s = rt_sm + (size_t)warp * (2 * E + RT_MAX_K), *v = s + E, *wsel = v + E;
     const int64_t t = (int64_t)blockIdx.x * RT_WARPS + warp;
-    if (t >= T) return; /* no block-wide barrier below */
-    const float *zr = z + t * E;
-    for (int e = lane; e < E; e += 32) {
-        float zt = __fdiv_rn(zr[e], temp);
+    /* the scores of the CTA's tokens by all its threads (at T = 1 a lone warp's 12 softplus per
+     * lane were the kernel's latency), each element's arithmetic as before */
+    const int64_t t0 = (int64_t)blockIdx.x * RT_WARPS;
+    const int nt = (int)(T - t0 < RT_WARPS ? T - t0 : RT_WARPS);
+    for (int q = threadIdx.x; q < nt * E; q += RT_WARPS * 32) {
+        const int tw = q / E, e = q % E;
+        float *sw = rt_sm + (size_t)tw * (2 * E + RT_MAX_K);
+        float zt = __fdiv_rn(z[(t0 + tw) * E + e], temp);
         float sp = zt > 20.0f ? zt : mo_log1pf(ds_expf(zt)); /* torch softplus, threshold 20 */
         float sv = __fsqrt_rn(sp);
-        s[e] = sv;
-        v[e] = bias ? __fadd_rn(sv, bias[e]) : sv;
+        sw[e] = sv;
+        sw[E + e] = bias ? __fadd_rn(sv, bias[e]) : sv;
     }
-    __syncwarp();
+    __syncthreads();
+    if (t >= T) return; /* no block-wide barrier below */
     const int J = (E + 31) / 32;
     uint64_t taken = 0;
     for (int slot = 0; slot < k; slot++) {
