@@ -498,18 +498,20 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
                 mma_bf16(p[j][mi], a1[0], a1[1], a1[2], a1[3], b[2], b[3], pj[0], pj[1], pj[2], pj[3]);
             }
         }
+        /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
+         * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
+         * terms are); with a branch per block the compiler rebuilt the scales' address each time */
 #pragma unroll
         for (int j = 0; j < DKB; j++) {
-            if (j < nblk) {
-                const int kb = i * DKB + j;
-                const float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
+            const int kb = i * DKB + j;
+            float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
+            if (j >= nblk) q0 = q1 = 0.0f;
 #pragma unroll
-                for (int mi = 0; mi < MT; mi++) {
-                    acc[mi][0] = __fmaf_rn(p[j][mi][0], q0, acc[mi][0]);
-                    acc[mi][1] = __fmaf_rn(p[j][mi][1], q1, acc[mi][1]);
-                    acc[mi][2] = __fmaf_rn(p[j][mi][2], q0, acc[mi][2]);
-                    acc[mi][3] = __fmaf_rn(p[j][mi][3], q1, acc[mi][3]);
-                }
+            for (int mi = 0; mi < MT; mi++) {
+                acc[mi][0] = __fmaf_rn(p[j][mi][0], q0, acc[mi][0]);
+                acc[mi][1] = __fmaf_rn(p[j][mi][1], q1, acc[mi][1]);
+                acc[mi][2] = __fmaf_rn(p[j][mi][2], q0, acc[mi][2]);
+                acc[mi][3] = __fmaf_rn(p[j][mi][3], q1, acc[mi][3]);
             }
         }
     }

@@ -125,10 +125,11 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     }
     __syncthreads(); /* srow */
     const int sr0 = warp * 8 + 2 * t; /* the lane's scale rows sr0, sr0 + 1 (output columns 2t, 2t+1) */
-    /* the fragment addresses of the decode tiling's MR = 16 and MR = 8 forms (linear_mma_sm80.cu):
-     * a tile of at most 8 pairs reads half the A fragments, rows 8..15 being zero registers */
-    const uint32_t ldA16 = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * XA_LD + (lane >> 4) * 16);
-    const uint32_t ldA8 = (uint32_t)((lane & 7) * XA_LD + ((lane >> 3) & 1) * 16);
+    const float *const srow_s = &s_sm[0][sr0];
+    /* the fragment address of the decode tiling's MR = 16 form (linear_mma_sm80.cu), whatever np:
+     * rows past np read the zeros stored above (a branch to the MR = 8 form for np <= 8 was
+     * if-converted into both forms plus register moves, ~15 instructions a k-block) */
+    const uint32_t ldA = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * XA_LD + (lane >> 4) * 16);
     const int rdB = XA_BYTES + (warp * 8 + g) * XB_LD + t * 4;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -161,28 +162,23 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
             uint32_t b[4];
             e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + jb * 16), b);
             uint32_t a0[4], a1[4];
-            if (np > 8) {
-                ldmatrix_x4(a0, so + ldA16 + (uint32_t)(jb * 64));
-                ldmatrix_x4(a1, so + ldA16 + (uint32_t)(jb * 64 + 32));
-            } else {
-                uint32_t r0[2], r1[2];
-                ldmatrix_x2(r0, so + ldA8 + (uint32_t)(jb * 64));
-                ldmatrix_x2(r1, so + ldA8 + (uint32_t)(jb * 64 + 32));
-                a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
-                a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
-            }
+            ldmatrix_x4(a0, so + ldA + (uint32_t)(jb * 64));
+            ldmatrix_x4(a1, so + ldA + (uint32_t)(jb * 64 + 32));
             mma_bf16(p[jb], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
             mma_bf16(p[jb], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
         }
+        /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
+         * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
+         * terms are); the branch made the compiler rebuild the table's address per block */
+        const float *const sq = srow_s + i * XKB * XS_LD;
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
-            if (jb < nblk) {
-                const float2 q = *reinterpret_cast<const float2 *>(&s_sm[i * XKB + jb][sr0]);
-                acc[0] = __fmaf_rn(p[jb][0], q.x, acc[0]);
-                acc[1] = __fmaf_rn(p[jb][1], q.y, acc[1]);
-                acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
-                acc[3] = __fmaf_rn(p[jb][3], q.y, acc[3]);
-            }
+            float2 q = *reinterpret_cast<const float2 *>(sq + jb * XS_LD);
+            if (jb >= nblk) q = make_float2(0.0f, 0.0f);
+            acc[0] = __fmaf_rn(p[jb][0], q.x, acc[0]);
+            acc[1] = __fmaf_rn(p[jb][1], q.y, acc[1]);
+            acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
+            acc[3] = __fmaf_rn(p[jb][3], q.y, acc[3]);
         }
     }
     cp_async_wait<0>();
