@@ -33,15 +33,7 @@
 /* ---------------------------------------------------------------------------------------------
  * Exact number helpers (src/formats.c semantics) and cp.async */
 
-__device__ __forceinline__ float at_bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-/* Round-to-nearest-even to bf16; NaN -> canonical 0x7FC0, as bf16_from_f32 (torch's conversion). */
-__device__ __forceinline__ uint16_t at_bf16_bits(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-__device__ __forceinline__ float at_bf16r(float f) { return at_bf16f(at_bf16_bits(f)); }
+__device__ __forceinline__ float at_bf16r(float f) { return ds_bf16f(ds_bf16_rne(f)); }
 /* The two bf16 of a little-endian 32-bit word: element 2i is the low half. */
 __device__ __forceinline__ float at_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float at_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -113,7 +105,7 @@ __device__ __forceinline__ void at_stage_rows_f32(float *dst, int dld, const uin
     } else {
         for (int e = tid; e < nr * np; e += nt) {
             const int r = e / np, c = e - r * np;
-            dst[r * dld + c] = c < n ? at_bf16f(src[r * sld + c]) : 0.0f;
+            dst[r * dld + c] = c < n ? ds_bf16f(src[r * sld + c]) : 0.0f;
         }
     }
 }
@@ -369,8 +361,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int k = 0; k < CPT; k++) {
         const int c = c0 + 64 * k + 2 * lane;
-        const uint16_t y0 = any ? at_bf16_bits(__fdiv_rn(acc[k][0], l)) : (uint16_t)0;
-        const uint16_t y1 = any ? at_bf16_bits(__fdiv_rn(acc[k][1], l)) : (uint16_t)0;
+        const uint16_t y0 = any ? ds_bf16_rne(__fdiv_rn(acc[k][0], l)) : (uint16_t)0;
+        const uint16_t y1 = any ? ds_bf16_rne(__fdiv_rn(acc[k][1], l)) : (uint16_t)0;
         if ((hd & 1) == 0 && c + 1 < hd) {
             *reinterpret_cast<uint32_t *>(orow + c) = (uint32_t)y0 | ((uint32_t)y1 << 16);
         } else {
@@ -483,7 +475,7 @@ __global__ void __launch_bounds__(256)
             if (w == 0.0f) continue;
             acc = __fadd_rn(acc, __fmul_rn(kg[j * n], __fdiv_rn(w, sum)));
         }
-        lat[e] = at_bf16_bits(acc);
+        lat[e] = ds_bf16_rne(acc);
     }
 }
 
@@ -570,7 +562,7 @@ __global__ void __launch_bounds__(256)
         const int rh = min(IS_RH, nh - r0);
         __syncthreads(); /* the previous round's readers of qs / ws / ps are done */
         at_stage_rows_f32(qs, dp, q + t * ld_q + (int64_t)r0 * d, d, rh, d, dp, vecq, tid, nt);
-        if (tid < rh) ws[tid] = at_bf16r(__fmul_rn(at_bf16f(w[t * nh + r0 + tid]), w_scale));
+        if (tid < rh) ws[tid] = at_bf16r(__fmul_rn(ds_bf16f(w[t * nh + r0 + tid]), w_scale));
         __syncthreads();
         if (ha < rh) {
             const float *qa = qs + ha * dp, *qb = qs + hb * dp;

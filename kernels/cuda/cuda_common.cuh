@@ -22,6 +22,18 @@ extern "C" void ds_fatal(const char *file, int line, const char *func, const cha
 /* After every launch: a bad configuration is reported where it happened. */
 #define KERNEL_CHECK() CUDA_CHECK(cudaGetLastError())
 
+/* bf16 bits -> fp32, exact. */
+__device__ __forceinline__ float ds_bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+/* bf16_from_f32 of src/formats.c: RNE by integer add; any NaN becomes the canonical 0x7FC0, as
+ * torch's CPU conversion does (the CUDA intrinsic keeps another NaN pattern). */
+__device__ __forceinline__ uint16_t ds_bf16_rne(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 /* e8m0 byte -> 2^(b-127); 255 = NaN; 0 = 2^-127 (subnormal). */
 __device__ __forceinline__ float ds_e8m0(uint8_t b) {
     if (b == 255) return __int_as_float(0x7fc00000);

@@ -31,16 +31,6 @@ static inline bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 /* ---------------------------------------------------------------------------------------------
  * bf16 (src/formats.c bit for bit) and 16-byte vectors of 8 bf16 */
 
-__device__ __forceinline__ float bf2f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-
-/* RNE; NaN becomes the canonical 0x7FC0 as torch's CPU conversion does (the CUDA intrinsic keeps
- * a different NaN pattern). */
-__device__ __forceinline__ uint16_t f2bf(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -54,7 +44,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
 __device__ __forceinline__ uint4 pack8(const float f[8]) {
     uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = (uint32_t)f2bf(f[2 * i]) | ((uint32_t)f2bf(f[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; i++) w[i] = (uint32_t)ds_bf16_rne(f[2 * i]) | ((uint32_t)ds_bf16_rne(f[2 * i + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -65,7 +55,7 @@ __device__ __forceinline__ void load_bf(const uint16_t *p, float f[VEC]) {
         unpack8(*reinterpret_cast<const uint4 *>(p), f);
     } else {
 #pragma unroll
-        for (int i = 0; i < VEC; i++) f[i] = bf2f(p[i]);
+        for (int i = 0; i < VEC; i++) f[i] = ds_bf16f(p[i]);
     }
 }
 
@@ -75,7 +65,7 @@ __device__ __forceinline__ void store_bf(uint16_t *p, const float f[VEC]) {
         *reinterpret_cast<uint4 *>(p) = pack8(f);
     } else {
 #pragma unroll
-        for (int i = 0; i < VEC; i++) p[i] = f2bf(f[i]);
+        for (int i = 0; i < VEC; i++) p[i] = ds_bf16_rne(f[i]);
     }
 }
 
@@ -364,8 +354,8 @@ __device__ __forceinline__ void load_bf_pair(const uint16_t *p, int64_t e, bool 
         a = __uint_as_float(u << 16);
         b = __uint_as_float(u & 0xffff0000u);
     } else {
-        a = bf2f(p[e]);
-        b = bf2f(p[e + 1]);
+        a = ds_bf16f(p[e]);
+        b = ds_bf16f(p[e + 1]);
     }
 }
 
@@ -384,7 +374,7 @@ __device__ __forceinline__ float row_rstd_block(const uint16_t *xr, int64_t n, f
             b[0] = __fmul_rn(v, v);
         },
         [&](int64_t e, float *a) {
-            const float u = bf2f(xr[e]);
+            const float u = ds_bf16f(xr[e]);
             a[0] = __fmul_rn(u, u);
         },
         ss, l0);
@@ -454,11 +444,11 @@ __global__ void __launch_bounds__(EW_THREADS)
             a = __uint_as_float(u << 16);
             b = __uint_as_float(u & 0xffff0000u);
         } else {
-            a = bf2f(v[0]);
-            b = bf2f(v[1]);
+            a = ds_bf16f(v[0]);
+            b = ds_bf16f(v[1]);
         }
-        const uint16_t o0 = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        const uint16_t o1 = f2bf(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+        const uint16_t o0 = ds_bf16_rne(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+        const uint16_t o1 = ds_bf16_rne(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
         if (PAIR32) {
             *reinterpret_cast<uint32_t *>(v) = (uint32_t)o0 | ((uint32_t)o1 << 16);
         } else {
@@ -825,7 +815,7 @@ __global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
                     acc = __fadd_rn(acc, __fmul_rn(xv[7], f1.w));
                 }
             } else {
-                for (int ii = 0; ii < len; ii++) acc = __fadd_rn(acc, __fmul_rn(bf2f(xr[ii]), fr[ii]));
+                for (int ii = 0; ii < len; ii++) acc = __fadd_rn(acc, __fmul_rn(ds_bf16f(xr[ii]), fr[ii]));
             }
         }
     }
@@ -1073,7 +1063,7 @@ __global__ void __launch_bounds__(EW_THREADS)
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 const uint32_t b0 = (w[i / 2] >> (16 * (i & 1))) & 0xff, b1 = (w[i / 2] >> (16 * (i & 1) + 8)) & 0xff;
-                o[i] = (uint32_t)f2bf(__fmul_rn(ds_e4m3(b0), s)) | ((uint32_t)f2bf(__fmul_rn(ds_e4m3(b1), s)) << 16);
+                o[i] = (uint32_t)ds_bf16_rne(__fmul_rn(ds_e4m3(b0), s)) | ((uint32_t)ds_bf16_rne(__fmul_rn(ds_e4m3(b1), s)) << 16);
             }
             o0 = make_uint4(o[0], o[1], o[2], o[3]);
             o1 = make_uint4(o[4], o[5], o[6], o[7]);
@@ -1084,7 +1074,7 @@ __global__ void __launch_bounds__(EW_THREADS)
         uint16_t o = 0;
         if (own) {
             const int64_t l = id - row0;
-            o = f2bf(__fmul_rn(ds_e4m3(table[l * hd + jv]), ds_e8m0(scale[l * (hd / 32) + jv / 32])));
+            o = ds_bf16_rne(__fmul_rn(ds_e4m3(table[l * hd + jv]), ds_e8m0(scale[l * (hd / 32) + jv / 32])));
         }
         out[0] = o;
     }
@@ -1142,7 +1132,7 @@ __global__ void __launch_bounds__(ROW_WARPS * 32)
             b[2] = __fmul_rn(__fmul_rn(h1, w1), k1);
         },
         [&](int64_t e, float *a) {
-            const float h0 = bf2f(h[e]), k0 = bf2f(key[e]);
+            const float h0 = ds_bf16f(h[e]), k0 = ds_bf16f(key[e]);
             a[0] = __fmul_rn(h0, h0);
             a[1] = __fmul_rn(k0, k0);
             a[2] = __fmul_rn(__fmul_rn(h0, wc[e]), k0);

@@ -28,20 +28,12 @@
 /* ---------------------------------------------------------------------------------------------
  * Exact conversions (src/formats.c) */
 
-/* bf16_from_f32: RNE by integer add; any NaN becomes the canonical 0x7FC0 (the intrinsic would
- * give 0x7FFF). */
-static __device__ __forceinline__ uint16_t lo_bf16_rne(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static __device__ __forceinline__ void lo_store(void *y, bool out_f32, int64_t i, float v) {
     if (out_f32)
         ((float *)y)[i] = v;
     else
-        ((uint16_t *)y)[i] = lo_bf16_rne(v);
+        ((uint16_t *)y)[i] = ds_bf16_rne(v);
 }
 
 /* ---------------------------------------------------------------------------------------------

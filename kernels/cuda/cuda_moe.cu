@@ -278,7 +278,7 @@ __global__ void moe_quant_kernel(__half *__restrict__ q, float *__restrict__ s, 
     const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (g >= groups) return;
-    float sc, v = mo_quant32(mo_bf16f(x[g * 32 + lane]), &sc);
+    float sc, v = mo_quant32(ds_bf16f(x[g * 32 + lane]), &sc);
     q[g * 32 + lane] = __float2half_rn(v);
     if (lane == 0) s[g] = sc;
 }
@@ -497,13 +497,13 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 1)
         __syncthreads(); /* every fold is done: part[] becomes gu[] */
         if (lane < MOE_DOTS * np) { /* combo lane = d np + t: row 2 warp + (d >> 1) of matrix d & 1 */
             int d = lane / np, t = lane % np;
-            gu[d & 1][t][2 * warp + (d >> 1)] = mo_bf16f(mo_bf16_rne(acc));
+            gu[d & 1][t][2 * warp + (d >> 1)] = ds_bf16f(ds_bf16_rne(acc));
         }
         __syncthreads();
         if (warp < np) {
             const int64_t p = mo_sel(pairs, warp);
             float h = mo_swiglu(gu[0][warp][lane], gu[1][warp][lane], limit, true, __ldg(wts + p));
-            float sc, q = mo_quant32(mo_bf16f(mo_bf16_rne(h)), &sc);
+            float sc, q = mo_quant32(ds_bf16f(ds_bf16_rne(h)), &sc);
             qh[p * I + i0 + lane] = __float2half_rn(q);
             if (lane == 0) sh[p * (I / 32) + i0 / 32] = sc;
         }
@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(MOE_WARPS * 32, 1)
         if (lane < MOE_DOTS * np) {
             int d = lane / np, t = lane % np;
             int64_t row = row0 + 4 * warp + d;
-            if (row < Dout) y[(int64_t)mo_sel(pairs, t) * Dout + row] = mo_bf16_rne(acc);
+            if (row < Dout) y[(int64_t)mo_sel(pairs, t) * Dout + row] = ds_bf16_rne(acc);
         }
     }
 }
@@ -651,7 +651,7 @@ __global__ void moe_combine_kernel(float *__restrict__ acc, const uint16_t *__re
             for (int r = 0; r < k; r++) {
                 int64_t part = part_of[r];
                 if (part >= P) continue;
-                a = __fadd_rn(a, mo_bf16f(y[((part * T + t) * k + order[r]) * D + d]));
+                a = __fadd_rn(a, ds_bf16f(y[((part * T + t) * k + order[r]) * D + d]));
             }
             acc[t * D + d] = a;
         }
@@ -671,7 +671,7 @@ void cuda_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const 
 /* h = bf16(silu(min(g, limit)) · clamp(u)) elementwise, in place over g [n]. */
 __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__restrict__ u, int64_t n, float limit) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        g[i] = mo_bf16_rne(mo_swiglu(mo_bf16f(g[i]), mo_bf16f(u[i]), limit, false, 0.0f));
+        g[i] = ds_bf16_rne(mo_swiglu(ds_bf16f(g[i]), ds_bf16f(u[i]), limit, false, 0.0f));
 }
 
 void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,

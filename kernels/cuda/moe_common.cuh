@@ -20,15 +20,6 @@ struct moe_wtab {
     const uint8_t *s[MOE_CHUNK][2];
 };
 
-__device__ __forceinline__ float mo_bf16f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
-
-/* bf16_from_f32: RNE by integer add, NaN -> 0x7FC0. */
-__device__ __forceinline__ uint16_t mo_bf16_rne(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The clamped SwiGLU of one element (swiglu_rows in cpu_moe.c): g, u are the bf16 GEMM outputs
  * widened; silu(g) = g / (1 + expf(-g)); the routing weight, if any, multiplies last. */

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(256)
             su = __fadd_rn(su, pu[(int64_t)c * mcap * 2 * I]);
         }
         const float gb = __bfloat162float(__float2bfloat16_rn(sg)), ub = __bfloat162float(__float2bfloat16_rn(su));
-        v[e] = mo_bf16f(mo_bf16_rne(mo_swiglu(gb, ub, limit, true, wt)));
+        v[e] = ds_bf16f(ds_bf16_rne(mo_swiglu(gb, ub, limit, true, wt)));
     }
     uint32_t o[4];
     mma_quant8(v, o);
