@@ -955,6 +955,21 @@ static void free_experts(struct experts *x) {
     free(x->g2);
 }
 
+/* GPU->moe_experts on host data: x [T, D], idx/wts [T, k] uploaded, y [T, k, D] poisoned on the
+ * device (slots routed elsewhere must keep it), run, downloaded into yg. */
+static void gpu_moe_experts(bf16_t *yg, const bf16_t *x, const int32_t *idx, const float *wts, int64_t T, int64_t k,
+                            struct experts *ex, float limit) {
+    const int64_t D = ex->D;
+    void *dx = g_in(x, (size_t)(T * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4), *dw = g_in(wts, (size_t)(T * k) * 4),
+         *dy = g_out((size_t)(T * k * D) * 2, PZ_16);
+    GPU->moe_experts(&gpu_be, dy, dx, di, dw, T, k, ex->e0, ex->n_local, ex->g1, ex->g3, ex->g2, limit);
+    g_get(yg, dy, (size_t)(T * k * D) * 2);
+    g_free(dx);
+    g_free(di);
+    g_free(dw);
+    g_free(dy);
+}
+
 static void moe_experts_case(const char *name, struct experts *ex, int64_t T, int64_t k, float limit) {
     int64_t D = ex->D, Dout = ex->D;
     char tag[160];
@@ -967,14 +982,7 @@ static void moe_experts_case(const char *name, struct experts *ex, int64_t T, in
     make_routing(idx, wts, T, k, ex->E, ex->e0, ex->n_local);
     poison_host(yc, (size_t)(T * k * Dout) * 2, PZ_16);
     CPU->moe_experts(&cpu_be, yc, x, idx, wts, T, k, ex->e0, ex->n_local, ex->h1, ex->h3, ex->h2, limit);
-    void *dx = g_in(x, (size_t)(T * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4), *dw = g_in(wts, (size_t)(T * k) * 4),
-         *dy = g_out((size_t)(T * k * Dout) * 2, PZ_16);
-    GPU->moe_experts(&gpu_be, dy, dx, di, dw, T, k, ex->e0, ex->n_local, ex->g1, ex->g3, ex->g2, limit);
-    g_get(yg, dy, (size_t)(T * k * Dout) * 2);
-    g_free(dx);
-    g_free(di);
-    g_free(dw);
-    g_free(dy);
+    gpu_moe_experts(yg, x, idx, wts, T, k, ex, limit);
     double *lo = NEW(double, Dout), *hi = NEW(double, Dout);
     struct cmp c;
     cmp_begin(&c, "moe_experts", "%s T=%lld", name, (long long)T);
@@ -1041,14 +1049,7 @@ static void moe_mma_composition_case(const char *name, struct experts *ex, int64
         any |= idx[i] >= ex->e0 && idx[i] < ex->e0 + ex->n_local;
     }
     if (!any) idx[0] = (int32_t)ex->e0; /* no slot was local: one is (a row's experts stay distinct) */
-    void *dx = g_in(x, (size_t)(T * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4), *dw = g_in(wts, (size_t)(T * k) * 4),
-         *dy = g_out((size_t)(T * k * D) * 2, PZ_16);
-    GPU->moe_experts(&gpu_be, dy, dx, di, dw, T, k, ex->e0, ex->n_local, ex->g1, ex->g3, ex->g2, limit);
-    g_get(yg, dy, (size_t)(T * k * D) * 2);
-    g_free(dx);
-    g_free(di);
-    g_free(dw);
-    g_free(dy);
+    gpu_moe_experts(yg, x, idx, wts, T, k, ex, limit);
     struct cmp c;
     cmp_begin(&c, "moe_experts", "mma = composition of GPU ops: %s T=%lld", name, (long long)T);
     long long local = 0;
