@@ -46,8 +46,9 @@ constexpr int XP = MOE_MMA_TILE;      /* pairs per tile: one m16 tile */
 constexpr int XW = 8;                 /* warps per CTA, one n8 tile of weight rows each */
 constexpr int XBN = 8 * XW;           /* weight rows per CTA */
 constexpr int XTHREADS = 32 * XW;
-constexpr int XMINB = 3;              /* CTAs per SM asked of the register allocator: 80 registers, no
-                                       * spills on SM80 or SM90 (at 64, the SM90 JIT spilled) */
+constexpr int XMINB = 3;              /* CTAs per SM asked of the register allocator: the measured setting
+                                       * (4, i.e. 64 registers, spilled under the SM90 JIT before the
+                                       * branch-free fold, and has not been measured since) */
 constexpr int XKB = 4;                /* k-blocks per cp.async stage */
 constexpr int XB_LD = XKB * 16 + 16;  /* FP4 weight row of a stage, padded: the lanes' 4-byte reads hit distinct banks */
 constexpr int XA_LD = XKB * 64 + 16;  /* activation row of a stage, padded: ldmatrix rows on distinct banks */
