@@ -121,7 +121,7 @@ static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp) 
  * the quantized activations [T, k] bf16 and, with more than one k-chunk of 1,024, the chunks'
  * fp32 partials [nch, T, n] (the engram projection's are the largest: 6 x T x 25,600 x 4 bytes). */
 static uint64_t lin_tmp(int64_t T, int64_t n, int64_t k) {
-    int64_t nch = (k + 1023) / 1024;
+    int64_t nch = moe_mma_chunks(k); /* the k-chunks of the tensor-core order contract */
     return (uint64_t)(T * k * 2) + (nch > 1 ? (uint64_t)(nch * T * n * 4) : 0);
 }
 

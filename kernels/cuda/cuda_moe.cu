@@ -12,9 +12,9 @@
  *
  * Routed experts: by default on the tensor cores (moe_mma_sm80.cu, the same bits as the
  * tensor-core linears); with --exact-linears the exact kernels here. Both without a host
- * synchronization: idx/wts stay on the device. A one-CTA plan
- * kernel buckets the (t, slot) pairs routed to this rank's experts by expert (counting sort) and
- * cuts every expert's bucket into tiles of at most 4 pairs; the expert kernels then run over
+ * synchronization: idx/wts stay on the device. A one-CTA plan kernel (moe_common.cuh) buckets
+ * the (t, slot) pairs routed to this rank's experts by expert (counting sort) and cuts every
+ * expert's bucket into tiles of at most 4 pairs; the expert kernels then run over
  * (tile slot x output-row tile), each CTA finding its expert and pairs in the plan, so a tile's
  * weights are read once for all its pairs. The experts' w/s pointers travel as kernel parameters
  * (64 experts per launch, 2 KB), so there is no table to upload or cache. The order of pairs
@@ -44,7 +44,6 @@
 
 /* ---------------------------------------------------------------------------------------------
  * Exact conversions and quantization (src/formats.c) */
-
 
 /* e4m3_from_f32, integer for integer. */
 static __device__ __forceinline__ uint32_t mo_e4m3_enc(float f) {
@@ -162,7 +161,6 @@ static __device__ float mo_log1pf(float x) {
                                f));
 }
 
-
 /* ---------------------------------------------------------------------------------------------
  * Router */
 
@@ -269,7 +267,6 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
 #define MOE_P 4        /* pairs per tile */
 #define MOE_WARPS 16   /* warps per CTA of the expert kernels */
 #define MOE_DOTS 4     /* dot products (weight rows) per warp: 4 x 4 pairs = 16 accumulators per warp */
-
 
 /* act_quant_fp8_32 of x rows: one warp per 32-group; q = the e4m3 value as fp16 (exact), s the
  * group's scale. x [rows, k] bf16 -> q [rows, k], s [rows, k/32]. */
