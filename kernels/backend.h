@@ -242,6 +242,18 @@ struct backend_ops {
     /* dst[t, s, :] = src[s, t, :] for S blocks of T rows of `bytes` each: turns a gather of
      * per-rank column blocks into whole rows. */
     void (*interleave)(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
+
+    /* ---- graph segments (optional: NULL where a backend has none; the caller then issues the ops) ----
+     * A segment is a run of ops the caller promises is fixed by its key (n words): the same key means
+     * the same ops in the same order with the same arguments and buffer addresses, reading the same
+     * host-side state. Inside one: only ops, alloc/scratch and free of buffers allocated inside it
+     * (all freed before its end), copy; no upload, download, copy_segs or sync, and nothing allocated
+     * before it is freed in it. graph_begin returns true when the caller must issue the ops (the
+     * backend records them) and then call graph_end, which runs what was recorded; false when the
+     * backend ran its recording of that key instead, and the caller skips the ops. A backend may
+     * fold its own switches into the key (the CUDA backend's mma switch). */
+    bool (*graph_begin)(struct backend *be, const uint64_t *key, int n_key);
+    void (*graph_end)(struct backend *be);
 };
 
 struct backend {
@@ -268,6 +280,8 @@ void backend_cuda_free(struct backend *be);
 void backend_cuda_set_mma(struct backend *be, bool on);
 /* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
 void *backend_cuda_stream(struct backend *be);
+/* Graph segments since init: replays (a recorded graph launched) and recordings (captures). */
+void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings);
 #endif
 
 #ifdef __cplusplus

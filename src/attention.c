@@ -250,18 +250,16 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
     model_tfree(m, wr);
 }
 
-int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *out,
-                      const struct fwd_hooks *hooks) {
+/* [T, hd]: the arena's scratch rows (model_kv_reserve) */
+bf16_t *attention_kv_rows(struct model *m) { return m->kv + m->kv_cache_rows * m->cfg->head_dim; }
+
+void attention_project(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
     const struct model_config *c = m->cfg;
-    const struct layer_role *r = &c->role[l];
     const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, W = c->window, ql = c->q_lora_rank;
+    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, ql = c->q_lora_rank;
     int64_t Hl = aw->wq_b.n / hd;
     float eps = (float)c->norm_eps;
-
-    bf16_t *qr = model_tmp(m, (size_t)T * ql * 2);
-    bf16_t *q = model_tmp(m, (size_t)T * Hl * hd * 2);
-    bf16_t *kv = m->kv + m->kv_cache_rows * hd; /* [T, hd]: the arena's scratch rows (model_kv_reserve) */
+    bf16_t *kv = attention_kv_rows(m);
     OPS->linear(m->be, qr, x, T, &aw->wq_a);
     OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
     OPS->linear(m->be, q, qr, T, &aw->wq_b);
@@ -270,6 +268,16 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, eps);
     OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
     OPS->qdq_fp8_32(m->be, kv, T * hd);
+}
+
+int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,
+                      const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    const struct layer_role *r = &c->role[l];
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, W = c->window;
+    int64_t Hl = aw->wq_b.n / hd;
+    bf16_t *kv = attention_kv_rows(m);
 
     /* compressed branch: sources write their caches first, then index sources choose rows */
     int src = r->ratio > 0 ? r->kv_src : -1;
@@ -381,7 +389,5 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     model_tfree(m, idx_d);
     model_tfree(m, o);
     model_tfree(m, u);
-    model_tfree(m, qr);
-    model_tfree(m, q);
     return 0;
 }

@@ -43,7 +43,7 @@ int cmd_replay(int argc, char **argv) {
                 ds_die("--force: '%s' is not one of stream, tokens", v);
         } else if (!strcmp(argv[i], "--help")) {
             printf("usage: dsbatch replay --model DIR --fixture promptK.safetensors --force stream|tokens --out R.safetensors\n"
-                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears]\n");
+                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears] [--eager]\n");
             return 0;
         } else
             ds_die("replay: unknown option '%s'", argv[i]);
@@ -105,7 +105,7 @@ int cmd_verify(int argc, char **argv) {
             golden = argv[++i];
         else if (!strcmp(argv[i], "--help")) {
             printf("usage: dsbatch verify --golden DIR   (DIR = a fixture folder: model + promptK.safetensors)\n"
-                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears]\n"
+                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears] [--eager]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog S]   (under mpirun)\n");
             return 0;
         } else

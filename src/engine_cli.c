@@ -24,6 +24,10 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
         f->exact_linears = true;
         return 1;
     }
+    if (!strcmp(argv[*i], "--eager")) {
+        f->eager = true;
+        return 1;
+    }
     if (!strcmp(argv[*i], "--backend") && *i + 1 < argc) {
         const char *v = argv[++*i];
         if (!strcmp(v, "cpu"))
@@ -57,6 +61,9 @@ void engine_backend_init(struct backend *be, const struct engine_flags *f, int d
 void engine_backend_free(struct backend *be, const struct engine_flags *f) {
 #ifdef DS_HAVE_CUDA
     if (f->backend == ENGINE_BACKEND_CUDA) {
+        long replays = 0, recordings = 0;
+        backend_cuda_graph_stats(be, &replays, &recordings);
+        if (!f->eager) log_info("CUDA graph segments: %ld recorded, %ld replayed", recordings, replays);
         backend_cuda_free(be);
         return;
     }
@@ -80,6 +87,7 @@ struct model *engine_open(struct loaded_model *lm, struct backend *be, const cha
     eo.max_seqs = max_seqs;
     eo.stale_index_keys = !f->no_stale_keys;
     eo.window_layout = f->layout;
+    eo.graphs = !f->eager;
     return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
 }
 

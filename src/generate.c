@@ -257,7 +257,7 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
                    "       [--tokenizer PATH] [--chat | --think EFFORT] [--system TEXT] [--keep-special]\n"
                    "       (prompt lines: {\"tokens\": [ids]} or {\"text\": \"...\"}; text uses MODEL/tokenizer.json;\n"
                    "        --chat: DeepSeek-V4.1 chat format, --think EFFORT (1-100): its thinking mode)\n"
-                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears]\n"
+                   "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears] [--eager]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS] [--engram service|per-rank]\n"
                    "       (the last line: under mpirun)\n",
                    score ? "score" : "generate");

@@ -82,7 +82,7 @@ static const struct {
 } not_in_fingerprint[] = {
     {"--resume", false}, {"--quiet", false},    {"--watchdog", true}, {"--trace", true},
     {"--out", true},     {"--zstd-level", true}, {"--tp", true},       {"--pp", true},
-    {"--pp-layers", true}, {"--engram", true},
+    {"--pp-layers", true}, {"--engram", true}, {"--eager", false},
 };
 
 /* argv without the listed options (all of them, or only --resume). */

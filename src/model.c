@@ -43,10 +43,52 @@ void rope_freqs(float *out, int rd, double theta, bool yarn, double factor, int6
 struct engine_opts engine_opts_default(const struct model_config *cfg) {
     int64_t len = cfg->max_pos < 4096 ? cfg->max_pos : 4096;
     return (struct engine_opts){.max_seq_len = len, .max_seqs = 1, .stale_index_keys = true,
-                                .window_layout = WINDOW_LAYOUT_REFERENCE};
+                                .window_layout = WINDOW_LAYOUT_REFERENCE, .graphs = true};
 }
 
 static void *balloc(struct model *m, size_t bytes) { return OPS->alloc(m->be, bytes); }
+
+void *model_fbuf(struct model *m, const struct batch *b, enum fbuf_id id, size_t bytes, bool zero) {
+    if (!b->graphs) return zero ? balloc(m, bytes) : model_tmp(m, bytes);
+    struct fbuf *f = &m->fb[id];
+    if (f->cap < bytes) {
+        /* grown only: a recording that held the old address stops matching (its key has it) */
+        model_tfree(m, f->p);
+        f->p = balloc(m, bytes);
+        f->cap = bytes;
+    }
+    return f->p;
+}
+
+void model_fbuf_free(struct model *m, const struct batch *b, void *p) {
+    if (!b->graphs) model_tfree(m, p);
+}
+
+struct graph_key graph_key_new(enum graph_seg seg, int layer, const struct batch *b) {
+    struct graph_key k = {.n = 3};
+    k.w[0] = (uint64_t)seg;
+    k.w[1] = (uint64_t)layer;
+    k.w[2] = (uint64_t)b->T;
+    return k;
+}
+
+void graph_key_ptr(struct graph_key *k, const void *p) {
+    if (k->n == GRAPH_KEY_MAX) ds_die("internal: graph segment key %llu holds more than %d words", (unsigned long long)k->w[0], GRAPH_KEY_MAX);
+    k->w[k->n++] = (uint64_t)(uintptr_t)p;
+}
+
+bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k) {
+    if (!b->graphs || !OPS->graph_begin) return true;
+    if (!OPS->graph_begin(m->be, k->w, k->n)) return false;
+    m->graph_open = true;
+    return true;
+}
+
+void model_graph_end(struct model *m) {
+    if (!m->graph_open) return;
+    m->graph_open = false;
+    OPS->graph_end(m->be);
+}
 
 /* A weight the backend cannot take is a bug or a resource limit, never a state to run on. */
 static void prep_weight(struct backend *be, struct qweight *w, bool dequant_bf16) {
@@ -298,6 +340,7 @@ void model_free(struct model *m) {
         *m->prep_field[i] = m->prep_host[i];
     }
     model_tfree(m, m->kv);
+    for (int i = 0; i < FB_N; i++) model_tfree(m, m->fb[i].p);
     free(m->prep_field);
     free(m->prep_host);
     for (int s = 0; s < m->opt.max_seqs; s++) free(m->slots[s].hist);
@@ -524,71 +567,106 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     model_tfree(m, kv);
 }
 
-/* MoE (§3.10): router, routed experts in ascending id order into fp32, shared expert, bf16. */
-static void moe_forward(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *out) {
+/* MoE (§3.10), first part: router and this rank's routed experts into their slots of ye
+ * [T, k, D] bf16 (idx [T, k] int32, wts [T, k] fp32). */
+static void moe_route(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
+                      bf16_t *ye) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
-    const struct layer_role *r = &c->role[l];
-    int64_t T = b->T, D = c->dim, k = r->n_active;
-    int32_t *idx = model_tmp(m, sizeof(int32_t) * (size_t)(T * k));
-    float *wts = model_tmp(m, sizeof(float) * (size_t)(T * k));
-    /* acc is summed into (zero fill needed); y keeps the slots of other ranks' experts untouched */
-    float *acc = balloc(m, sizeof(float) * (size_t)(T * D));
-    bf16_t *sh = model_tmp(m, (size_t)(T * D) * 2), *y = balloc(m, (size_t)(T * k * D) * 2);
+    int64_t T = b->T, k = c->role[l].n_active;
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
-    OPS->moe_experts(m->be, y, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
+    OPS->moe_experts(m->be, ye, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
                      (float)c->swiglu_limit);
-    /* experts are split by id: gather every rank's per-slot outputs and sum them per token in
-     * ascending expert id, the single-rank order */
-    bf16_t *all = y;
-    if (m->tp_size > 1) {
-        all = model_tmp(m, (size_t)(T * k * D) * 2 * (size_t)m->tp_size);
-        m->opt.tp->ops->allgather(m->opt.tp, y, all, (size_t)(T * k * D) * 2, "moe experts");
-    }
+}
+
+/* MoE, second part: every rank's slot outputs (all [P, T, k, D], P = TP size, gathered) summed per
+ * token in ascending expert id into fp32 (the single-rank order), the shared expert, bf16 -> out. */
+static void moe_finish(struct model *m, int l, struct batch *b, const bf16_t *x, const int32_t *idx,
+                       const bf16_t *all, bf16_t *out) {
+    const struct model_config *c = m->cfg;
+    const struct ffn_weights *fw = &m->w->layers[l].ffn;
+    int64_t T = b->T, D = c->dim, k = c->role[l].n_active;
+    float *acc = balloc(m, sizeof(float) * (size_t)(T * D)); /* summed into: zero fill */
+    bf16_t *sh = model_tmp(m, (size_t)(T * D) * 2);
     OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
-    if (all != y) model_tfree(m, all);
-    model_tfree(m, y);
     OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
     OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
-    model_tfree(m, idx);
-    model_tfree(m, wts);
     model_tfree(m, acc);
     model_tfree(m, sh);
 }
 
-static int block_forward(struct model *m, int l, struct batch *b, bf16_t **Xp, bf16_t **Xtmp, float *P,
+/* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
+ * index lists and cache copies, the TP collectives) are graph segments: replayed as one launch in
+ * a decode step (model_graph_begin), their keys naming every buffer their ops touch. */
+static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf16_t *X1, float *P,
                          const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct layer_weights *lw = &m->w->layers[l];
-    int64_t T = b->T, D = c->dim, hc = c->hc_mult;
+    const struct attn_weights *aw = &lw->attn;
+    int64_t T = b->T, D = c->dim, hc = c->hc_mult, k = c->role[l].n_active;
     float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
-    bf16_t *X = *Xp, *X1 = *Xtmp;
-    float *apre = model_tmp(m, sizeof(float) * (size_t)(T * hc));
-    float *post = model_tmp(m, sizeof(float) * (size_t)(T * hc));
-    float *comb = model_tmp(m, sizeof(float) * (size_t)(T * hc * hc));
-    bf16_t *y = model_tmp(m, (size_t)(T * D) * 2), *o = model_tmp(m, (size_t)(T * D) * 2);
+    float *apre = model_fbuf(m, b, FB_APRE, sizeof(float) * (size_t)(T * hc), false);
+    float *post = model_fbuf(m, b, FB_POST, sizeof(float) * (size_t)(T * hc), false);
+    float *comb = model_fbuf(m, b, FB_COMB, sizeof(float) * (size_t)(T * hc * hc), false);
+    bf16_t *y = model_fbuf(m, b, FB_Y, (size_t)(T * D) * 2, false);
+    bf16_t *o = model_fbuf(m, b, FB_O, (size_t)(T * D) * 2, false);
+    bf16_t *qr = model_fbuf(m, b, FB_QR, (size_t)(T * c->q_lora_rank) * 2, false);
+    bf16_t *q = model_fbuf(m, b, FB_Q, (size_t)(T * aw->wq_b.n) * 2, false);
+    bf16_t *kvr = attention_kv_rows(m);
 
-    OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
-                  c->hc_sinkhorn_iters, eps, hc_eps);
-    OPS->hc_collapse(m->be, y, X, P, T, hc, D);
-    OPS->rmsnorm(m->be, y, y, lw->attn_norm, T, D, eps);
-    int rc = attention_forward(m, l, b, y, o, hooks);
-    if (rc == 0) {
-        OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
-        /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards */
-        OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
+    struct graph_key ka = graph_key_new(GSEG_ATTN_IN, l, b);
+    const void *ka_p[] = {X, P, apre, post, comb, y, qr, q, kvr, b->pos};
+    for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
+    if (model_graph_begin(m, b, &ka)) {
+        OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
                       c->hc_sinkhorn_iters, eps, hc_eps);
-        OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
-        OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
-        moe_forward(m, l, b, y, o);
-        OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
+        OPS->hc_collapse(m->be, y, X, P, T, hc, D);
+        OPS->rmsnorm(m->be, y, y, lw->attn_norm, T, D, eps);
+        attention_project(m, l, b, y, qr, q);
+        model_graph_end(m);
     }
-    model_tfree(m, apre);
-    model_tfree(m, post);
-    model_tfree(m, comb);
-    model_tfree(m, y);
-    model_tfree(m, o);
+    int rc = attention_forward(m, l, b, y, qr, q, o, hooks);
+    if (rc == 0) {
+        /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards.
+         * The experts are split by id over the TP group: each rank's slot outputs are gathered
+         * between the two segments (with one rank there is nothing between them: one segment). */
+        int32_t *idx = model_fbuf(m, b, FB_MOE_IDX, sizeof(int32_t) * (size_t)(T * k), false);
+        float *wts = model_fbuf(m, b, FB_MOE_WTS, sizeof(float) * (size_t)(T * k), false);
+        /* slots of other ranks' experts are left untouched by moe_experts (and never read) */
+        bf16_t *ye = model_fbuf(m, b, FB_MOE_Y, (size_t)(T * k * D) * 2, true), *all = ye;
+        if (m->tp_size > 1) all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2 * (size_t)m->tp_size, false);
+        bool one = m->tp_size == 1;
+        struct graph_key kf = graph_key_new(one ? GSEG_FFN : GSEG_FFN_IN, l, b);
+        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all};
+        for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
+        bool issue = model_graph_begin(m, b, &kf);
+        if (issue) {
+            OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
+            OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
+                          c->hc_sinkhorn_iters, eps, hc_eps);
+            OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
+            OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
+            moe_route(m, l, b, y, idx, wts, ye);
+        }
+        if (!one) {
+            if (issue) model_graph_end(m);
+            m->opt.tp->ops->allgather(m->opt.tp, ye, all, (size_t)(T * k * D) * 2, "moe experts");
+            kf.w[0] = GSEG_FFN_OUT;
+            issue = model_graph_begin(m, b, &kf);
+        }
+        if (issue) {
+            moe_finish(m, l, b, y, idx, all, o);
+            OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
+            model_graph_end(m);
+        }
+        if (all != ye) model_fbuf_free(m, b, all);
+        model_fbuf_free(m, b, ye);
+        model_fbuf_free(m, b, idx);
+        model_fbuf_free(m, b, wts);
+    }
+    void *bufs[] = {apre, post, comb, y, o, qr, q};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) model_fbuf_free(m, b, bufs[i]);
     return rc;
 }
 
@@ -659,7 +737,8 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
         }
-    b.pos = model_tmp(m, sizeof(int32_t) * (size_t)T);
+    b.graphs = m->opt.graphs && OPS->graph_begin && T <= MODEL_GRAPH_ROWS_MAX;
+    b.pos = model_fbuf(m, &b, FB_POS, sizeof(int32_t) * (size_t)T, false);
     OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
     b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
@@ -667,8 +746,9 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     int32_t *tok_d = model_tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, tok_d, tok, sizeof(int32_t) * (size_t)T);
     bf16_t *e = model_tmp(m, (size_t)(T * D) * 2);
-    bf16_t *X = model_tmp(m, (size_t)(T * hc * D) * 2), *X1 = model_tmp(m, (size_t)(T * hc * D) * 2);
-    float *P = model_tmp(m, sizeof(float) * (size_t)(T * hc));
+    bf16_t *X = model_fbuf(m, &b, FB_X, (size_t)(T * hc * D) * 2, false);
+    bf16_t *X1 = model_fbuf(m, &b, FB_X1, (size_t)(T * hc * D) * 2, false);
+    float *P = model_fbuf(m, &b, FB_P, sizeof(float) * (size_t)(T * hc), false);
     if (first) {
         OPS->embed(m->be, e, tok_d, T, m->w->embed, m->w->vocab_row0, m->w->vocab_rows, D);
         /* vocab-split table: exactly one rank holds each row, the others add zeros (exact) */
@@ -688,7 +768,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         if (hooks && hooks->pre_engram) hooks->pre_engram(hooks->ctx, l, X, P, T);
         if (erows[l]) engram_forward(m, l, &b, X, erows[l]);
         if (hooks && hooks->pre_block) hooks->pre_block(hooks->ctx, l, X, P, T);
-        rc = block_forward(m, l, &b, &X, &X1, P, hooks);
+        rc = block_forward(m, l, &b, X, X1, P, hooks);
         if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
     }
     if (rc == 0 && !last) {
@@ -738,11 +818,11 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     free(b.row0);
     free(b.pos_h);
     free(tok);
-    model_tfree(m, b.pos);
+    model_fbuf_free(m, &b, b.pos);
     model_tfree(m, tok_d);
     model_tfree(m, e);
-    model_tfree(m, X);
-    model_tfree(m, X1);
-    model_tfree(m, P);
+    model_fbuf_free(m, &b, X);
+    model_fbuf_free(m, &b, X1);
+    model_fbuf_free(m, &b, P);
     return rc;
 }

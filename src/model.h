@@ -36,6 +36,10 @@ struct engine_opts {
     /* Tensor-parallel group (NULL = one rank). Every TP collective gathers whole values (never sums
      * partials), so any TP size computes bit-identical numbers to one rank. */
     struct comm *tp;
+    /* Run the runs of ops between the host's own work as CUDA graphs in forwards of up to
+     * MODEL_GRAPH_ROWS_MAX rows (decode steps): recorded once per layer and batch size, replayed
+     * with one launch each. Same bits as without (--eager turns it off). */
+    bool graphs;
 };
 
 struct engine_opts engine_opts_default(const struct model_config *cfg);

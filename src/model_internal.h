@@ -5,6 +5,21 @@
 
 #include "model.h"
 
+/* Buffers that cross the edge of a graph segment (model_graph_begin). In a forward that runs its
+ * segments as graphs they persist between forwards, so a recording's addresses stay valid and the
+ * next step's keys match; in other forwards they are the forward's temporaries. */
+enum fbuf_id {
+    FB_X, FB_X1, FB_P, FB_POS,              /* the stream, its mix, positions (model_forward_stage) */
+    FB_APRE, FB_POST, FB_COMB, FB_Y, FB_O,  /* the block's mixes and its sublayers' input and output */
+    FB_QR, FB_Q,                            /* attention's low-rank query and heads */
+    FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
+    FB_N
+};
+struct fbuf {
+    void *p;
+    size_t cap;
+};
+
 /* Per layer, per slot caches (backend memory). */
 struct layer_cache {
     bf16_t *ring;   /* [slots, W, hd] window K=V ring, post-RoPE, FP8-QDQ'd: rows of m->kv */
@@ -43,6 +58,8 @@ struct model {
     const void ***prep_field;      /* [n_prep] address of the field in m->w */
     const void **prep_host;        /* [n_prep] its original host pointer */
     int n_prep, cap_prep;
+    struct fbuf fb[FB_N];          /* persistent segment-edge buffers (enum fbuf_id) */
+    bool graph_open;               /* a graph segment is recording (model_graph_begin) */
 };
 
 /* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes
@@ -64,7 +81,32 @@ struct batch {
     int64_t *topk_w;   /* [n_layers] (host) */
     uint8_t *cand;     /* candidate source: backend [T, cand_w] mask */
     int64_t cand_w;
+    bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
 };
+
+/* Forwards of at most this many rows run their segments as graphs (decode steps up to batch
+ * 256); larger ones (prefill chunks) are few per job and launch-bound only per token. */
+#define MODEL_GRAPH_ROWS_MAX 256
+
+/* A segment-edge buffer of at least `bytes` (zero-filled when `zero`, else unwritten), and its
+ * release, which leaves a persistent one in place. */
+void *model_fbuf(struct model *m, const struct batch *b, enum fbuf_id id, size_t bytes, bool zero);
+void model_fbuf_free(struct model *m, const struct batch *b, void *p);
+
+/* A graph segment's key: the segment, layer and rows, then every buffer address its ops touch
+ * that the layer's weights do not fix (the caller's promise of backend.h's graph_begin). */
+enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN };
+#define GRAPH_KEY_MAX 24
+struct graph_key {
+    uint64_t w[GRAPH_KEY_MAX];
+    int n;
+};
+struct graph_key graph_key_new(enum graph_seg seg, int layer, const struct batch *b);
+void graph_key_ptr(struct graph_key *k, const void *p);
+/* true: issue the segment's ops, then call model_graph_end; false: the backend ran its recording.
+ * Forwards that do not run graphs (b->graphs false, or a backend without them) always get true. */
+bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k);
+void model_graph_end(struct model *m);
 
 /* A forward's temporary that its producer writes whole before anything reads it: backend scratch,
  * no zero fill (the CPU backend poisons it, so a read of anything unwritten fails the tests). */
@@ -86,9 +128,13 @@ void seg_push(struct seg_list *l, void *dst, const void *src, size_t bytes);
 void seg_flush(struct model *m, struct seg_list *l);
 void seg_free(struct seg_list *l);
 
-/* attention.c: x [T, D] normed input -> out [T, D] (before TP reduction). */
-int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *out,
-                      const struct fwd_hooks *hooks);
+/* attention.c, in two parts so the first can join the block's graph segment: the projections
+ * (x [T, D] normed input -> qr [T, q_lora] normed, q [T, Hl, hd] post-RoPE, and the chunk's K=V rows
+ * [T, hd] at attention_kv_rows), then the rest -> out [T, D] (after the TP gathers). */
+bf16_t *attention_kv_rows(struct model *m);
+void attention_project(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q);
+int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr,
+                      const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks);
 
 static inline int64_t i64min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t i64max(int64_t a, int64_t b) { return a > b ? a : b; }

@@ -9,7 +9,10 @@
  * views into the checkpoint mapping); the original description is parked in be_priv so release
  * restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
- * as mapped pinned memory and read by the kernels over the bus. */
+ * as mapped pinned memory and read by the kernels over the bus.
+ * While a graph segment records (cuda_graph.cu), temporaries are the graph's own allocation nodes,
+ * never blocks of the free list (a replay must not write a block the host has since handed to
+ * someone else), and the host-side ops (upload, download, copy_segs, sync, preparation) refuse. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +66,11 @@ struct cuda_be {
     int ring_chunk;
     cudaEvent_t ring_ev[RING_CHUNKS];
     bool ring_pending[RING_CHUNKS];
+    /* graph segments (cuda_graph.cu): the recorded graphs, whether the stream is recording one now,
+     * and how many of that recording's own allocations are still unfreed */
+    struct cuda_graphs *graphs;
+    bool capturing;
+    long graph_allocs;
 };
 
 static struct cuda_be *cb(struct backend *be) { return (struct cuda_be *)be->priv; }
@@ -70,6 +78,23 @@ static struct cuda_be *cb(struct backend *be) { return (struct cuda_be *)be->pri
 cudaStream_t cuda_be_stream(struct backend *be) { return cb(be)->stream; }
 int cuda_be_sms(struct backend *be) { return cb(be)->sms; }
 bool cuda_be_mma(struct backend *be) { return cb(be)->mma; }
+struct cuda_graphs **cuda_be_graphs(struct backend *be) { return &cb(be)->graphs; }
+
+void cuda_be_set_capturing(struct backend *be, bool on) {
+    struct cuda_be *c = cb(be);
+    if (!on && c->graph_allocs)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_end",
+                 "a graph segment ends with buffers it allocated still live (the caller's promise, backend.h)");
+    c->capturing = on;
+}
+
+/* The ops that cannot be part of a recorded graph: their host-side work would not be repeated by a
+ * replay (the staged bytes of an upload, a copy list, a download's wait). */
+static void not_in_segment(struct backend *be, const char *what) {
+    if (cb(be)->capturing)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", what,
+                 "called inside a graph segment (only device ops may be recorded, backend.h)");
+}
 
 extern "C" void backend_cuda_set_mma(struct backend *be, bool on) { cb(be)->mma = on; }
 
@@ -97,6 +122,8 @@ static void __attribute__((noreturn)) out_of_memory(struct backend *be, const ch
  * whole-prompt buffers) are allocated exactly, outside the classes. cuda_be_scratch adds the
  * zero fill (alloc's contract); cuda_be_scratch_raw (the scratch op) leaves it out. */
 #define SCRATCH_CLASS_MAX ((size_t)1 << 30)
+/* live-table mark of a block a graph segment's recording allocated (an allocation node) */
+#define LIVE_GRAPH SIZE_MAX
 
 static size_t scratch_round(size_t bytes) {
     if (bytes <= 256) return 256;
@@ -192,6 +219,13 @@ static void *scratch_malloc(struct backend *be, size_t bytes) {
 void *cuda_be_scratch_raw(struct backend *be, size_t bytes) {
     struct cuda_be *c = cb(be);
     if (!bytes) bytes = 16;
+    if (c->capturing) {
+        void *g = NULL;
+        CUDA_CHECK(cudaMallocAsync(&g, bytes, c->stream)); /* recorded: the graph's allocation node */
+        live_put(c, g, LIVE_GRAPH);
+        c->graph_allocs++;
+        return g;
+    }
     size_t rb = bytes <= SCRATCH_CLASS_MAX ? scratch_round(bytes) : 0;
     void *p = NULL;
     if (rb) {
@@ -214,6 +248,15 @@ void cuda_be_scratch_free(struct backend *be, void *p) {
     if (!p) return;
     struct cuda_be *c = cb(be);
     size_t rb = live_take(c, p);
+    if (rb == LIVE_GRAPH || c->capturing) {
+        if (rb != LIVE_GRAPH || !c->capturing)
+            ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cuda_be_scratch_free",
+                     rb == LIVE_GRAPH ? "a buffer a graph segment allocated is freed outside it"
+                                      : "a graph segment frees a buffer allocated before it (backend.h)");
+        CUDA_CHECK(cudaFreeAsync(p, c->stream)); /* recorded: the graph's free node */
+        c->graph_allocs--;
+        return;
+    }
     if (!rb) {
         CUDA_CHECK(cudaFreeAsync(p, c->stream));
         return;
@@ -250,6 +293,7 @@ __global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
 }
 
 static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
+    not_in_segment(be, "copy_segs");
     int64_t np = 0;
     for (int64_t i = 0; i < n; i++) np += (int64_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
     if (!np) return;
@@ -303,12 +347,14 @@ static const void *stage_upload(struct backend *be, const void *src, size_t byte
 /* The caller may reuse its buffer as soon as this returns (the model uploads from short-lived host
  * arrays): the bytes are in the ring by then, or staged by the runtime for a large pageable copy. */
 static void cu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes) {
+    not_in_segment(be, "upload");
     if (bytes)
         CUDA_CHECK(cudaMemcpyAsync(dst, stage_upload(be, src_host, bytes), bytes, cudaMemcpyHostToDevice,
                                    cb(be)->stream));
 }
 
 static void cu_download(struct backend *be, void *dst_host, const void *src, size_t bytes) {
+    not_in_segment(be, "download");
     if (!bytes) return;
     CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, cb(be)->stream));
     CUDA_CHECK(cudaStreamSynchronize(cb(be)->stream));
@@ -318,7 +364,10 @@ static void cu_copy(struct backend *be, void *dst, const void *src, size_t bytes
     if (bytes && dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb(be)->stream));
 }
 
-static void cu_sync(struct backend *be) { CUDA_CHECK(cudaStreamSynchronize(cb(be)->stream)); }
+static void cu_sync(struct backend *be) {
+    not_in_segment(be, "sync");
+    CUDA_CHECK(cudaStreamSynchronize(cb(be)->stream));
+}
 
 /* Copy `rows` rows of `row_bytes` (source stride `ld_bytes`) into a compact device array. */
 static void *upload_rows(struct backend *be, const void *src, int64_t rows, size_t row_bytes, size_t ld_bytes) {
@@ -335,6 +384,7 @@ static void *upload_rows(struct backend *be, const void *src, int64_t rows, size
 }
 
 static int cu_weight_prepare(struct backend *be, struct qweight *w, bool dequant_bf16) {
+    not_in_segment(be, "weight_prepare");
     if (w->be_priv) {
         ds_err_set("cuda weight_prepare: weight is already prepared");
         return -1;
@@ -403,6 +453,7 @@ static void cu_weight_release(struct backend *be, struct qweight *w) {
 
 static const void *cu_tensor_prepare(struct backend *be, const void *host, size_t bytes, bool host_resident) {
     if (!host) return NULL;
+    not_in_segment(be, "tensor_prepare");
     struct cuda_be *c = cb(be);
     struct prep *p = (struct prep *)ds_calloc(1, sizeof *p);
     if (!host_resident) {
@@ -510,6 +561,8 @@ static const struct backend_ops cuda_ops = {
     .shared_expert = cuda_op_shared_expert,
     .add_f32_bf16 = cuda_op_add_f32_bf16,
     .interleave = cuda_op_interleave,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
 };
 
 extern "C" int backend_cuda_init(struct backend *be, int device) {
@@ -547,6 +600,7 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
 extern "C" void backend_cuda_free(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (!c) return;
+    cuda_graphs_free(be);
     scratch_release_kept(c);
     free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));

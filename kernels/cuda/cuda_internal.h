@@ -28,6 +28,17 @@ int cuda_be_sms(struct backend *be);
 /* Whether FP8/FP4 linears take the tensor-core path (backend_cuda_set_mma; on unless --exact-linears). */
 bool cuda_be_mma(struct backend *be);
 
+/* ---- cuda_graph.cu: graph segments (backend.h's graph_begin / graph_end) ---- */
+struct cuda_graphs;
+bool cuda_graph_begin(struct backend *be, const uint64_t *key, int n_key);
+void cuda_graph_end(struct backend *be);
+void cuda_graphs_free(struct backend *be); /* every recorded graph (backend_cuda_free) */
+/* The backend's graph cache slot, and the recording switch: while on, scratch comes from the
+ * graph's own allocations and host-side ops refuse (cuda_backend.cu); off checks that the
+ * recording freed everything it allocated. */
+struct cuda_graphs **cuda_be_graphs(struct backend *be);
+void cuda_be_set_capturing(struct backend *be, bool on);
+
 /* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);

@@ -23,6 +23,10 @@
  *    by default (--routing balanced) each token's experts are drawn uniformly, as balanced as a
  *    trained router, and written over the router's output after the router op has run (its time
  *    counts; one small device copy per layer is added). --routing model keeps the router's choice.
+ *  - Graph segments (model_graph_begin): each batch size's untimed warm-up step records them and
+ *    the timed steps replay them, as in a job. A replay repeats the router wrapper's plan copy
+ *    too, so the timed steps route by the warm-up step's entries of the plan (as balanced; the
+ *    bytes count the plan's mean). --eager times the steps without graphs.
  *  - Tokens come from this rank's slice of the vocab-split embedding (the stand-in allreduce adds
  *    no other rank's rows); weight values repeat between tensors (shared pools). Neither changes
  *    what the ops compute, only the values.
@@ -79,6 +83,7 @@ struct args {
     uint64_t seed;
     bool balanced; /* --routing balanced (default) | model */
     bool exact;    /* --exact-linears: FP8/FP4 linears in the CPU's k order (default: tensor cores) */
+    bool eager;    /* --eager: no graph segments (default: decode steps replay CUDA graphs) */
 };
 
 static void usage(FILE *f) {
@@ -87,6 +92,7 @@ static void usage(FILE *f) {
             "                  [--layers N | --layers A-B] [--ctx 512] [--steps 8] [--batch 1,8,64,256]\n"
             "                  [--prefill 2048,8192] [--chunk 2048] [--engram-vocab 100000] [--seed 1]\n"
             "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--exact-linears]\n"
+            "                  [--eager]\n"
             "  Times decode steps and prefill of TP rank 0 of pipeline stage 0 (the embedding stage) at the\n"
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
@@ -134,6 +140,10 @@ static void parse_args(int argc, char **argv, struct args *a) {
         }
         if (!strcmp(k, "--exact-linears")) {
             a->exact = true;
+            continue;
+        }
+        if (!strcmp(k, "--eager")) {
+            a->eager = true;
             continue;
         }
         if (i + 1 >= argc) ds_die("%s: needs a value (see --help)", k);
@@ -314,6 +324,9 @@ static void routing(struct backend *be, const int32_t *plan, bool count) {
     g_plan_pos = 0;
     g_count = count;
     g_router_calls = g_distinct_sum = 0;
+    /* counting downloads the router's output: no graph segment may hold it */
+    g_wrap_ops.graph_begin = count ? NULL : g_real_ops->graph_begin;
+    g_wrap_ops.graph_end = count ? NULL : g_real_ops->graph_end;
     be->ops = plan || count ? &g_wrap_ops : g_real_ops;
 }
 
@@ -462,6 +475,14 @@ struct row {
     uint64_t bytes;
 };
 
+/* The CSV's backend column: the backend and the switches that change its code path. */
+static const char *run_label(const struct args *a) {
+    static char buf[64];
+    snprintf(buf, sizeof buf, "%s%s%s", a->backend, a->exact ? "-exact-linears" : "",
+             a->eager && !strcmp(a->backend, "cuda") ? "-eager" : "");
+    return buf;
+}
+
 static void emit(FILE *csv, const struct row *r, const char *backend) {
     double gbps = r->ms > 0 ? (double)r->bytes / (r->ms * 1e-3) / 1e9 : 0;
     if (csv) {
@@ -577,6 +598,7 @@ int main(int argc, char **argv) {
     eo.max_seq_len = a.ctx + (int64_t)a.n_batch * ((a.profile ? 2 : 1) * a.steps + 1);
     if (max_pre > eo.max_seq_len) eo.max_seq_len = max_pre;
     eo.tp = a.tp > 1 ? &tp : NULL;
+    eo.graphs = !a.eager;
     t0 = now_s();
     B.m = model_new(&cfg, &mw, &be, &ec, &eo);
     be.ops->sync(&be);
@@ -719,8 +741,16 @@ int main(int argc, char **argv) {
         printf("%-8s %8d %6lld %10.3f %10.3f %11.1f %8.1f %16.2f %14.2f %10.2f\n", r.kind, bs, (long long)r.ctx, ms,
                1e3 * best, (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct, uniform,
                (double)g_comm_bytes / a.steps / 1e6);
-        emit(csv, &r, a.exact ? "cuda-exact-linears" : a.backend);
+        emit(csv, &r, run_label(&a));
     }
+#ifdef DS_HAVE_CUDA
+    if (!strcmp(a.backend, "cuda")) {
+        long replays = 0, recordings = 0;
+        backend_cuda_graph_stats(&be, &replays, &recordings);
+        printf("# graph segments: %ld recorded, %ld replayed (%s)\n", recordings, replays,
+               a.eager ? "--eager: none" : "each batch size records on its warm-up step, the timed steps replay");
+    }
+#endif
 
     /* ---- prefill ---- */
     for (int pi = 0; pi < a.n_prefill; pi++) {
@@ -776,7 +806,7 @@ int main(int argc, char **argv) {
                r.kind, (long long)n, 0, ms, "-", (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct,
                "-", comm_mb, (double)n / (ms * 1e-3), forwards, forwards == 1 ? "" : "s",
                (long long)chunk);
-        emit(csv, &r, a.exact ? "cuda-exact-linears" : a.backend);
+        emit(csv, &r, run_label(&a));
     }
     if (csv) fclose(csv);
     if (prof) fclose(prof);

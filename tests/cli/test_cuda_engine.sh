@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole model on the GPU (issue #6): stream-forced verify of both golden models with the CUDA
 # backend against the official reference; batch invariance on the GPU (max-seqs 1, 8 and 64 give
-# byte-identical tokens and logprobs); 16 ranks TP8 x PP2 sharing one GPU (TP collectives through
+# byte-identical tokens and logprobs), with CUDA graphs and as with --eager; 16 ranks TP8 x PP2 sharing one GPU (TP collectives through
 # MPI with host staging) pass verify and give the tokens of one GPU rank. Skips without a GPU
 # (CI has none); `make test-cuda` runs it on the GPU machine. TAP lines.
 set -u
@@ -55,6 +55,14 @@ check "GPU batch invariance: max-seqs 1 and 8 give identical tokens and logprobs
   '[ -s "$T/g1.jsonl" ] && cmp -s "$T/g1.jsonl" "$T/g8.jsonl"'
 check "GPU batch invariance: max-seqs 1 and 64 give identical tokens and logprobs" \
   '[ -s "$T/g1.jsonl" ] && cmp -s "$T/g1.jsonl" "$T/g64.jsonl"'
+# the runs above replay CUDA graphs for their decode steps; --eager launches every op from the host
+"$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/e8.jsonl" --max-seqs 8 --logprobs \
+  --backend cuda --eager 2>"$T/eerr8" || cat "$T/eerr8"
+grep -h "graph segments" "$T/gerr8" | sed 's/^/# max-seqs 8: /'
+check "CUDA graphs: max-seqs 8 recorded and replayed graph segments" \
+  'grep -qE "graph segments: [1-9][0-9]* recorded, [1-9][0-9]* replayed" "$T/gerr8"'
+check "CUDA graphs give the tokens and logprobs of --eager (max-seqs 8)" \
+  '[ -s "$T/e8.jsonl" ] && cmp -s "$T/g8.jsonl" "$T/e8.jsonl"'
 "$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/c1.jsonl" --max-seqs 8 --logprobs 2>/dev/null
 python3 - "$T/c1.jsonl" "$T/g8.jsonl" <<'EOF'
 import json, sys
