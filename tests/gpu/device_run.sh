@@ -28,6 +28,8 @@ for step in "$@"; do
           --profile "$OUT/cuda_step_profile.csv" ${BENCH_STEP_ARGS:-}
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --exact-linears --csv "$OUT/cuda_step_exact.csv" \
           ${BENCH_EXACT_ARGS:-}
+        timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --eager --csv "$OUT/cuda_step_eager.csv" \
+          ${BENCH_EAGER_ARGS:---ctx 64 --batch 1,8,64,256 --steps 4 --prefill ""}
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" \
           --csv "$OUT/cuda_step_ctx2048.csv" ${BENCH_CTX_ARGS:-}
         timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;
