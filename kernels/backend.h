@@ -282,6 +282,11 @@ void backend_cuda_set_mma(struct backend *be, bool on);
 void *backend_cuda_stream(struct backend *be);
 /* Graph segments since init: replays (a recorded graph launched) and recordings (captures). */
 void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings);
+/* Profiling marks (prof_backend's device clock): a timing event recorded on the stream, its index;
+ * the device ms between two marks once passed; reset forgets them all (the events are reused). */
+int backend_cuda_mark(struct backend *be);
+double backend_cuda_mark_ms(struct backend *be, int a, int b);
+void backend_cuda_marks_reset(struct backend *be);
 #endif
 
 #ifdef __cplusplus

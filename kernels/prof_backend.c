@@ -1,5 +1,7 @@
 /* A profiling decorator for any backend: the same op table, each op timed by the host clock
- * from its call until the inner backend's sync returns. It answers "where does a step's time go"
+ * from its call until the inner backend's sync returns (or, with a device clock, between two marks
+ * recorded in the device's stream order around it: the op's own device time, nothing serialized;
+ * the step minus the ops' sum is then the time the device sat idle between ops). It answers "where does a step's time go"
  * without a GPU profiler on the machine: the per-op sums are kernel time plus one launch each, and
  * the step's unprofiled time minus their sum is what the host adds between ops (index-list
  * building, the model's own bookkeeping). Allocations and frees are counted and timed too. The syncs serialize the ops, so a profiled step is slower than
@@ -11,9 +13,16 @@
 #include <stdlib.h>
 #include <time.h>
 
+struct prof_span {
+    int op, a, b; /* an op between device marks a and b, read at the next report */
+};
+
 struct prof {
     struct backend *inner;
     bool sync; /* false: host time inside each call only (prof_backend_init_host) */
+    struct prof_clock clk; /* mark != NULL: device clock (prof_backend_init_device) */
+    struct prof_span *spans;
+    int n_spans, cap_spans;
     struct backend_ops ops;
     double sec[PROF_N_OPS_PUBLIC];
     long calls[PROF_N_OPS_PUBLIC];
@@ -69,16 +78,29 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* the inner backend is drained first, so an op is charged only for itself */
+/* the inner backend is drained first, so an op is charged only for itself (device clock: a mark,
+ * whose index stands in for the start time) */
 static double prof_begin(struct backend *be) {
-    if (PR(be)->sync) PR(be)->inner->ops->sync(PR(be)->inner);
+    struct prof *p = PR(be);
+    if (p->clk.mark) return (double)p->clk.mark(p->clk.ctx);
+    if (p->sync) p->inner->ops->sync(p->inner);
     return now_s();
 }
 
 static void prof_end(struct backend *be, int op, double t0) {
-    if (PR(be)->sync) PR(be)->inner->ops->sync(PR(be)->inner);
-    PR(be)->sec[op] += now_s() - t0;
-    PR(be)->calls[op]++;
+    struct prof *p = PR(be);
+    p->calls[op]++;
+    if (p->clk.mark) {
+        if (p->n_spans == p->cap_spans) {
+            p->cap_spans = p->cap_spans ? 2 * p->cap_spans : 4096;
+            p->spans = realloc(p->spans, sizeof *p->spans * (size_t)p->cap_spans);
+            if (!p->spans) abort();
+        }
+        p->spans[p->n_spans++] = (struct prof_span){op, (int)t0, p->clk.mark(p->clk.ctx)};
+        return;
+    }
+    if (p->sync) p->inner->ops->sync(p->inner);
+    p->sec[op] += now_s() - t0;
 }
 
 /* allocations are counted and timed like ops: on a GPU each is host work (and a zero fill) */
@@ -324,7 +346,25 @@ void prof_backend_init_host(struct backend *be, struct backend *inner) {
     PR(be)->sync = false;
 }
 
+void prof_backend_init_device(struct backend *be, struct backend *inner, const struct prof_clock *clk) {
+    prof_backend_init(be, inner);
+    PR(be)->sync = false;
+    PR(be)->clk = *clk;
+    clk->reset(clk->ctx);
+}
+
+/* device clock: the marks are read once the device has passed them */
+static void resolve_spans(struct prof *p) {
+    if (!p->clk.mark || !p->n_spans) return;
+    p->inner->ops->sync(p->inner);
+    for (int i = 0; i < p->n_spans; i++)
+        p->sec[p->spans[i].op] += 1e-3 * p->clk.ms(p->clk.ctx, p->spans[i].a, p->spans[i].b);
+    p->n_spans = 0;
+    p->clk.reset(p->clk.ctx);
+}
+
 void prof_backend_reset(struct backend *be) {
+    resolve_spans(PR(be));
     memset(PR(be)->sec, 0, sizeof PR(be)->sec);
     memset(PR(be)->calls, 0, sizeof PR(be)->calls);
 }
@@ -338,6 +378,7 @@ long prof_backend_calls(struct backend *be, const char *op) {
 const char *prof_backend_op_name(int i) { return i >= 0 && i < PROF_N_OPS ? prof_names[i] : NULL; }
 
 double prof_backend_report(struct backend *be, FILE *f, const char *label, int per) {
+    resolve_spans(PR(be));
     double total = 0;
     for (int i = 0; i < PROF_N_OPS; i++) total += PR(be)->sec[i];
     if (per < 1) per = 1;
@@ -349,6 +390,7 @@ double prof_backend_report(struct backend *be, FILE *f, const char *label, int p
 }
 
 void prof_backend_free(struct backend *be) {
+    free(PR(be)->spans);
     free(be->priv);
     be->ops = NULL;
     be->priv = NULL;

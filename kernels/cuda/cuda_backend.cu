@@ -71,6 +71,9 @@ struct cuda_be {
     struct cuda_graphs *graphs;
     bool capturing;
     long graph_allocs;
+    /* profiling marks (backend_cuda_mark): timing events, reused after a reset */
+    cudaEvent_t *marks;
+    int n_marks, cap_marks;
 };
 
 static struct cuda_be *cb(struct backend *be) { return (struct cuda_be *)be->priv; }
@@ -602,6 +605,8 @@ extern "C" void backend_cuda_free(struct backend *be) {
     if (!c) return;
     cuda_graphs_free(be);
     scratch_release_kept(c);
+    for (int i = 0; i < c->cap_marks; i++) CUDA_CHECK(cudaEventDestroy(c->marks[i]));
+    free(c->marks);
     free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventDestroy(c->ring_ev[i]));
@@ -618,3 +623,27 @@ extern "C" void backend_cuda_free(struct backend *be) {
 }
 
 extern "C" void *backend_cuda_stream(struct backend *be) { return (void *)cb(be)->stream; }
+
+extern "C" int backend_cuda_mark(struct backend *be) {
+    struct cuda_be *c = cb(be);
+    not_in_segment(be, "backend_cuda_mark");
+    if (c->n_marks == c->cap_marks) {
+        int cap = c->cap_marks ? 2 * c->cap_marks : 4096;
+        c->marks = (cudaEvent_t *)ds_realloc(c->marks, sizeof *c->marks * (size_t)cap);
+        for (int i = c->cap_marks; i < cap; i++) CUDA_CHECK(cudaEventCreate(&c->marks[i]));
+        c->cap_marks = cap;
+    }
+    CUDA_CHECK(cudaEventRecord(c->marks[c->n_marks], c->stream));
+    return c->n_marks++;
+}
+
+extern "C" double backend_cuda_mark_ms(struct backend *be, int a, int b) {
+    struct cuda_be *c = cb(be);
+    if (a < 0 || b < 0 || a >= c->n_marks || b >= c->n_marks)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "backend_cuda_mark_ms", "no such mark");
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, c->marks[a], c->marks[b]));
+    return ms;
+}
+
+extern "C" void backend_cuda_marks_reset(struct backend *be) { cb(be)->n_marks = 0; }

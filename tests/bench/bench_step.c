@@ -468,6 +468,25 @@ static void prefill_one(struct bench *B, int64_t n, int64_t chunk, const int32_t
     }
 }
 
+/* The profiler of --profile: on the GPU each op's device time between two stream marks (nothing
+ * synchronized, so the split is that of the step as it runs eagerly); on the CPU, where ops run
+ * inline, its host time. */
+#ifdef DS_HAVE_CUDA
+static int clk_mark(void *ctx) { return backend_cuda_mark(ctx); }
+static double clk_ms(void *ctx, int a, int b) { return backend_cuda_mark_ms(ctx, a, b); }
+static void clk_reset(void *ctx) { backend_cuda_marks_reset(ctx); }
+#endif
+static void profiler_init(struct backend *be, struct backend *inner, const char *backend) {
+#ifdef DS_HAVE_CUDA
+    if (!strcmp(backend, "cuda")) {
+        const struct prof_clock clk = {inner, clk_mark, clk_ms, clk_reset};
+        prof_backend_init_device(be, inner, &clk);
+        return;
+    }
+#endif
+    prof_backend_init(be, inner);
+}
+
 struct row {
     const char *kind;
     int64_t n, ctx;
@@ -595,7 +614,7 @@ int main(int argc, char **argv) {
     struct engine_opts eo = engine_opts_default(&cfg);
     eo.max_seqs = max_batch;
     /* every decode run adds its warm-up and timed steps to slots 0..B-1 */
-    eo.max_seq_len = a.ctx + (int64_t)a.n_batch * ((a.profile ? 2 : 1) * a.steps + 1);
+    eo.max_seq_len = a.ctx + (int64_t)a.n_batch * ((a.profile ? 3 : 1) * a.steps + 1);
     if (max_pre > eo.max_seq_len) eo.max_seq_len = max_pre;
     eo.tp = a.tp > 1 ? &tp : NULL;
     eo.graphs = !a.eager;
@@ -659,7 +678,8 @@ int main(int argc, char **argv) {
            "weight MB", "GB/s", "experts/layer", "(uniform est.)", "comm MB");
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)(max_batch > max_pre ? max_batch : max_pre));
     struct fwd_seq *seqs = ds_calloc((size_t)max_batch, sizeof *seqs);
-    /* with --profile every batch runs its timed steps twice: plain, then through the profiler */
+    /* with --profile every batch runs its timed steps three times: plain, then through the
+     * profiler twice (device time per op, host time per op) */
     int n_fwd = (a.profile ? 3 : 1) * a.steps + 1; /* warm-up, timed, and the two profiled passes */
     int64_t *rows = ds_malloc(sizeof(int64_t) * (size_t)n_fwd);
     int64_t *dist = ds_malloc(sizeof(int64_t) * (size_t)n_fwd);
@@ -707,10 +727,10 @@ int main(int argc, char **argv) {
         }
         double ms = 1e3 * total / a.steps;
         if (prof) {
-            /* the same steps again, each op synchronized and timed: the split of the step, and the
-             * host's share = the plain step minus the ops' kernel+launch time */
+            /* the same steps again, eager, each op timed on the device (profiler_init): the split of
+             * the step; the plain step minus the ops' sum is device time between ops */
             struct backend inner = be;
-            prof_backend_init(&be, &inner);
+            profiler_init(&be, &inner, a.backend);
             for (int s = 0; s < a.steps; s++) decode_step(&B, bs, tok, seqs);
             be.ops->sync(&be);
             char label[32];
@@ -743,14 +763,6 @@ int main(int argc, char **argv) {
                (double)g_comm_bytes / a.steps / 1e6);
         emit(csv, &r, run_label(&a));
     }
-#ifdef DS_HAVE_CUDA
-    if (!strcmp(a.backend, "cuda")) {
-        long replays = 0, recordings = 0;
-        backend_cuda_graph_stats(&be, &replays, &recordings);
-        printf("# graph segments: %ld recorded, %ld replayed (%s)\n", recordings, replays,
-               a.eager ? "--eager: none" : "each batch size records on its warm-up step, the timed steps replay");
-    }
-#endif
 
     /* ---- prefill ---- */
     for (int pi = 0; pi < a.n_prefill; pi++) {
@@ -787,7 +799,7 @@ int main(int argc, char **argv) {
         if (prof) { /* the same prompt again through the profiler: where a prefill's time goes */
             if (plan) routing(&be, plan, false); /* the plan from its start again */
             struct backend inner = be;
-            prof_backend_init(&be, &inner);
+            profiler_init(&be, &inner, a.backend);
             prefill_one(&B, n, chunk, tok);
             be.ops->sync(&be);
             char label[32];

@@ -63,7 +63,13 @@ def main():
         fig, ax = plt.subplots(figsize=(6, 4))
         b = [int(x["batch_or_tokens"]) for x in r]
         frac = [100 * float(x["gbps"]) / copy_bw for x in r]
-        ax.plot(b, frac, "o-", label="dsbatch decode step")
+        ax.plot(b, frac, "o-", label="dsbatch decode step (CUDA graphs)")
+        for name, lab in (("cuda_step_eager.csv", "--eager"), ("cuda_step_exact.csv", "--exact-linears")):
+            p = os.path.join(d, name)
+            if os.path.exists(p):
+                e = [x for x in rows(p) if x["kind"] == "decode"]
+                ax.plot([int(x["batch_or_tokens"]) for x in e], [100 * float(x["gbps"]) / copy_bw for x in e],
+                        "x--", lw=0.8, label=lab)
         ax.axhline(70, color="k", ls="--", lw=0.8, label="target (batch >= 8)")
         ax.axhline(50, color="gray", ls=":", lw=0.8, label="target (batch 1)")
         ax.set_xscale("log", base=2)
@@ -75,8 +81,8 @@ def main():
         fig.savefig(os.path.join(d, "cuda_step.png"), dpi=110)
     prof = os.path.join(d, "cuda_step_profile.csv")
     if os.path.exists(prof):
-        # the *_host runs (unsynchronized: host time inside the ops) are another measurement: the
-        # json and the README quote them; the plot shows the synchronized split
+        # the *_host runs (host time inside the ops) are another measurement: the json and the
+        # README quote them; the plot shows each op's device time (stream marks around it)
         r = [x for x in rows(prof) if not x["run"].endswith("_host")]
         runs = []
         for x in r:
@@ -98,7 +104,7 @@ def main():
         ax.set_xticks(range(len(runs)))
         ax.set_xticklabels(runs)
         ax.set_ylabel("ms per step")
-        ax.set_title("Decode steps and prefills: synchronized per-op time (left) vs plain run (right)")
+        ax.set_title("Decode steps and prefills: device time per op, eager (left) vs plain step (right)")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(os.path.join(d, "cuda_step_profile.png"), dpi=110)

@@ -1,6 +1,7 @@
 /* The profiling decorator (kernels/prof_backend.c) over the CPU backend: ops through it compute
  * exactly what the inner backend computes, every timed op is counted once per call under its own
- * name, the memory ops pass through, and reset clears the counts. */
+ * name, the memory ops pass through, and reset clears the counts; with a device clock each op is
+ * charged the span between its marks. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -77,7 +78,54 @@ static void test_passthrough_and_counts(void **state) {
     free(x), free(w), free(y0), free(y1);
 }
 
+/* A fake device clock: mark i stands at i² ms, so a span's time tells which marks bound it. */
+static int g_marks, g_resets;
+static int fake_mark(void *ctx) { return g_marks++; }
+static double fake_ms(void *ctx, int a, int b) { return (double)b * b - (double)a * a; }
+static void fake_reset(void *ctx) { g_marks = 0, g_resets++; }
+
+static double report_ms(struct backend *pb, const char *op) {
+    char buf[8192] = {0};
+    FILE *f = fmemopen(buf, sizeof buf - 1, "w");
+    prof_backend_report(pb, f, "t", 1);
+    fclose(f);
+    char key[64];
+    snprintf(key, sizeof key, "t,%s,", op);
+    const char *at = strstr(buf, key);
+    if (!at) return -1;
+    at = strchr(at + strlen(key), ',');
+    return atof(at + 1);
+}
+
+/* With a device clock each op is charged the span between the mark before it and the one after,
+ * resolved at the report (after the inner backend's sync), and the marks start over there. */
+static void test_device_clock_spans(void **state) {
+    struct backend cpu, pb;
+    assert_int_equal(backend_cpu_init(&cpu), 0);
+    const struct prof_clock clk = {NULL, fake_mark, fake_ms, fake_reset};
+    g_resets = 0;
+    prof_backend_init_device(&pb, &cpu, &clk);
+    assert_int_equal(g_resets, 1);
+    bf16_t x[64], y[64], w[64];
+    fill(x, 64, 3);
+    fill(w, 64, 4);
+    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f); /* marks 0, 1: 1 ms */
+    pb.ops->qdq_fp8_32(&pb, y, 64);              /* marks 2, 3: 5 ms */
+    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f); /* marks 4, 5: 9 ms */
+    assert_int_equal(g_marks, 6);
+    assert_true(report_ms(&pb, "rmsnorm") == 10.0); /* ms_per_step in the report */
+    assert_int_equal(g_resets, 2);
+    pb.ops->qdq_fp8_32(&pb, y, 64); /* marks 0, 1 again: 1 ms more */
+    prof_backend_reset(&pb);        /* resolves, then clears */
+    assert_true(report_ms(&pb, "qdq_fp8_32") < 0);
+    pb.ops->qdq_fp8_32(&pb, y, 64);
+    assert_true(report_ms(&pb, "qdq_fp8_32") == 1.0);
+    prof_backend_free(&pb);
+    backend_cpu_free(&cpu);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_passthrough_and_counts)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_passthrough_and_counts),
+                                       cmocka_unit_test(test_device_clock_spans)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
