@@ -280,8 +280,9 @@ void backend_cuda_free(struct backend *be);
 void backend_cuda_set_mma(struct backend *be, bool on);
 /* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
 void *backend_cuda_stream(struct backend *be);
-/* Graph segments since init: replays (a recorded graph launched) and recordings (captures). */
-void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings);
+/* Graph segments since init: replays (a recorded graph launched) and recordings (captures), and
+ * the device memory the recordings' temporaries have held at most (the graph memory pool). */
+void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings, size_t *mem_high);
 /* Profiling marks (prof_backend's device clock): a timing event recorded on the stream, its index;
  * the device ms between two marks once passed; reset forgets them all (the events are reused). */
 int backend_cuda_mark(struct backend *be);

@@ -62,8 +62,11 @@ void engine_backend_free(struct backend *be, const struct engine_flags *f) {
 #ifdef DS_HAVE_CUDA
     if (f->backend == ENGINE_BACKEND_CUDA) {
         long replays = 0, recordings = 0;
-        backend_cuda_graph_stats(be, &replays, &recordings);
-        if (!f->eager) log_info("CUDA graph segments: %ld recorded, %ld replayed", recordings, replays);
+        size_t mem = 0;
+        backend_cuda_graph_stats(be, &replays, &recordings, &mem);
+        if (!f->eager)
+            log_info("CUDA graph segments: %ld recorded, %ld replayed; their temporaries held %.1f MiB at most",
+                     recordings, replays, (double)mem / (1 << 20));
         backend_cuda_free(be);
         return;
     }

@@ -125,8 +125,14 @@ void cuda_graphs_free(struct backend *be) {
     *gp = NULL;
 }
 
-extern "C" void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings) {
+extern "C" void backend_cuda_graph_stats(struct backend *be, long *replays, long *recordings, size_t *mem_high) {
     struct cuda_graphs *g = *cuda_be_graphs(be);
     *replays = g ? g->replays : 0;
     *recordings = g ? g->recordings : 0;
+    /* the recordings' temporaries share one physical pool (graphs launched into one stream) */
+    int dev = 0;
+    unsigned long long high = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetGraphMemAttribute(dev, cudaGraphMemAttrReservedMemHigh, &high));
+    *mem_high = (size_t)high;
 }

@@ -37,6 +37,8 @@
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
 #include "cuda_linear.h"
+#include "linear_mma.h"
+#include "mma_sm80.cuh"
 #include "moe_common.cuh"
 #include "moe_mma.h"
 
@@ -671,12 +673,65 @@ __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__re
         g[i] = ds_bf16_rne(mo_swiglu(ds_bf16f(g[i]), ds_bf16f(u[i]), limit, false, 0.0f));
 }
 
+/* The same h, quantized for the down projection in the k-permuted FP8 form of the tensor-core
+ * linears (cuda_linear_mma_act_quant of bf16 h): the bits of moe_swiglu_kernel followed by w2's own
+ * act quant, one pass instead of two. n8 = T·I / 8, I a multiple of 32. */
+__global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *__restrict__ g,
+                                                               const uint16_t *__restrict__ u, __nv_bfloat16 *__restrict__ hq,
+                                                               int64_t n8, float limit) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = i < n8; /* a 32-group is all in or all out: every lane takes part in the shuffles */
+    uint4 rg = make_uint4(0, 0, 0, 0), ru = rg;
+    if (ok) rg = __ldg(reinterpret_cast<const uint4 *>(g) + i), ru = __ldg(reinterpret_cast<const uint4 *>(u) + i);
+    const uint32_t wg[4] = {rg.x, rg.y, rg.z, rg.w}, wu[4] = {ru.x, ru.y, ru.z, ru.w};
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const float gj = ds_bf16f((uint16_t)(wg[j / 2] >> (16 * (j % 2)))), uj = ds_bf16f((uint16_t)(wu[j / 2] >> (16 * (j % 2))));
+        v[j] = ds_bf16f(ds_bf16_rne(mo_swiglu(gj, uj, limit, false, 0.0f)));
+    }
+    uint32_t o[4];
+    mma_quant8(v, o);
+    if (ok) mma_store_perm8(reinterpret_cast<uint32_t *>(hq) + (i >> 2) * 16, (int)(i & 3), o);
+}
+
+static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
+
+/* Tensor-core shared expert: x quantized once for w1 and w3, SwiGLU fused with w2's act quant —
+ * five launches at decode sizes instead of seven, the bits of three cuda_op_linear calls. */
+static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                              const struct qweight *w3, const struct qweight *w2, float limit) {
+    const int64_t I = w1->n, D = w1->k, Do = w2->n;
+    cudaStream_t st = cuda_be_stream(be);
+    int *cnt = cuda_be_mma_counters(be);
+    const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
+    const size_t wsb = cuda_linear_mma_workspace_bytes(T, I > Do ? I : Do, D > I ? D : I); /* partials of either */
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * (((size_t)(T * I) * 2 + 15) & ~(size_t)15) + wsb);
+    uint16_t *xq = (uint16_t *)buf, *hq = (uint16_t *)(buf + xqb);
+    uint16_t *g = (uint16_t *)(buf + xqb + hqb), *u = g + (((size_t)(T * I) + 7) & ~(size_t)7);
+    void *ws = (uint8_t *)(u + (((size_t)(T * I) + 7) & ~(size_t)7));
+    cuda_linear_mma_act_quant(xq, x, T, D, st);
+    const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
+    cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, cnt, st);
+    cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, cnt, st);
+    const int64_t n8 = T * I / 8;
+    moe_swiglu_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>(g, u, (__nv_bfloat16 *)hq, n8, limit);
+    KERNEL_CHECK();
+    cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, cnt, st);
+    cuda_be_scratch_free(be, buf);
+}
+
 void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                            const struct qweight *w3, const struct qweight *w2, float limit) {
     if (T <= 0) return;
     if (w3->n != w1->n || w3->k != w1->k || w2->k != w1->n)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "inconsistent w1/w3/w2 shapes");
     const int64_t I = w1->n;
+    if (cuda_be_mma(be) && quantized(w1->fmt) && quantized(w3->fmt) && quantized(w2->fmt) && I % 32 == 0 &&
+        w1->k % 32 == 0) {
+        shared_expert_mma(be, y, x, T, w1, w3, w2, limit);
+        return;
+    }
     bf16_t *g = (bf16_t *)cuda_be_scratch_raw(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
     cuda_op_linear(be, g, x, T, w1);
     cuda_op_linear(be, u, x, T, w3);

@@ -595,6 +595,19 @@ typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
 static size_t act_bytes(int64_t T, int64_t k) { return ((size_t)T * (size_t)k * sizeof(uint16_t) + 15) & ~(size_t)15; }
 static int64_t n_chunks(int64_t k) { return k > 0 ? (k / 32 + KCH - 1) / KCH : 1; }
 
+extern "C" size_t cuda_linear_mma_act_bytes(int64_t T, int64_t k) { return act_bytes(T, k); }
+
+extern "C" void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64_t T, int64_t k, void *stream) {
+    if (k % 32 || ((uintptr_t)x & 15) || ((uintptr_t)xq & 15))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_act_quant",
+                 "k must be a multiple of 32 and x, xq 16-byte aligned");
+    const int64_t n8 = T * k / 8;
+    if (n8 <= 0) return;
+    mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+        (const __nv_bfloat16 *)x, (__nv_bfloat16 *)xq, n8);
+    KERNEL_CHECK();
+}
+
 extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k) {
     if (T <= 0 || n <= 0 || k <= 0) return 0;
     const int64_t nch = n_chunks(k);
@@ -611,6 +624,10 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
                                        int *counters, void *stream) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
+    const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0;
+    tiling &= ~CUDA_MMA_PREQUANT;
+    if (prequant && fmt == WF_BF16)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "CUDA_MMA_PREQUANT is for FP8/FP4 weights");
     if (T <= 0 || n <= 0) return;
     if (k < 0 || k % 32 || k / 32 > 0x7fffffff)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "k is not a multiple of 32");
@@ -624,14 +641,14 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     const int64_t nch = n_chunks(k);
     if (quant && !s)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "FP8/FP4 need scales");
-    if ((quant || nch > 1) && !workspace)
+    if (((quant && !prequant) || nch > 1) && !workspace)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
                  "a workspace of cuda_linear_mma_workspace_bytes is needed (quantized activations, chunk partials)");
     if (nch > 1 && (size_t)nch * (size_t)T * (size_t)n > ((size_t)1 << 40))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T x n x chunks too large");
     cudaStream_t st = (cudaStream_t)stream;
     const __nv_bfloat16 *a = (const __nv_bfloat16 *)x;
-    if (quant && k > 0) {
+    if (quant && k > 0 && !prequant) {
         const int64_t n8 = T * k / 8;
         mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
                                                                            (__nv_bfloat16 *)workspace, n8);
@@ -642,7 +659,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
-    float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant ? act_bytes(T, k) : 0)) : NULL;
+    float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
     if (tiling == CUDA_MMA_DECODE && (!quant || T > MMA_DECODE_MAX_T))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes FP8/FP4 and T <= 256");
