@@ -369,37 +369,32 @@ constexpr int64_t MMA_DECODE_MAX_T = 256;
  * tiles per CTA (T > 16: MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once
  * per 16 — at T = 256 the one-tile form decoded every weight 16 times and was instruction bound —
  * with 2 k-blocks per stage to keep the 64 activation rows of a stage in shared memory). */
-/* QIN (T <= 8): the CTA quantizes its rows' chunk of x itself into a whole-chunk activation tile
- * (AF_LD bytes per row, 16 B of padding as the stages' rows have), so the call needs no act-quant
- * launch before it; the stages then carry only weights. */
-template <int F, int MR, int MT = 1, bool QIN = false> struct dcfg {
+template <int F, int MR, int MT = 1> struct dcfg {
     static constexpr int DKB = MT == 1 ? 8 : 2; /* k-blocks per stage */
     static constexpr int RM = MT == 1 ? MR : 16 * MT; /* activation rows per CTA */
     static constexpr int BN = 8 * DW, THREADS = 32 * DW;
     static constexpr int B_ROW = F == K_FP8 ? 32 : 16;
     static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16);
     static constexpr int A_LD = DKB * 64 + 16;
-    static constexpr int AF_LD = KCH * 64 + 16, AF_BYTES = QIN ? RM * AF_LD : 0;
-    static constexpr int A_BYTES = QIN ? 0 : RM * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int A_BYTES = RM * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * KCH;
-    static constexpr int ROOM = 48 * 1024 - S_BYTES - AF_BYTES;
+    static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
-    static constexpr int A_CHUNKS = QIN ? 0 : RM * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
+    static constexpr int A_CHUNKS = RM * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
     static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16) &&
-                      (MT == 1 || MR == 16) && (!QIN || (MR == 8 && MT == 1)),
+                      (MT == 1 || MR == 16),
                   "decode tile");
 };
 
 
-template <int F, int MR, int MT, bool QIN>
-__global__ void __launch_bounds__(dcfg<F, MR, MT, QIN>::THREADS)
+template <int F, int MR, int MT>
+__global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store, int *__restrict__ tile_cnt) {
-    using C = dcfg<F, MR, MT, QIN>;
+    using C = dcfg<F, MR, MT>;
     constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::DKB;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
-    __shared__ __align__(16) uint8_t a_full[QIN ? C::AF_BYTES : 16]; /* QIN: [RM][AF_LD] the chunk's activations */
     __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -461,29 +456,6 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT, QIN>::THREADS)
         cp_async_commit();
     }
     load_scales(); /* published by the loop's first __syncthreads */
-    if (QIN) {
-        /* x's rows of the chunk, quantized as mma_act_quant_kernel does (8 values per thread, the 4
-         * threads of a 32-group in adjacent lanes for mma_quant8's shuffles, every lane of a warp in
-         * every round), blocks past nb up to the stages' width as zeros (they meet zero weights, and
-         * 0 · garbage could be NaN). Rows past T are left unwritten: only their own outputs, which are
-         * never stored, read them. Published by the loop's first __syncthreads too. */
-        const int rows = (int)(T - m0 < MR ? T - m0 : MR), nbp = nst * DKB, items = rows * nbp * 4;
-        const int rounds = (items + C::THREADS - 1) / C::THREADS;
-        for (int it = 0; it < rounds; it++) {
-            const int q = it * C::THREADS + tid;
-            const bool ok = q < items;
-            const int r = ok ? q / (nbp * 4) : 0, rem = ok ? q % (nbp * 4) : 0, b = rem >> 2, tq = rem & 3;
-            uint4 raw = make_uint4(0, 0, 0, 0);
-            if (ok && b < nb) raw = __ldg(reinterpret_cast<const uint4 *>(abase + ((m0 + r) * k + (int64_t)(kb0 + b) * 32) * 2) + tq);
-            const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
-            float v[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) v[j] = __uint_as_float(((wd[j / 2] >> (16 * (j % 2))) & 0xffffu) << 16);
-            uint32_t o[4];
-            mma_quant8(v, o);
-            if (ok) mma_store_perm8(reinterpret_cast<uint32_t *>(a_full + r * C::AF_LD + b * 64), tq, o);
-        }
-    }
     for (int i = 0; i < nst; i++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
@@ -513,8 +485,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT, QIN>::THREADS)
 #pragma unroll
             for (int mi = 0; mi < MT; mi++) {
                 uint32_t a0[4], a1[4];
-                const uint32_t at = QIN ? smem_addr(a_full) + (uint32_t)((lane & 7) * C::AF_LD + ((lane >> 3) & 1) * 16 + (i * DKB + j) * 64)
-                                        : so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
+                const uint32_t at = so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
                 if (MR == 16) {
                     ldmatrix_x4(a0, at);
                     ldmatrix_x4(a1, at + 32u);
@@ -595,18 +566,17 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT, QIN>::THREADS)
     }
 }
 
-/* Returns whether the kernel folded the chunks itself (tile counters given and enough of them).
- * QIN: a is x itself (the kernel quantizes), else the quantized activations. */
-template <int F, int MR, int MT = 1, bool QIN = false>
+/* Returns whether the kernel folded the chunks itself (tile counters given and enough of them). */
+template <int F, int MR, int MT = 1>
 bool launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
                    const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair,
                    int *counters) {
-    using C = dcfg<F, MR, MT, QIN>;
+    using C = dcfg<F, MR, MT>;
     const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + C::RM - 1) / C::RM;
     if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
     int *cnt = part && counters && nt * mt <= CUDA_MMA_COUNTERS ? counters : NULL;
-    mma_decode_kernel<F, MR, MT, QIN><<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(
+    mma_decode_kernel<F, MR, MT><<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(
         y, part, a, w, s, T, n, k, ld_b, s_ld, pair, cnt);
     return cnt != NULL;
 }
@@ -678,10 +648,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T x n x chunks too large");
     cudaStream_t st = (cudaStream_t)stream;
     const __nv_bfloat16 *a = (const __nv_bfloat16 *)x;
-    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
-    /* up to 8 rows the decode kernel quantizes x itself: one launch less */
-    const bool qin = quant && !prequant && decode && T <= 8;
-    if (quant && k > 0 && !prequant && !qin) {
+    if (quant && k > 0 && !prequant) {
         const int64_t n8 = T * k / 8;
         mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
                                                                            (__nv_bfloat16 *)workspace, n8);
@@ -693,18 +660,17 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
+    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
     if (tiling == CUDA_MMA_DECODE && (!quant || T > MMA_DECODE_MAX_T))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes FP8/FP4 and T <= 256");
     bool folded = false;
     if (quant && decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_FP8) {
-            if (qin) folded = launch_decode<K_FP8, 8, 1, true>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else if (T <= 8) folded = launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
+            if (T <= 8) folded = launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
             else if (T <= 16) folded = launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
             else folded = launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
         } else {
-            if (qin) folded = launch_decode<K_FP4, 8, 1, true>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else if (T <= 8) folded = launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
+            if (T <= 8) folded = launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
             else if (T <= 16) folded = launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
             else folded = launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
         }
