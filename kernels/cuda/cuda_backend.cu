@@ -20,7 +20,6 @@
 
 #include "cuda_internal.h"
 #include "formats.h"
-#include "linear_mma.h"
 
 extern "C" void *ds_malloc(size_t n);
 extern "C" void *ds_calloc(size_t n, size_t m);
@@ -72,7 +71,6 @@ struct cuda_be {
     struct cuda_graphs *graphs;
     bool capturing;
     long graph_allocs;
-    int *mma_counters; /* [CUDA_MMA_COUNTERS] the decode linears' tile counters (linear_mma.h), zero between calls */
     /* profiling marks (backend_cuda_mark): timing events, reused after a reset */
     cudaEvent_t *marks;
     int n_marks, cap_marks;
@@ -84,7 +82,6 @@ cudaStream_t cuda_be_stream(struct backend *be) { return cb(be)->stream; }
 int cuda_be_sms(struct backend *be) { return cb(be)->sms; }
 bool cuda_be_mma(struct backend *be) { return cb(be)->mma; }
 struct cuda_graphs **cuda_be_graphs(struct backend *be) { return &cb(be)->graphs; }
-int *cuda_be_mma_counters(struct backend *be) { return cb(be)->mma_counters; }
 
 void cuda_be_set_capturing(struct backend *be, bool on) {
     struct cuda_be *c = cb(be);
@@ -593,8 +590,6 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
         c->ring = NULL;
     }
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventCreateWithFlags(&c->ring_ev[i], cudaEventDisableTiming));
-    CUDA_CHECK(cudaMalloc((void **)&c->mma_counters, sizeof(int) * CUDA_MMA_COUNTERS));
-    CUDA_CHECK(cudaMemset(c->mma_counters, 0, sizeof(int) * CUDA_MMA_COUNTERS));
     /* keep freed activations in the pool: a forward frees and reallocates the same sizes */
     cudaMemPool_t pool;
     CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
@@ -612,7 +607,6 @@ extern "C" void backend_cuda_free(struct backend *be) {
     scratch_release_kept(c);
     for (int i = 0; i < c->cap_marks; i++) CUDA_CHECK(cudaEventDestroy(c->marks[i]));
     free(c->marks);
-    CUDA_CHECK(cudaFree(c->mma_counters));
     free(c->live);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventDestroy(c->ring_ev[i]));

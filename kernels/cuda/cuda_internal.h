@@ -27,9 +27,6 @@ void cuda_be_scratch_free(struct backend *be, void *p);
 int cuda_be_sms(struct backend *be);
 /* Whether FP8/FP4 linears take the tensor-core path (backend_cuda_set_mma; on unless --exact-linears). */
 bool cuda_be_mma(struct backend *be);
-/* The tile counters of the tensor-core decode linears (linear_mma.h's CUDA_MMA_COUNTERS, zero
- * between calls; the backend's one stream is their one user). */
-int *cuda_be_mma_counters(struct backend *be);
 
 /* ---- cuda_graph.cu: graph segments (backend.h's graph_begin / graph_end) ---- */
 struct cuda_graphs;

@@ -286,8 +286,8 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
             /* tensor-core path, every T (decode and prefill tilings give a row the same bits):
              * a block's 32 products are added by the mma unit, not in the CPU's k order */
             void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(T, W->n, W->k));
-            cuda_linear_mma_tiling(CUDA_MMA_AUTO, (int)W->fmt, y, x, T, W->w, W->s, W->n, W->k, W->ld, W->s_ld, ws,
-                                   cuda_be_mma_counters(be), (void *)cuda_be_stream(be));
+            cuda_linear_mma((int)W->fmt, y, x, T, W->w, W->s, W->n, W->k, W->ld, W->s_ld, ws,
+                            (void *)cuda_be_stream(be));
             cuda_be_scratch_free(be, ws);
             break;
         }

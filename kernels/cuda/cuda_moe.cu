@@ -698,12 +698,11 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *_
 static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
 
 /* Tensor-core shared expert: x quantized once for w1 and w3, SwiGLU fused with w2's act quant —
- * five launches at decode sizes instead of seven, the bits of three cuda_op_linear calls. */
+ * two launches fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. */
 static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                               const struct qweight *w3, const struct qweight *w2, float limit) {
     const int64_t I = w1->n, D = w1->k, Do = w2->n;
     cudaStream_t st = cuda_be_stream(be);
-    int *cnt = cuda_be_mma_counters(be);
     const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
     const size_t wsb = cuda_linear_mma_workspace_bytes(T, I > Do ? I : Do, D > I ? D : I); /* partials of either */
     uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * (((size_t)(T * I) * 2 + 15) & ~(size_t)15) + wsb);
@@ -712,12 +711,12 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     void *ws = (uint8_t *)(u + (((size_t)(T * I) + 7) & ~(size_t)7));
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
-    cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, cnt, st);
-    cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, cnt, st);
+    cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, st);
+    cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, st);
     const int64_t n8 = T * I / 8;
     moe_swiglu_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>(g, u, (__nv_bfloat16 *)hq, n8, limit);
     KERNEL_CHECK();
-    cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, cnt, st);
+    cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, st);
     cuda_be_scratch_free(be, buf);
 }
 

@@ -35,19 +35,15 @@ void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const v
 
 /* The same with the tiling chosen by the caller (benchmarks): CUDA_MMA_AUTO is cuda_linear_mma's
  * choice (the decode tiling up to 256 rows), CUDA_MMA_DECODE the decode tiling (FP8/FP4, T <= 256),
- * CUDA_MMA_PREFILL the 128 x 128 tiling at any T. Every choice gives a row the same bits.
- * counters: NULL, or CUDA_MMA_COUNTERS ints of device memory, zero before the first call, used by
- * one stream at a time: the decode tiling then folds its k-chunks in the kernel (the last CTA of
- * each output tile, which leaves the counters zero again) instead of a second launch; same bits. */
+ * CUDA_MMA_PREFILL the 128 x 128 tiling at any T. Every choice gives a row the same bits. */
 enum { CUDA_MMA_AUTO = 0, CUDA_MMA_DECODE = 1, CUDA_MMA_PREFILL = 2 };
-#define CUDA_MMA_COUNTERS 65536
 /* OR'ed into `tiling` (FP8/FP4 only): x is the quantized form cuda_linear_mma_act_quant made, so
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);
  * the workspace then only holds the k-chunks' partials. The same bits. */
 #define CUDA_MMA_PREQUANT 0x100
 void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
-                            int *counters, void *stream);
+                            void *stream);
 
 /* The FP8/FP4 tilings' activation form of x [T, k] bf16 (the reference's per-32 act quant,
  * dequantized exactly into bf16 and k-permuted within each group of 32): xq [T, k], 16-byte

@@ -33,10 +33,7 @@
  *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
  *    blocks ahead by one thread per row and staged as fp32 in shared memory;
  *  - mma_chunk_sum_kernel, when k has more than one chunk: the chunks' fp32 partials folded in
- *    order into y. The decode tiling folds them itself when the caller gives tile counters: the
- *    last CTA of an output tile to finish its chunk (a counter per tile, atomically counted and
- *    reset by that CTA) adds the chunks' partials in the same order, so a decode call is one
- *    launch after the act quant instead of two (the same bits: test_linear_mma_fold_fused).
+ *    order into y.
  *
  * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
  * call, or on the grid/tile choice: the k split is fixed by k alone, one CTA owns an output over a
@@ -391,7 +388,7 @@ template <int F, int MR, int MT>
 __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
-                      int64_t ld_b, int64_t s_ld, int pair_store, int *__restrict__ tile_cnt) {
+                      int64_t ld_b, int64_t s_ld, int pair_store) {
     using C = dcfg<F, MR, MT>;
     constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::DKB;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
@@ -541,44 +538,18 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
             if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
         }
     }
-    if (!part || !tile_cnt) return;
-    /* the fold, by the tile's last CTA (the partials of the others are visible to it: each CTA's
-     * stores are fenced before its count, and the last one reads them from L2, not its L1) */
-    __shared__ int s_last;
-    __threadfence();
-    __syncthreads();
-    int *cnt = tile_cnt + blockIdx.z * gridDim.x + blockIdx.x;
-    if (tid == 0) {
-        const int prev = atomicAdd(cnt, 1);
-        s_last = prev == (int)gridDim.y - 1;
-        if (s_last) *cnt = 0; /* nothing else counts this tile until the next launch */
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int nch = (int)gridDim.y;
-    for (int q = tid; q < C::RM * C::BN; q += C::THREADS) {
-        const int64_t row = m0 + q / C::BN, c = n0 + q % C::BN;
-        if (row >= T || c >= n) continue;
-        float v = __ldcg(part + row * n + c);
-        for (int ch = 1; ch < nch; ch++) v = __fadd_rn(v, __ldcg(part + ((int64_t)ch * T + row) * n + c));
-        y[row * n + c] = __float2bfloat16_rn(v);
-    }
 }
 
-/* Returns whether the kernel folded the chunks itself (tile counters given and enough of them). */
 template <int F, int MR, int MT = 1>
-bool launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
-                   const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair,
-                   int *counters) {
+void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
+                   const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
     using C = dcfg<F, MR, MT>;
     const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + C::RM - 1) / C::RM;
     if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
-    int *cnt = part && counters && nt * mt <= CUDA_MMA_COUNTERS ? counters : NULL;
-    mma_decode_kernel<F, MR, MT><<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(
-        y, part, a, w, s, T, n, k, ld_b, s_ld, pair, cnt);
-    return cnt != NULL;
+    mma_decode_kernel<F, MR, MT>
+        <<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(y, part, a, w, s, T, n,
+                                                                                             k, ld_b, s_ld, pair);
 }
 
 } /* namespace */
@@ -616,12 +587,12 @@ extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t 
 
 extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s,
                                 int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream) {
-    cuda_linear_mma_tiling(CUDA_MMA_AUTO, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, NULL, stream);
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
 }
 
 extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                                        const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
-                                       int *counters, void *stream) {
+                                       void *stream) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
     const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0;
@@ -663,16 +634,15 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
     if (tiling == CUDA_MMA_DECODE && (!quant || T > MMA_DECODE_MAX_T))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes FP8/FP4 and T <= 256");
-    bool folded = false;
     if (quant && decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_FP8) {
-            if (T <= 8) folded = launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else if (T <= 16) folded = launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else folded = launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
+            if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= 16) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else {
-            if (T <= 8) folded = launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else if (T <= 16) folded = launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
-            else folded = launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, counters);
+            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         }
     } else {
         switch (fmt) {
@@ -682,7 +652,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
         }
     }
     KERNEL_CHECK();
-    if (part && !folded) {
+    if (part) {
         const int64_t tn = T * n, blocks = (tn + 255) / 256;
         mma_chunk_sum_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
         KERNEL_CHECK();

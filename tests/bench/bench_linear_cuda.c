@@ -27,15 +27,12 @@
         }                                                                                          \
     } while (0)
 
-/* the decode tiling's tile counters (the CUDA backend holds one such array) */
-static int *g_counters;
-
 /* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
     if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T */
         cuda_linear_mma_tiling(mma == 2 ? CUDA_MMA_PREFILL : CUDA_MMA_AUTO, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k,
-                               ld, s_ld, ws, g_counters, st);
+                               ld, s_ld, ws, st);
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
@@ -74,8 +71,6 @@ int main(int argc, char **argv) {
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     double bw = copy_bandwidth();
-    CK(cudaMalloc((void **)&g_counters, sizeof(int) * CUDA_MMA_COUNTERS));
-    CK(cudaMemset(g_counters, 0, sizeof(int) * CUDA_MMA_COUNTERS));
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
     fprintf(f, "device,path,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"

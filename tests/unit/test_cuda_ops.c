@@ -6,10 +6,6 @@
  * how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
 
-#ifdef DS_HAVE_CUDA
-#include "cuda/linear_mma.h"
-#endif
-
 /* ---------------------------------------------------------------------------------------------
  * Host weights, shaped and quantized like the checkpoint's */
 
@@ -1254,62 +1250,6 @@ static void test_linear_mma_kernels_agree(void **st) {
     mma_switch(false);
 }
 
-#ifdef DS_HAVE_CUDA
-/* The decode tiling folds its k-chunks inside the kernel when given tile counters (the backend's
- * default): the same bits as the separate fold kernel, and every counter zero again afterwards
- * (the next call relies on it). Multi-chunk k only (one chunk has nothing to fold); T across the
- * three decode tilings. */
-static void fold_case(const char *name, struct hw *h) {
-    const int64_t Ts[] = {1, 3, 8, 12, 16, 40, 256};
-    struct qweight w = g_weight(&h->q, false);
-    int64_t n = w.n, k = w.k;
-    int *cnt = GPU->alloc(&gpu_be, sizeof(int) * CUDA_MMA_COUNTERS); /* zero-filled */
-    int *cnt_h = malloc(sizeof(int) * CUDA_MMA_COUNTERS);
-    void *stream = backend_cuda_stream(&gpu_be);
-    for (size_t i = 0; i < sizeof Ts / sizeof *Ts; i++) {
-        int64_t T = Ts[i];
-        bf16_t *x = NEW(bf16_t, T * k), *y0 = NEW(bf16_t, T * n), *y1 = NEW(bf16_t, T * n);
-        fill_act(x, T * k, 1.0f);
-        void *dx = g_in(x, (size_t)(T * k) * 2), *ws = GPU->alloc(&gpu_be, cuda_linear_mma_workspace_bytes(T, n, k));
-        void *dy0 = g_out((size_t)(T * n) * 2, PZ_16), *dy1 = g_out((size_t)(T * n) * 2, PZ_16);
-        cuda_linear_mma_tiling(CUDA_MMA_AUTO, (int)w.fmt, dy0, dx, T, w.w, w.s, n, k, w.ld, w.s_ld, ws, NULL, stream);
-        cuda_linear_mma_tiling(CUDA_MMA_AUTO, (int)w.fmt, dy1, dx, T, w.w, w.s, n, k, w.ld, w.s_ld, ws, cnt, stream);
-        g_get(y0, dy0, (size_t)(T * n) * 2);
-        g_get(y1, dy1, (size_t)(T * n) * 2);
-        GPU->download(&gpu_be, cnt_h, cnt, sizeof(int) * CUDA_MMA_COUNTERS);
-        int64_t nz = 0, diff = 0;
-        for (int64_t j = 0; j < CUDA_MMA_COUNTERS; j++) nz += cnt_h[j] != 0;
-        for (int64_t j = 0; j < T * n; j++) diff += y0[j] != y1[j];
-        print_message("fold %-28s T=%-3lld: %lld outputs differ, %lld counters left nonzero\n", name, (long long)T,
-                      (long long)diff, (long long)nz);
-        assert_int_equal(diff, 0);
-        assert_int_equal(nz, 0);
-        g_free(dx), g_free(dy0), g_free(dy1), GPU->free(&gpu_be, ws);
-        free(x), free(y0), free(y1);
-    }
-    GPU->free(&gpu_be, cnt);
-    free(cnt_h);
-    GPU->weight_release(&gpu_be, &w);
-}
-
-static void test_linear_mma_fold_fused(void **st) {
-    NEED_GPU(st);
-    if (getenv("DS_CUDA_OPS_ON_CPU")) skip(); /* direct kernel calls: nothing for the stand-in to check */
-    seed_tag("mma fold");
-    struct hw h = hw_fp8(Q_LORA, DIM, 0, DIM, 0.03f);
-    fold_case("FP8 wq_a [1280,5120]", &h);
-    hw_free(&h);
-    h = hw_fp4(MOE_INTER, DIM);
-    fold_case("FP4 w1 [2304,5120]", &h);
-    hw_free(&h);
-    h = hw_fp8(37, 3104, 0, 3104, 0.05f);
-    fold_case("FP8 odd [37,3104]", &h);
-    hw_free(&h);
-}
-#else
-static void test_linear_mma_fold_fused(void **st) { (void)st; skip(); }
-#endif
-
 static void test_batch_invariance_head(void **st) {
     NEED_GPU(st);
     struct hw h;
@@ -1386,7 +1326,6 @@ int main(void) {
         cmocka_unit_test(test_batch_invariance_linear),
         cmocka_unit_test(test_linear_mma),
         cmocka_unit_test(test_linear_mma_kernels_agree),
-        cmocka_unit_test(test_linear_mma_fold_fused),
         cmocka_unit_test(test_batch_invariance_head),
         cmocka_unit_test(test_batch_invariance_moe_experts),
     };
