@@ -737,7 +737,9 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
         }
-    b.graphs = m->opt.graphs && OPS->graph_begin && T <= MODEL_GRAPH_ROWS_MAX;
+    /* decode steps only: their batch sizes repeat, so each records once; a prefill chunk's row
+     * count (or a batch mixing chunks with decode rows) seldom comes twice */
+    b.graphs = m->opt.graphs && OPS->graph_begin && T <= MODEL_GRAPH_ROWS_MAX && T == n;
     b.pos = model_fbuf(m, &b, FB_POS, sizeof(int32_t) * (size_t)T, false);
     OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);

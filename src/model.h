@@ -36,9 +36,9 @@ struct engine_opts {
     /* Tensor-parallel group (NULL = one rank). Every TP collective gathers whole values (never sums
      * partials), so any TP size computes bit-identical numbers to one rank. */
     struct comm *tp;
-    /* Run the runs of ops between the host's own work as CUDA graphs in forwards of up to
-     * MODEL_GRAPH_ROWS_MAX rows (decode steps): recorded once per layer and batch size, replayed
-     * with one launch each. Same bits as without (--eager turns it off). */
+    /* Run the runs of ops between the host's own work as CUDA graphs in decode steps (every
+     * sequence one row) of up to MODEL_GRAPH_ROWS_MAX rows: recorded once per layer and batch
+     * size, replayed with one launch each. Same bits as without (--eager turns it off). */
     bool graphs;
 };
 

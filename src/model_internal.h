@@ -84,8 +84,8 @@ struct batch {
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
 };
 
-/* Forwards of at most this many rows run their segments as graphs (decode steps up to batch
- * 256); larger ones (prefill chunks) are few per job and launch-bound only per token. */
+/* Decode steps (every sequence one row) of at most this many rows run their segments as graphs;
+ * prefill chunks and mixed batches, whose row counts seldom repeat, run eagerly. */
 #define MODEL_GRAPH_ROWS_MAX 256
 
 /* A segment-edge buffer of at least `bytes` (zero-filled when `zero`, else unwritten), and its
