@@ -90,23 +90,30 @@ def main():
                 runs.append(x["run"])
         ops = sorted({x["op"] for x in r if not x["op"].startswith("_")},
                      key=lambda o: -sum(float(x["ms_per_step"]) for x in r if x["op"] == o))
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        for i, run in enumerate(runs):
-            bottom = 0.0
-            for j, o in enumerate(ops[:12]):
-                v = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == o)
-                ax.bar(i - 0.2, v, 0.4, bottom=bottom, color=plt.cm.tab20(j), label=o if i == 0 else None)
-                bottom += v
-            rest = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] in ops[12:])
-            ax.bar(i - 0.2, rest, 0.4, bottom=bottom, color="lightgray", label="other ops" if i == 0 else None)
-            plain = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == "_step_plain")
-            ax.bar(i + 0.2, plain, 0.4, color="black", label="plain step" if i == 0 else None)
-        ax.set_xticks(range(len(runs)))
-        ax.set_xticklabels(runs)
-        ax.set_ylabel("ms per step")
-        ax.set_title("Decode steps and prefills: device time per op, eager (left) vs plain step (right)")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
+        # decode steps and prefills differ 100x in time: one panel each
+        groups = [[x for x in runs if x.startswith("decode")], [x for x in runs if not x.startswith("decode")]]
+        groups = [g for g in groups if g]
+        fig, axes = plt.subplots(1, len(groups), figsize=(11, 4.8), squeeze=False)
+        for gi, (ax, grp) in enumerate(zip(axes[0], groups)):
+            for i, run in enumerate(grp):
+                bottom = 0.0
+                for j, o in enumerate(ops[:12]):
+                    v = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == o)
+                    ax.bar(i - 0.2, v, 0.4, bottom=bottom, color=plt.cm.tab20(j),
+                           label=o if i == 0 and gi == 0 else None)
+                    bottom += v
+                rest = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] in ops[12:])
+                ax.bar(i - 0.2, rest, 0.4, bottom=bottom, color="lightgray",
+                       label="other ops" if i == 0 and gi == 0 else None)
+                plain = sum(float(x["ms_per_step"]) for x in r if x["run"] == run and x["op"] == "_step_plain")
+                ax.bar(i + 0.2, plain, 0.4, color="black", label="plain step" if i == 0 and gi == 0 else None)
+            ax.set_xticks(range(len(grp)))
+            ax.set_xticklabels(grp)
+            ax.set_ylabel("ms per step" if gi == 0 else "ms per prefill")
+        fig.suptitle("Device time per op, eager, stream marks around each op (left bars) vs the plain run (right)",
+                     fontsize=10)
+        fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=7, loc="lower center")
+        fig.tight_layout(rect=(0, 0.1, 1, 0.95))
         fig.savefig(os.path.join(d, "cuda_step_profile.png"), dpi=110)
 
 
