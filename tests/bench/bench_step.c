@@ -45,7 +45,12 @@
  * router's selections on the warm-up forward), plus the embedding and Engram rows gathered per
  * token. KV caches and activations are not counted. GB/s = bytes / time.
  *
- * Output: a table on stdout and a CSV (--csv) with kind,batch_or_tokens,ctx,ms,bytes,gbps,backend. */
+ * FLOPs: 2 x the multiply-adds per token of every linear a token row goes through (layer_dense_macs)
+ * plus, per routed pair on this rank (k per token, n_local of E experts here: the balanced plan's
+ * expectation), one expert's w1, w3 and w2; attention's scores and P·V are not counted. Prefill
+ * rows print TFLOP/s (against the cuBLAS bf16 rate of tests/bench/torch_gemm_ceiling.py).
+ *
+ * Output: a table on stdout and a CSV (--csv) with kind,batch_or_tokens,ctx,ms,bytes,gbps,backend,flops. */
 #include <errno.h>
 #include <math.h>
 #include <stdbool.h>
@@ -405,6 +410,29 @@ static uint64_t layer_dense_bytes(const struct model_config *c, const struct lay
     return b;
 }
 
+/* Multiply-adds per token of layer l's linears, routed experts apart: every projection a token row
+ * goes through (attention, compressor, indexer queries, router gate, shared expert, the mHC mixes'
+ * dot products, the Engram projection), the index keys per emitted latent (1 / ratio of the rows).
+ * Attention's scores and P·V over the selected rows are not counted. */
+static uint64_t qmacs(const struct qweight *q) { return (uint64_t)q->n * (uint64_t)q->k; }
+
+static uint64_t layer_dense_macs(const struct model_config *c, const struct layer_weights *lw, int l) {
+    const struct layer_role *r = &c->role[l];
+    const struct attn_weights *a = &lw->attn;
+    const struct ffn_weights *f = &lw->ffn;
+    uint64_t hc = (uint64_t)c->hc_mult, mix = (2 + hc) * hc;
+    uint64_t m = qmacs(&a->wq_a) + qmacs(&a->wq_b) + qmacs(&a->wkv) + qmacs(&a->wo_a) + qmacs(&a->wo_b);
+    if (r->owns_compressor) m += qmacs(&a->cmp_wkv) + (r->ratio > 1 ? qmacs(&a->cmp_wgate) : 0);
+    if (r->is_index_source) {
+        m += qmacs(&a->idx_wq_b) + qmacs(&a->idx_weights_proj);
+        if (r->owns_index_keys) m += qmacs(&a->idx_wk) / (uint64_t)(r->ratio > 0 ? r->ratio : 1);
+    }
+    m += qmacs(&f->gate) + qmacs(&f->sh_w1) + qmacs(&f->sh_w3) + qmacs(&f->sh_w2);
+    m += 2 * mix * hc * (uint64_t)c->dim;
+    if (lw->has_engram) m += qmacs(&lw->engram.wkv);
+    return m;
+}
+
 /* Per token: its embedding row and, per Engram layer, its hashed table rows with their scales. */
 static uint64_t token_bytes(const struct model_config *c, int n_engram_layers) {
     uint64_t ehd = (uint64_t)c->engram_head_dim, C = (uint64_t)(c->engram_max_ngram - 1) * c->engram_n_heads;
@@ -420,6 +448,7 @@ struct bench {
     bf16_t *X_out; /* host stream hand-off buffers of the largest forward (this stage is not last) */
     float *P_out;
     uint64_t dense_bytes, expert_bytes, tok_bytes;
+    uint64_t dense_macs, expert_macs; /* per token; per (token, expert) pair */
     int n_layers_run;
 };
 
@@ -492,6 +521,7 @@ struct row {
     int64_t n, ctx;
     double ms;
     uint64_t bytes;
+    double flops; /* 2 x the multiply-adds of the linears and routed experts (layer_dense_macs) */
 };
 
 /* The CSV's backend column: the backend and the switches that change its code path. */
@@ -505,8 +535,8 @@ static const char *run_label(const struct args *a) {
 static void emit(FILE *csv, const struct row *r, const char *backend) {
     double gbps = r->ms > 0 ? (double)r->bytes / (r->ms * 1e-3) / 1e9 : 0;
     if (csv) {
-        fprintf(csv, "%s,%lld,%lld,%.4f,%llu,%.2f,%s\n", r->kind, (long long)r->n, (long long)r->ctx, r->ms,
-                (unsigned long long)r->bytes, gbps, backend);
+        fprintf(csv, "%s,%lld,%lld,%.4f,%llu,%.2f,%s,%.4e\n", r->kind, (long long)r->n, (long long)r->ctx, r->ms,
+                (unsigned long long)r->bytes, gbps, backend, r->flops);
         fflush(csv);
     }
 }
@@ -586,8 +616,10 @@ int main(int argc, char **argv) {
     /* ---- what a forward reads ---- */
     struct bench B = {.cfg = &cfg};
     for (int l = lb; l < le; l++) B.dense_bytes += layer_dense_bytes(&cfg, &mw.layers[l], l);
+    for (int l = lb; l < le; l++) B.dense_macs += layer_dense_macs(&cfg, &mw.layers[l], l);
     const struct ffn_weights *f0 = &mw.layers[lb].ffn;
     B.expert_bytes = qbytes(&f0->w1[0]) + qbytes(&f0->w3[0]) + qbytes(&f0->w2[0]);
+    B.expert_macs = qmacs(&f0->w1[0]) + qmacs(&f0->w3[0]) + qmacs(&f0->w2[0]);
     B.tok_bytes = token_bytes(&cfg, n_engram_run);
     B.n_layers_run = le - lb;
     g_e0 = f0->e0, g_nlocal = f0->n_local;
@@ -662,7 +694,7 @@ int main(int argc, char **argv) {
     if (a.csv) {
         csv = fopen(a.csv, "w");
         if (!csv) ds_die("%s: cannot create: %s", a.csv, ds_errno_str());
-        fprintf(csv, "kind,batch_or_tokens,ctx,ms,bytes,gbps,backend\n");
+        fprintf(csv, "kind,batch_or_tokens,ctx,ms,bytes,gbps,backend,flops\n");
     }
 
     /* ---- context ---- */
@@ -756,8 +788,11 @@ int main(int argc, char **argv) {
         routing(&be, NULL, false);
         if (plan) be.ops->free(&be, plan);
         double uniform = (double)g_nlocal * (1.0 - pow(1.0 - (double)k_act / (double)E, bs));
+        /* routed pairs on this rank: the plan's k per token spread uniformly, n_local of E here */
+        double pairs = (double)bs * (double)k_act * (double)g_nlocal / (double)E;
         struct row r = {"decode", bs, (int64_t)llround(ctx_mean), ms,
-                        B.dense_bytes + expert_read + (uint64_t)bs * B.tok_bytes};
+                        B.dense_bytes + expert_read + (uint64_t)bs * B.tok_bytes,
+                        2.0 * ((double)bs * (double)B.dense_macs + pairs * (double)B.expert_macs)};
         printf("%-8s %8d %6lld %10.3f %10.3f %11.1f %8.1f %16.2f %14.2f %10.2f\n", r.kind, bs, (long long)r.ctx, ms,
                1e3 * best, (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct, uniform,
                (double)g_comm_bytes / a.steps / 1e6);
@@ -812,12 +847,15 @@ int main(int argc, char **argv) {
         }
         routing(&be, NULL, false);
         if (plan) be.ops->free(&be, plan);
+        double pairs = (double)n * (double)k_act * (double)g_nlocal / (double)E;
         struct row r = {"prefill", n, 0, ms,
-                        (uint64_t)forwards * B.dense_bytes + expert_read + (uint64_t)n * B.tok_bytes};
-        printf("%-8s %8lld %6d %10.3f %10s %11.1f %8.1f %16.2f %14s %10.2f  %.0f tokens/s, %d chunk%s of %lld\n",
+                        (uint64_t)forwards * B.dense_bytes + expert_read + (uint64_t)n * B.tok_bytes,
+                        2.0 * ((double)n * (double)B.dense_macs + pairs * (double)B.expert_macs)};
+        printf("%-8s %8lld %6d %10.3f %10s %11.1f %8.1f %16.2f %14s %10.2f  %.0f tokens/s, %d chunk%s of %lld, "
+               "%.1f TFLOP/s\n",
                r.kind, (long long)n, 0, ms, "-", (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct,
                "-", comm_mb, (double)n / (ms * 1e-3), forwards, forwards == 1 ? "" : "s",
-               (long long)chunk);
+               (long long)chunk, r.flops / (ms * 1e-3) / 1e12);
         emit(csv, &r, run_label(&a));
     }
     if (csv) fclose(csv);

@@ -2,7 +2,7 @@
 """Turn one GPU-machine run of tests/gpu/device_run.sh (test engine bench) into results/.
 
 Copies the run's CSVs into results/ (cuda_step.csv, cuda_step_profile.csv, cuda_step_exact.csv,
-cuda_step_eager.csv, cuda_step_ctx2048.csv, cuda_linear_decode.csv), writes results/cuda_h200.json (the command, the tree,
+cuda_step_eager.csv, cuda_step_ctx2048.csv, cuda_linear_decode.csv, cuda_gemm_ceiling.csv), writes results/cuda_h200.json (the command, the tree,
 the device, every test's summary line, the decode-step rows as fractions of the measured copy
 bandwidth) and redraws the PNGs (plot_results.py).
 
@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 
 CSVS = ["cuda_step.csv", "cuda_step_profile.csv", "cuda_step_exact.csv", "cuda_step_eager.csv",
-        "cuda_step_ctx2048.csv", "cuda_linear_decode.csv"]
+        "cuda_step_ctx2048.csv", "cuda_linear_decode.csv", "cuda_gemm_ceiling.csv"]
 A800_GBPS = 1555.0  # the target part's HBM bandwidth, for the per-step floor of the same bytes
 
 
@@ -51,6 +51,8 @@ def main():
     if not m:
         sys.exit("gpu_results: no copy bandwidth line in bench.txt")
     device, copy_gbps = m.group(1), float(m.group(2))
+    gemm = os.path.join(a.run, "cuda_gemm_ceiling.csv")
+    cublas = max((float(r["tflops"]) for r in read_rows(gemm)), default=0.0) if os.path.exists(gemm) else 0.0
     tests = {}
     cur = None
     for line in open(os.path.join(a.run, "test_cuda.txt")):
@@ -75,6 +77,10 @@ def main():
                 row["a800_floor_ms_for_these_bytes"] = round(b / (A800_GBPS * 1e9) * 1e3, 3)
             else:
                 row["tokens_per_s"] = round(int(r["batch_or_tokens"]) / (ms * 1e-3), 1)
+            if r.get("flops"):
+                row["tflop_per_s"] = round(float(r["flops"]) / (ms * 1e-3) / 1e12, 2)
+                if cublas and r["kind"] == "prefill":
+                    row["fraction_of_cublas_bf16"] = round(row["tflop_per_s"] / cublas, 4)
             out.append(row)
         steps[name] = out
     doc = {
@@ -84,7 +90,7 @@ def main():
                 "TP collectives replaced by local copies) and the per-shape linears",
         "command": a.command,
         "tree": "commit %s" % a.commit,
-        "device": "%s, device-to-device copy %.0f GB/s" % (device, copy_gbps),
+        "device": "%s, device-to-device copy %.0f GB/s, cuBLAS bf16 GEMM %.0f TFLOP/s" % (device, copy_gbps, cublas),
         "tests": tests,
         "engine": eng,
         "steps": steps,

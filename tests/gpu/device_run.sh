@@ -32,7 +32,8 @@ for step in "$@"; do
           ${BENCH_EAGER_ARGS:---ctx 64 --batch 1,8,64,256 --steps 4 --prefill ""}
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" \
           --csv "$OUT/cuda_step_ctx2048.csv" ${BENCH_CTX_ARGS:-}
-        timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;
+        timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv"
+        timeout 120 python3 tests/bench/torch_gemm_ceiling.py "$OUT/cuda_gemm_ceiling.csv" ) > "$OUT/bench.txt" 2>&1 ;;
     multi) OUT="$OUT" timeout ${T_MULTI:-590} bash tests/gpu/multi_gpu.sh ;;  # issue #7, 8 GPUs: see its header
   esac
 done
