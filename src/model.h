@@ -26,6 +26,11 @@ enum window_layout {
     WINDOW_LAYOUT_DECODE,
 };
 
+/* Decode steps (every sequence one row) of at most this many rows run their segments as graphs
+ * (engine_opts.graphs); prefill chunks and mixed batches, whose row counts seldom repeat, run
+ * eagerly. */
+#define MODEL_GRAPH_ROWS_MAX 256
+
 struct engine_opts {
     int64_t max_seq_len;       /* positions per sequence slot */
     int max_seqs;              /* sequence slots */

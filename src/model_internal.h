@@ -84,10 +84,6 @@ struct batch {
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
 };
 
-/* Decode steps (every sequence one row) of at most this many rows run their segments as graphs;
- * prefill chunks and mixed batches, whose row counts seldom repeat, run eagerly. */
-#define MODEL_GRAPH_ROWS_MAX 256
-
 /* A segment-edge buffer of at least `bytes` (zero-filled when `zero`, else unwritten), and its
  * release, which leaves a persistent one in place. */
 void *model_fbuf(struct model *m, const struct batch *b, enum fbuf_id id, size_t bytes, bool zero);

@@ -125,9 +125,10 @@ static uint64_t lin_tmp(int64_t T, int64_t n, int64_t k) {
     return (uint64_t)(T * k * 2) + (nch > 1 ? (uint64_t)(nch * T * n * 4) : 0);
 }
 
-static uint64_t workspace_of(const struct model_config *c, int b, int e, bool first, bool last, int tp,
-                             const struct plan_opts *o) {
-    int64_t T = o->max_batch_tokens, L = o->max_seq_len, Sb = o->max_seqs < T ? o->max_seqs : T;
+/* The peak activations of one forward of T rows. */
+static uint64_t workspace_rows(const struct model_config *c, int b, int e, bool first, bool last, int tp,
+                               const struct plan_opts *o, int64_t T) {
+    int64_t L = o->max_seq_len, Sb = o->max_seqs < T ? o->max_seqs : T;
     int64_t D = c->dim, hc = c->hc_mult, hd = c->head_dim, W = c->window, ql = c->q_lora_rank;
     int64_t Hl = c->n_heads / tp, Gl = c->o_groups / tp, R = c->o_lora_rank, G = c->o_groups, Dl = D / tp;
     int64_t ih = c->index_n_heads, id = c->index_head_dim;
@@ -166,6 +167,18 @@ static uint64_t workspace_of(const struct model_config *c, int b, int e, bool fi
         peak = u64max(peak, (uint64_t)(T * D * 2 * 2 + T * (V / tp) * 4 + 2 * T * V * 4));
     }
     return stream + peak;
+}
+
+/* A forward of --max-batch-tokens rows, plus, with the CUDA graphs of decode steps (no --eager),
+ * their own memory pool: the segment-edge buffers and the recordings' temporaries of a decode
+ * step of min(max_seqs, MODEL_GRAPH_ROWS_MAX) rows, bounded by one such forward's peak (the pool
+ * is separate from the stream-ordered one; the recordings share it, being launched in one stream). */
+static uint64_t workspace_of(const struct model_config *c, int b, int e, bool first, bool last, int tp,
+                             const struct plan_opts *o) {
+    uint64_t w = workspace_rows(c, b, e, first, last, tp, o, o->max_batch_tokens);
+    int64_t Td = o->max_seqs < MODEL_GRAPH_ROWS_MAX ? o->max_seqs : MODEL_GRAPH_ROWS_MAX;
+    if (!o->eng.eager) w += workspace_rows(c, b, e, first, last, tp, o, Td);
+    return w;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -217,7 +230,7 @@ static void layer_ids(const struct model_config *c, uint64_t mask, char *buf, si
 static void usage(FILE *f) {
     fprintf(f,
             "usage: dsbatch plan --model DIR --tp N --pp N [--gpu-mem SIZE] [--max-seqs N] [--max-seq-len N]\n"
-            "                    [--max-batch-tokens N] [--ranks-per-node N] [--no-stale-index-keys] [--json]\n"
+            "                    [--max-batch-tokens N] [--ranks-per-node N] [--no-stale-index-keys] [--eager] [--json]\n"
             "  Per rank of a TP x PP layout: weight bytes (without the Engram tables), the Engram tables' host\n"
             "  bytes on its node (held once per node by the Engram service), KV cache bytes per sequence and per\n"
             "  token of context, a workspace estimate; with --gpu-mem the KV capacity left in tokens.\n"
@@ -306,8 +319,9 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
            o->max_seqs, (long long)o->max_seq_len);
     printf("work     workspace = peak activations of one forward of %lld rows (--max-batch-tokens): residual stream +\n"
            "         the largest per-layer temporaries (attention (keys read in place) and index scores, MoE\n"
-           "         expert gather, Engram rows) or the head's fp32 logits for every row\n",
-           (long long)o->max_batch_tokens);
+           "         expert gather, Engram rows) or the head's fp32 logits for every row%s\n",
+           (long long)o->max_batch_tokens,
+           o->eng.eager ? "" : ";\n         + the decode steps' CUDA graph pool: the same for a step of min(max-seqs, 256) rows (--eager: none)");
     if (o->gpu_mem)
         printf("gpu      --gpu-mem %s = %llu bytes; KV capacity = (gpu-mem - weights - prepared - workspace\n"
                "         - %d x KV/seq) / KV/token\n",
@@ -354,6 +368,7 @@ static void print_json(const struct loaded_model *lm, const struct plan_opts *o,
     cJSON_AddNumberToObject(root, "max_seq_len", (double)o->max_seq_len);
     cJSON_AddNumberToObject(root, "max_batch_tokens", (double)o->max_batch_tokens);
     cJSON_AddBoolToObject(root, "stale_index_keys", !o->eng.no_stale_keys);
+    cJSON_AddBoolToObject(root, "cuda_graphs", !o->eng.eager);
     cJSON_AddStringToObject(root, "kv_layout", "cpu-bf16");
     if (o->gpu_mem)
         cJSON_AddNumberToObject(root, "gpu_mem_bytes", (double)o->gpu_mem);
