@@ -103,7 +103,12 @@ void cuda_graph_end(struct backend *be) {
     cudaGraph_t graph = NULL;
     CUDA_CHECK(cudaStreamEndCapture(cuda_be_stream(be), &graph));
     cuda_be_set_capturing(be, false);
-    CUDA_CHECK(cudaGraphInstantiate(&s->exec, graph, 0));
+    cudaError_t e = cudaGraphInstantiate(&s->exec, graph, 0);
+    if (e == cudaErrorMemoryAllocation)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cudaGraphInstantiate",
+                 "not enough GPU memory for a decode step's graph (its temporaries live in the graph pool, "
+                 "beside the stream-ordered one): lower --max-seqs, or run with --eager");
+    CUDA_CHECK(e);
     CUDA_CHECK(cudaGraphDestroy(graph));
     s->next = g->tab[s->hash & (g->cap - 1)];
     g->tab[s->hash & (g->cap - 1)] = s;
