@@ -21,6 +21,8 @@
 #include "cuda_internal.h"
 #include "formats.h"
 
+#include <cuda_profiler_api.h>
+
 extern "C" void *ds_malloc(size_t n);
 extern "C" void *ds_calloc(size_t n, size_t m);
 extern "C" void *ds_realloc(void *p, size_t n);
@@ -647,3 +649,8 @@ extern "C" double backend_cuda_mark_ms(struct backend *be, int a, int b) {
 }
 
 extern "C" void backend_cuda_marks_reset(struct backend *be) { cb(be)->n_marks = 0; }
+
+extern "C" void backend_cuda_profiler_range(struct backend *be, bool on) {
+    CUDA_CHECK(cudaStreamSynchronize(cb(be)->stream)); /* the range holds exactly what runs inside it */
+    CUDA_CHECK(on ? cudaProfilerStart() : cudaProfilerStop());
+}

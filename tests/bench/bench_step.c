@@ -89,6 +89,7 @@ struct args {
     bool balanced; /* --routing balanced (default) | model */
     bool exact;    /* --exact-linears: FP8/FP4 linears in the CPU's k order (default: tensor cores) */
     bool eager;    /* --eager: no graph segments (default: decode steps replay CUDA graphs) */
+    bool range;    /* --profiler-range: the CUDA profiler collects the timed decode steps only */
 };
 
 static void usage(FILE *f) {
@@ -97,7 +98,7 @@ static void usage(FILE *f) {
             "                  [--layers N | --layers A-B] [--ctx 512] [--steps 8] [--batch 1,8,64,256]\n"
             "                  [--prefill 2048,8192] [--chunk 2048] [--engram-vocab 100000] [--seed 1]\n"
             "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--exact-linears]\n"
-            "                  [--eager]\n"
+            "                  [--eager] [--profiler-range]\n"
             "  Times decode steps and prefill of TP rank 0 of pipeline stage 0 (the embedding stage) at the\n"
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
@@ -149,6 +150,10 @@ static void parse_args(int argc, char **argv, struct args *a) {
         }
         if (!strcmp(k, "--eager")) {
             a->eager = true;
+            continue;
+        }
+        if (!strcmp(k, "--profiler-range")) { /* for tests/gpu/kernel_times.sh (Nsight Compute) */
+            a->range = true;
             continue;
         }
         if (i + 1 >= argc) ds_die("%s: needs a value (see --help)", k);
@@ -749,6 +754,9 @@ int main(int argc, char **argv) {
         ctx_mean /= bs;
         g_comm_bytes = 0;
         double best = 1e30, total = 0;
+#ifdef DS_HAVE_CUDA
+        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, true);
+#endif
         for (int s = 0; s < a.steps; s++) {
             double ts = now_s();
             decode_step(&B, bs, tok, seqs);
@@ -757,6 +765,9 @@ int main(int argc, char **argv) {
             total += dt;
             if (dt < best) best = dt;
         }
+#ifdef DS_HAVE_CUDA
+        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, false);
+#endif
         double ms = 1e3 * total / a.steps;
         if (prof) {
             /* the same steps again, eager, each op timed on the device (profiler_init): the split of

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, after tests/gpu/pack.sh): the per-kernel breakdown of a decode
+# step, as the step runs (CUDA graphs replayed, unless EAGER=1). Nsight Compute collects only the
+# timed steps (bench_step --profiler-range; --profile-from-start off) and only each kernel's
+# duration (gpu__time_duration.sum), with the caches and clocks left as they run
+# (--cache-control none --clock-control none); ncu serializes the kernels, so the launch gaps
+# between them are not in these numbers. tests/bench/kernel_times.py sums them per kernel into
+# $OUT/cuda_step_kernels.csv. Env: BATCHES (default "1 8 64"), STEPS (2).
+set -u
+cd "$(dirname "$0")/../.."
+[ -f carry/pkg.tgz ] && [ ! -d carry/gpu ] && tar -C carry -xzf carry/pkg.tgz
+FILL=/tmp/ds-fill; mkdir -p $FILL
+for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
+export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+STEPS=${STEPS:-2}
+args=()
+for b in ${BATCHES:-1 8 64}; do
+  timeout ${T_NCU:-200} $NCU --profile-from-start off --metrics gpu__time_duration.sum --cache-control none \
+    --clock-control none --csv carry/gpu/bench/bench_step --backend cuda --ctx 64 --batch "$b" --steps "$STEPS" \
+    --prefill "" --profiler-range ${EAGER:+--eager} > "$OUT/ncu_kernels_b$b.csv" 2> "$OUT/ncu_kernels_b$b.err"
+  args+=("$b=$OUT/ncu_kernels_b$b.csv")
+done
+python3 tests/bench/kernel_times.py --steps "$STEPS" --out "$OUT/cuda_step_kernels.csv" "${args[@]}"
