@@ -17,7 +17,7 @@ import sys
 
 def base_name(k):
     """The kernel's name with its template arguments, without return type, namespaces or parameters."""
-    k = k.replace("(anonymous namespace)::", "")
+    k = k.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     depth, end = 0, len(k)
     for i, ch in enumerate(k):  # the parameter list: the first '(' outside template brackets
         if ch == "<":
