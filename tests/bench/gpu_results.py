@@ -2,7 +2,8 @@
 """Turn one GPU-machine run of tests/gpu/device_run.sh (test engine bench) into results/.
 
 Copies the run's CSVs into results/ (cuda_step.csv, cuda_step_profile.csv, cuda_step_exact.csv,
-cuda_step_eager.csv, cuda_step_ctx2048.csv, cuda_linear_decode.csv, cuda_gemm_ceiling.csv), writes results/cuda_h200.json (the command, the tree,
+cuda_step_eager.csv, cuda_step_ctx2048.csv, cuda_linear_decode.csv, cuda_gemm_ceiling.csv,
+torch_linear_decode.csv), writes results/cuda_h200.json (the command, the tree,
 the device, every test's summary line, the decode-step rows as fractions of the measured copy
 bandwidth) and redraws the PNGs (plot_results.py).
 
@@ -21,7 +22,7 @@ import tarfile
 import tempfile
 
 CSVS = ["cuda_step.csv", "cuda_step_profile.csv", "cuda_step_exact.csv", "cuda_step_eager.csv",
-        "cuda_step_ctx2048.csv", "cuda_linear_decode.csv", "cuda_gemm_ceiling.csv"]
+        "cuda_step_ctx2048.csv", "cuda_linear_decode.csv", "cuda_gemm_ceiling.csv", "torch_linear_decode.csv"]
 A800_GBPS = 1555.0  # the target part's HBM bandwidth, for the per-step floor of the same bytes
 
 

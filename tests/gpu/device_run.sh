@@ -33,7 +33,8 @@ for step in "$@"; do
         timeout ${T_BENCH:-300} carry/gpu/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" \
           --csv "$OUT/cuda_step_ctx2048.csv" ${BENCH_CTX_ARGS:-}
         timeout 120 carry/gpu/bench/bench_linear_cuda "$OUT/cuda_linear_decode.csv"
-        timeout 120 python3 tests/bench/torch_gemm_ceiling.py "$OUT/cuda_gemm_ceiling.csv" ) > "$OUT/bench.txt" 2>&1 ;;
+        timeout 120 python3 tests/bench/torch_gemm_ceiling.py "$OUT/cuda_gemm_ceiling.csv"
+        timeout 120 python3 tests/bench/torch_linear_baseline.py "$OUT/torch_linear_decode.csv" ) > "$OUT/bench.txt" 2>&1 ;;
     multi) OUT="$OUT" timeout ${T_MULTI:-590} bash tests/gpu/multi_gpu.sh ;;  # issue #7, 8 GPUs: see its header
   esac
 done
