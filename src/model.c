@@ -64,11 +64,12 @@ void model_fbuf_free(struct model *m, const struct batch *b, void *p) {
     if (!b->graphs) model_tfree(m, p);
 }
 
-struct graph_key graph_key_new(enum graph_seg seg, int layer, const struct batch *b) {
-    struct graph_key k = {.n = 3};
+struct graph_key graph_key_new(const struct model *m, enum graph_seg seg, int layer, const struct batch *b) {
+    struct graph_key k = {.n = 4};
     k.w[0] = (uint64_t)seg;
     k.w[1] = (uint64_t)layer;
     k.w[2] = (uint64_t)b->T;
+    k.w[3] = m->serial;
     return k;
 }
 
@@ -173,7 +174,9 @@ static int model_kv_reserve(struct model *m, int64_t T) {
 
 struct model *model_new(const struct model_config *cfg, struct model_weights *w, struct backend *be,
                         const struct engram_consts *ec, const struct engine_opts *opt) {
+    static uint64_t serials;
     struct model *m = ds_calloc(1, sizeof *m);
+    m->serial = ++serials;
     m->cfg = cfg;
     m->w = w;
     m->be = be;
@@ -615,7 +618,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     bf16_t *q = model_fbuf(m, b, FB_Q, (size_t)(T * aw->wq_b.n) * 2, false);
     bf16_t *kvr = attention_kv_rows(m);
 
-    struct graph_key ka = graph_key_new(GSEG_ATTN_IN, l, b);
+    struct graph_key ka = graph_key_new(m, GSEG_ATTN_IN, l, b);
     const void *ka_p[] = {X, P, apre, post, comb, y, qr, q, kvr, b->pos};
     for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
     if (model_graph_begin(m, b, &ka)) {
@@ -637,7 +640,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         bf16_t *ye = model_fbuf(m, b, FB_MOE_Y, (size_t)(T * k * D) * 2, true), *all = ye;
         if (m->tp_size > 1) all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2 * (size_t)m->tp_size, false);
         bool one = m->tp_size == 1;
-        struct graph_key kf = graph_key_new(one ? GSEG_FFN : GSEG_FFN_IN, l, b);
+        struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
         const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
         bool issue = model_graph_begin(m, b, &kf);

@@ -60,6 +60,7 @@ struct model {
     int n_prep, cap_prep;
     struct fbuf fb[FB_N];          /* persistent segment-edge buffers (enum fbuf_id) */
     bool graph_open;               /* a graph segment is recording (model_graph_begin) */
+    uint64_t serial;               /* this model's number among those of the process (graph keys) */
 };
 
 /* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes
@@ -89,15 +90,17 @@ struct batch {
 void *model_fbuf(struct model *m, const struct batch *b, enum fbuf_id id, size_t bytes, bool zero);
 void model_fbuf_free(struct model *m, const struct batch *b, void *p);
 
-/* A graph segment's key: the segment, layer and rows, then every buffer address its ops touch
- * that the layer's weights do not fix (the caller's promise of backend.h's graph_begin). */
+/* A graph segment's key: the segment, layer, rows and model (its serial number: a model built
+ * later on the same backend, whose buffers may take a freed model's addresses, has other
+ * weights), then every buffer address its ops touch that the layer's weights do not fix (the
+ * caller's promise of backend.h's graph_begin). */
 enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN };
 #define GRAPH_KEY_MAX 24
 struct graph_key {
     uint64_t w[GRAPH_KEY_MAX];
     int n;
 };
-struct graph_key graph_key_new(enum graph_seg seg, int layer, const struct batch *b);
+struct graph_key graph_key_new(const struct model *m, enum graph_seg seg, int layer, const struct batch *b);
 void graph_key_ptr(struct graph_key *k, const void *p);
 /* true: issue the segment's ops, then call model_graph_end; false: the backend ran its recording.
  * Forwards that do not run graphs (b->graphs false, or a backend without them) always get true. */
