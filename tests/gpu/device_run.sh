@@ -6,13 +6,9 @@
 # reads the archive), and the summary lines of each step on stdout.
 set -u
 cd "$(dirname "$0")/../.."
-[ -f carry/pkg.tgz ] && tar -C carry -xzf carry/pkg.tgz
-FILL=/tmp/ds-fill; mkdir -p $FILL
-for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
-export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. tests/gpu/carry_env.sh # $OUT holds loose files until the end (a run cut short still brings them back)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export DSBATCH=$PWD/carry/gpu/dsbatch GOLDEN=$PWD/carry/golden
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" # loose files until the end (a run cut short still brings them back)
 nvidia-smi -L > "$OUT/device.txt" 2>&1
 ldd carry/gpu/dsbatch | grep "not found" >> "$OUT/device.txt"
 for step in "$@"; do

@@ -8,11 +8,7 @@
 # $OUT/cuda_step_kernels.csv. Env: BATCHES (default "1 8 64"), STEPS (2).
 set -u
 cd "$(dirname "$0")/../.."
-[ -f carry/pkg.tgz ] && [ ! -d carry/gpu ] && tar -C carry -xzf carry/pkg.tgz
-FILL=/tmp/ds-fill; mkdir -p $FILL
-for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
-export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. tests/gpu/carry_env.sh
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 STEPS=${STEPS:-2}
 args=()

@@ -6,11 +6,7 @@
 # for issue #6 (where a kernel's time goes: occupancy, stalls, memory throughput), not a test.
 set -u
 cd "$(dirname "$0")/../.."
-[ -f carry/pkg.tgz ] && [ ! -d carry/gpu ] && tar -C carry -xzf carry/pkg.tgz
-FILL=/tmp/ds-fill; mkdir -p $FILL
-for f in carry/lib/*; do so=${f##*/}; /sbin/ldconfig -p | grep -q "^[[:space:]]*$so " || ln -sf "$PWD/$f" $FILL/$so; done
-export LD_LIBRARY_PATH=$FILL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. tests/gpu/carry_env.sh
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"}
 # KERNEL=REGEX: only the first 3 kernels matching REGEX inside one timed decode step of batch
