@@ -286,11 +286,11 @@ void backend_cuda_graph_stats(struct backend *be, long *replays, long *recording
 /* Profiling marks (prof_backend's device clock): a timing event recorded on the stream, its index;
  * the device ms between two marks once passed; reset forgets them all (the events are reused). */
 int backend_cuda_mark(struct backend *be);
+double backend_cuda_mark_ms(struct backend *be, int a, int b);
+void backend_cuda_marks_reset(struct backend *be);
 /* Start / stop the CUDA profiler's collection (cudaProfilerStart / Stop): a profiler started with
  * collection off (Nsight Compute's --profile-from-start off) sees only what runs in between. */
 void backend_cuda_profiler_range(struct backend *be, bool on);
-double backend_cuda_mark_ms(struct backend *be, int a, int b);
-void backend_cuda_marks_reset(struct backend *be);
 #endif
 
 #ifdef __cplusplus

@@ -1,11 +1,12 @@
 /* A profiling decorator for any backend: the same op table, each op timed by the host clock
- * from its call until the inner backend's sync returns (or, with a device clock, between two marks
- * recorded in the device's stream order around it: the op's own device time, nothing serialized;
- * the step minus the ops' sum is then the time the device sat idle between ops). It answers "where does a step's time go"
+ * from its call until the inner backend's sync returns. It answers "where does a step's time go"
  * without a GPU profiler on the machine: the per-op sums are kernel time plus one launch each, and
  * the step's unprofiled time minus their sum is what the host adds between ops (index-list
- * building, the model's own bookkeeping). Allocations and frees are counted and timed too. The syncs serialize the ops, so a profiled step is slower than
- * a real one; only the split is meant, never the total. */
+ * building, the model's own bookkeeping). Allocations and frees are counted and timed too. The
+ * syncs serialize the ops, so a profiled step is slower than a real one; only the split is meant,
+ * never the total. With a device clock (prof_backend_init_device) an op is instead charged the
+ * device time between two marks recorded around it in stream order, nothing serialized: the
+ * step minus the ops' sum is then the time the device sat idle between ops. */
 #include "prof_backend.h"
 
 #include <stdio.h>

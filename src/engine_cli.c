@@ -61,12 +61,13 @@ void engine_backend_init(struct backend *be, const struct engine_flags *f, int d
 void engine_backend_free(struct backend *be, const struct engine_flags *f) {
 #ifdef DS_HAVE_CUDA
     if (f->backend == ENGINE_BACKEND_CUDA) {
-        long replays = 0, recordings = 0;
-        size_t mem = 0;
-        backend_cuda_graph_stats(be, &replays, &recordings, &mem);
-        if (!f->eager)
+        if (!f->eager) {
+            long replays = 0, recordings = 0;
+            size_t mem = 0;
+            backend_cuda_graph_stats(be, &replays, &recordings, &mem);
             log_info("CUDA graph segments: %ld recorded, %ld replayed; their temporaries held %.1f MiB at most",
                      recordings, replays, (double)mem / (1 << 20));
+        }
         backend_cuda_free(be);
         return;
     }

@@ -705,10 +705,11 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     cudaStream_t st = cuda_be_stream(be);
     const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
     const size_t wsb = cuda_linear_mma_workspace_bytes(T, I > Do ? I : Do, D > I ? D : I); /* partials of either */
-    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * (((size_t)(T * I) * 2 + 15) & ~(size_t)15) + wsb);
+    const size_t gi = ((size_t)(T * I) + 7) & ~(size_t)7; /* elements of g and of u, 16-byte multiples */
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * gi * sizeof(uint16_t) + wsb);
     uint16_t *xq = (uint16_t *)buf, *hq = (uint16_t *)(buf + xqb);
-    uint16_t *g = (uint16_t *)(buf + xqb + hqb), *u = g + (((size_t)(T * I) + 7) & ~(size_t)7);
-    void *ws = (uint8_t *)(u + (((size_t)(T * I) + 7) & ~(size_t)7));
+    uint16_t *g = (uint16_t *)(buf + xqb + hqb), *u = g + gi;
+    void *ws = u + gi;
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
     cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, st);

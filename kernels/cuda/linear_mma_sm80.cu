@@ -620,10 +620,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     cudaStream_t st = (cudaStream_t)stream;
     const __nv_bfloat16 *a = (const __nv_bfloat16 *)x;
     if (quant && k > 0 && !prequant) {
-        const int64_t n8 = T * k / 8;
-        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x,
-                                                                           (__nv_bfloat16 *)workspace, n8);
-        KERNEL_CHECK();
+        cuda_linear_mma_act_quant((uint16_t *)workspace, x, T, k, stream);
         a = (const __nv_bfloat16 *)workspace;
     }
     const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);

@@ -529,6 +529,13 @@ struct row {
     double flops; /* 2 x the multiply-adds of the linears and routed experts (layer_dense_macs) */
 };
 
+/* FLOPs of `tokens` token rows: their linears, and the routed pairs on this rank (the plan's k
+ * per token spread uniformly: n_local of the E experts are here). */
+static double row_flops(const struct bench *B, int64_t tokens, int64_t k, int64_t E) {
+    double pairs = (double)tokens * (double)k * (double)g_nlocal / (double)E;
+    return 2.0 * ((double)tokens * (double)B->dense_macs + pairs * (double)B->expert_macs);
+}
+
 /* The CSV's backend column: the backend and the switches that change its code path. */
 static const char *run_label(const struct args *a) {
     static char buf[64];
@@ -799,11 +806,8 @@ int main(int argc, char **argv) {
         routing(&be, NULL, false);
         if (plan) be.ops->free(&be, plan);
         double uniform = (double)g_nlocal * (1.0 - pow(1.0 - (double)k_act / (double)E, bs));
-        /* routed pairs on this rank: the plan's k per token spread uniformly, n_local of E here */
-        double pairs = (double)bs * (double)k_act * (double)g_nlocal / (double)E;
         struct row r = {"decode", bs, (int64_t)llround(ctx_mean), ms,
-                        B.dense_bytes + expert_read + (uint64_t)bs * B.tok_bytes,
-                        2.0 * ((double)bs * (double)B.dense_macs + pairs * (double)B.expert_macs)};
+                        B.dense_bytes + expert_read + (uint64_t)bs * B.tok_bytes, row_flops(&B, bs, k_act, E)};
         printf("%-8s %8d %6lld %10.3f %10.3f %11.1f %8.1f %16.2f %14.2f %10.2f\n", r.kind, bs, (long long)r.ctx, ms,
                1e3 * best, (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct, uniform,
                (double)g_comm_bytes / a.steps / 1e6);
@@ -858,10 +862,9 @@ int main(int argc, char **argv) {
         }
         routing(&be, NULL, false);
         if (plan) be.ops->free(&be, plan);
-        double pairs = (double)n * (double)k_act * (double)g_nlocal / (double)E;
         struct row r = {"prefill", n, 0, ms,
                         (uint64_t)forwards * B.dense_bytes + expert_read + (uint64_t)n * B.tok_bytes,
-                        2.0 * ((double)n * (double)B.dense_macs + pairs * (double)B.expert_macs)};
+                        row_flops(&B, n, k_act, E)};
         printf("%-8s %8lld %6d %10.3f %10s %11.1f %8.1f %16.2f %14s %10.2f  %.0f tokens/s, %d chunk%s of %lld, "
                "%.1f TFLOP/s\n",
                r.kind, (long long)n, 0, ms, "-", (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct,
