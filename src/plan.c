@@ -156,7 +156,7 @@ static uint64_t workspace_rows(const struct model_config *c, int b, int e, bool 
         uint64_t moe = (uint64_t)(T * k * 8 + T * D * 6 + T * k * D * 2 * (1 + (tp > 1 ? tp : 0)));
         /* the shared expert's linears, or the routed experts' tensor-core passes (moe_mma.h) */
         moe += u64max(u64max(lin_tmp(T, c->moe_inter_dim, D), lin_tmp(T, D, c->moe_inter_dim)),
-                      (uint64_t)moe_mma_workspace_bytes(T, k, (r->n_experts + tp - 1) / tp, D, c->moe_inter_dim, D));
+                      (uint64_t)moe_mma_workspace_max(T, k, (r->n_experts + tp - 1) / tp, D, c->moe_inter_dim, D));
         uint64_t engram = r->engram_idx >= 0 ? (uint64_t)(T * C * 8 * 2 + T * C * ehd * 2 + T * (hc + 1) * D * 2) +
                                                    lin_tmp(T, (hc + 1) * D, C * ehd)
                                              : 0;

@@ -1,6 +1,6 @@
 /* Sizing of the tensor-core routed experts (kernels/cuda/moe_mma_sm80.cu), in plain C so that the
- * planner (src/plan.c) counts the same temporaries the GPU path allocates. The path works through
- * the call in passes of at most moe_mma_pass_tokens tokens: each pass keeps, per local pair, the
+ * planner (src/plan.c) counts the same temporaries the GPU path allocates. The decode path works
+ * through the call in passes of at most moe_mma_pass_tokens tokens: each pass keeps, per local pair, the
  * fp32 partial sums of its k-chunks (gate/up: 2I outputs x ceil(D / 1024) chunks; down: Dout
  * outputs x ceil(I / 1024) chunks, the same buffer reused) and the quantized h row, and the pass
  * is sized so that this stays under MOE_MMA_PASS_BYTES. Rows are independent, so the pass size
@@ -40,14 +40,47 @@ static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
     return (M + busy * (P - 1) + P - 1) / P;
 }
 
-/* Device scratch of one call: the plan (int32 [2 (n_local + 1) + Tp k]) and its tile table (int2
- * per tile), the quantized x of a pass [Tp, D] bf16, the quantized h [Tp k, I] bf16 and the
- * partials [Tp k, part_per_pair] fp32. */
+/* Calls of more than MOE_MMA_DECODE_T tokens (prefill chunks; the linears' decode tiling has the
+ * same bound) take the prefill path: tiles of up to MOE_WIDE_TILE pairs, each CTA over the whole
+ * of k, no partials in memory. It needs I % 32 == 0 (a CTA's 32 columns of h are one
+ * quantization group). Same bits either way. */
+#define MOE_MMA_DECODE_T 256
+#define MOE_WIDE_TILE 64
+
+static inline int moe_mma_is_wide(int64_t T, int64_t I) { return T > MOE_MMA_DECODE_T && I % 32 == 0; }
+
+/* Tokens of one prefill-path pass: its quantized x, plan entries and quantized h under
+ * MOE_MMA_PASS_BYTES. */
+static inline int64_t moe_wide_pass_tokens(int64_t T, int64_t k, int64_t D, int64_t I) {
+    int64_t per_token = D * 2 + k * (I * 2 + 4 + 8);
+    int64_t t = MOE_MMA_PASS_BYTES / per_token;
+    if (t < 1) t = 1;
+    return t < T ? t : T;
+}
+
+/* Device scratch of one call of T tokens. Decode path: the plan (int32 [2 (n_local + 1) + Tp k])
+ * and its tile table (int2 per tile), the quantized x of a pass [Tp, D] bf16, the quantized h
+ * [Tp k, I] bf16 and the partials [Tp k, part_per_pair] fp32. Prefill path: the same less the
+ * partials, with its own pass size. */
 static inline int64_t moe_mma_workspace_bytes(int64_t T, int64_t k, int64_t n_local, int64_t D, int64_t I,
                                               int64_t Dout) {
-    int64_t tp = moe_mma_pass_tokens(T, k, D, I, Dout), m = tp * k;
-    return moe_mma_align(4 * (2 * (n_local + 1) + m)) + moe_mma_align(8 * moe_tiles_max(m, n_local, MOE_MMA_TILE)) +
-           moe_mma_align(tp * D * 2) + moe_mma_align(m * I * 2) + moe_mma_align(m * moe_mma_part_per_pair(D, I, Dout) * 4);
+    const int wide = moe_mma_is_wide(T, I);
+    int64_t tp = wide ? moe_wide_pass_tokens(T, k, D, I) : moe_mma_pass_tokens(T, k, D, I, Dout), m = tp * k;
+    int64_t b = moe_mma_align(4 * (2 * (n_local + 1) + m)) +
+                moe_mma_align(8 * moe_tiles_max(m, n_local, wide ? MOE_WIDE_TILE : MOE_MMA_TILE)) +
+                moe_mma_align(tp * D * 2) + moe_mma_align(m * I * 2);
+    return wide ? b : b + moe_mma_align(m * moe_mma_part_per_pair(D, I, Dout) * 4);
+}
+
+/* The most any call of at most T tokens needs (the planner's bound: decode steps and prefill
+ * chunks take different paths). */
+static inline int64_t moe_mma_workspace_max(int64_t T, int64_t k, int64_t n_local, int64_t D, int64_t I, int64_t Dout) {
+    int64_t a = moe_mma_workspace_bytes(T, k, n_local, D, I, Dout);
+    if (T > MOE_MMA_DECODE_T) {
+        int64_t b = moe_mma_workspace_bytes(MOE_MMA_DECODE_T, k, n_local, D, I, Dout);
+        if (b > a) a = b;
+    }
+    return a;
 }
 
 #endif /* DS_MOE_MMA_H */

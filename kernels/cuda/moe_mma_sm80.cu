@@ -11,7 +11,11 @@
  * k-chunks of 1,024, the chunks' fp32 partials added in chunk order, then one bf16 rounding. None
  * of it depends on which other pairs share the step, so the path is batch invariant.
  *
- * A call, per pass of at most moe_mma_pass_tokens tokens (moe_mma.h bounds the partials' memory):
+ * Two paths, by the call's size (moe_mma.h): calls of more than MOE_MMA_DECODE_T tokens (prefill
+ * chunks) take moe_wide_kernel (below: tiles of up to 64 pairs, each CTA over the whole of k,
+ * the chunk partials added in registers, SwiGLU and h's quantization in the gate/up epilogue).
+ * A decode-sized call, per pass of at most moe_mma_pass_tokens tokens (moe_mma.h bounds the
+ * partials' memory):
  *  1. moe_plan_kernel buckets the pass's local pairs by expert, tiles of <= 16 pairs (one m16 mma
  *     tile); mma_act_quant_kernel quantizes x;
  *  2. moe_mma_kernel<2> (gate/up): CTA = (one tile) x (64 rows of w1 or of w3) x (one k-chunk);
@@ -247,16 +251,311 @@ __global__ void moe_down_finish_kernel(__nv_bfloat16 *__restrict__ y, const floa
     }
 }
 
+
+/* ---------------------------------------------------------------------------------------------
+ * The prefill path (calls of more than MOE_MMA_DECODE_T tokens): tiles of up to 64 pairs of one
+ * expert, each CTA over the whole of k. A prefill pass has tens of pairs per expert, and the
+ * decode kernel above would decode each FP4 weight once per 16 pairs and stream k-chunk partials
+ * through memory (whose bound cut a pass to ~290 tokens, 4–5 local pairs per expert); here a warp
+ * decodes its weights once for up to four m16 tiles and reuses each A fragment for two n8 tiles,
+ * the k-chunks' partials are added in registers in chunk order (the same fp32 additions as the
+ * finish kernels), and the epilogues write the quantized h (gate/up, SwiGLU fused) or y (down)
+ * directly. Same bits as the decode path: the order contract fixes every addition.
+ * CTA: 4 warps along n, each 16 weight rows (two n8 tiles) x the tile's m16 tiles in use; gate/up:
+ * 32 columns of h, warps 0-1 on w1's rows and 2-3 on w3's (the epilogue meets them in shared
+ * memory); down: 64 columns of y. */
+constexpr int WP = MOE_WIDE_TILE;      /* pairs per tile */
+constexpr int WMT = WP / 16;           /* m16 tiles per tile */
+constexpr int WW = 4;                  /* warps per CTA */
+constexpr int WNJ = 2;                 /* n8 tiles per warp */
+constexpr int WBN = 8 * WNJ * WW;      /* weight rows per CTA */
+constexpr int WTHREADS = 32 * WW;
+constexpr int WMINB = 3;
+constexpr int WKB = 2;                 /* k-blocks per cp.async stage (divides KCH: no stage straddles a chunk) */
+constexpr int WB_LD = WKB * 16 + 16;   /* weight row of a stage, padded: the lanes' 4-byte reads on distinct banks */
+constexpr int WA_LD = WKB * 64 + 16;   /* activation row of a stage, padded: ldmatrix rows on distinct banks */
+constexpr int WA_BYTES = WP * WA_LD, WB_BYTES = WBN * WB_LD, WSTAGE = WA_BYTES + WB_BYTES;
+constexpr int WSTAGES = 3;
+constexpr int WS_LD = WBN + 2;         /* the chunk's decoded scales [KCH][WS_LD] fp32, as XS_LD */
+constexpr int WEX_LD = 36;             /* the gate/up epilogue's u / h rows [WP][WEX_LD] fp32, in the stages */
+static_assert(KCH % WKB == 0 && WBN * WKB == WTHREADS && WTHREADS == 2 * WBN && KCH == 32 && WSTAGE % 16 == 0 &&
+                  WSTAGES * WSTAGE + KCH * WS_LD * 4 + WP * 16 <= 48 * 1024 && WP * WEX_LD * 4 <= WSTAGES * WSTAGE &&
+                  WP % 32 == 0,
+              "prefill expert tile");
+
+/* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), output columns blockIdx.x
+ * (gate/up NM = 2: h columns n0 .. n0 + 31, n0 = 32 x; down NM = 1: y columns n0 .. n0 + 63, n0 =
+ * 64 x). a: k-permuted quantized activations, K values per row, tile row r = a's row list[first +
+ * r] / a_div (gate/up: the pair's token) or first + r (down). Gate/up writes the quantized h row
+ * (list position) of qh [mcap, N] k-permuted (N % 32 == 0) with the routing weight wts[list entry];
+ * down writes y[list entry, :] bf16 [., N]. */
+template <int NM>
+__global__ void __launch_bounds__(WTHREADS, WMINB)
+    moe_wide_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
+                    int n_local, const __nv_bfloat16 *__restrict__ a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
+                    int64_t s_ld, __nv_bfloat16 *__restrict__ out, const float *__restrict__ wts, float limit) {
+    __shared__ __align__(16) uint8_t smem[WSTAGES * WSTAGE];
+    __shared__ __align__(16) float s_sm[KCH][WS_LD];
+    __shared__ int64_t srow[WP]; /* byte offset of each tile row in a */
+    __shared__ int32_t sdst[WP]; /* each tile row's list entry (its slot in the pass) */
+    const int64_t j = (int64_t)plan[c0] + blockIdx.z;
+    if (j >= plan[c0 + cn]) return; /* uniform per CTA, before any barrier */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int2 te = tiles[j];
+    const int le = te.x & 0xffff, np = te.x >> 16, nmt = (np + 15) / 16;
+    const int64_t first = te.y;
+    const int64_t n0 = (int64_t)blockIdx.x * (WBN / NM);
+    const int32_t *const list = plan + 2 * (n_local + 1);
+    const int nbt = (int)(K / 32), nst = (nbt + WKB - 1) / WKB, nch = (nbt + KCH - 1) / KCH;
+    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+    const uint32_t sbase = smem_addr(smem);
+
+    /* CTA weight row r: matrix r / 32 (gate/up) at row n0 + r % 32, or w2's row n0 + r */
+    auto wsrc_of = [&](int r, const uint8_t *const *wm, int64_t *row) {
+        const int m = NM == 2 ? r / 32 : 0;
+        *row = NM == 2 ? n0 + r % 32 : n0 + r;
+        return wm[m];
+    };
+    const int rb = tid / WKB, cb = tid % WKB;
+    int64_t wrow;
+    const uint8_t *const w = wsrc_of(rb, tab.w[le - c0], &wrow);
+    const bool row_ok = wrow < N;
+    const uint8_t *const wsrc = w + (row_ok ? wrow * ld + (int64_t)cb * 16 : 0);
+    const uint32_t bdst = sbase + (uint32_t)(WA_BYTES + rb * WB_LD + cb * 16);
+    auto load_b = [&](int st, int i) {
+        const bool v = row_ok && i * WKB + cb < nbt;
+        cp_async16(bdst + (uint32_t)(st * WSTAGE), v ? wsrc + (int64_t)i * WKB * 16 : w, v);
+    };
+    auto load_a = [&](int st, int i) {
+        const uint32_t so = sbase + (uint32_t)(st * WSTAGE);
+        const int b0 = i * WKB;
+        for (int q = tid; q < np * WKB * 4; q += WTHREADS) {
+            const int r = q / (WKB * 4), c = q % (WKB * 4);
+            const bool v = b0 + c / 4 < nbt;
+            cp_async16(so + (uint32_t)(r * WA_LD + c * 16), v ? abase + srow[r] + (int64_t)b0 * 64 + c * 16 : abase, v);
+        }
+    };
+    /* the scales: thread tid owns CTA row tid / 2, blocks 16 (tid % 2) .. + 15 of each chunk, read
+     * one chunk ahead into registers, four bytes a word (aligned words where the row allows;
+     * rows past N and blocks past K are not read and decode as 0, never stored) */
+    const int sr = tid / 2, sh = (tid % 2) * 16;
+    int64_t srw;
+    const uint8_t *const s = wsrc_of(sr, tab.s[le - c0], &srw);
+    const bool s_ok = srw < N;
+    const uint8_t *const ssrc = s + (s_ok ? srw * s_ld : 0);
+    const bool s_word = (reinterpret_cast<uintptr_t>(ssrc) & 3u) == 0;
+    uint32_t snext[4];
+    auto load_s = [&](int ci) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int b = ci * KCH + sh + 4 * q;
+            if (s_ok && s_word && b + 3 < nbt) {
+                snext[q] = __ldg(reinterpret_cast<const uint32_t *>(ssrc + b));
+            } else {
+                uint32_t v = 0;
+                for (int e = 0; e < 4; e++)
+                    if (s_ok && b + e < nbt) v |= (uint32_t)__ldg(ssrc + b + e) << (8 * e);
+                snext[q] = v;
+            }
+        }
+    };
+    auto store_s = [&](int ci) {
+#pragma unroll
+        for (int q = 0; q < 16; q++) {
+            const int b = ci * KCH + sh + q;
+            const uint32_t byte = (snext[q / 4] >> (8 * (q % 4))) & 0xffu;
+            s_sm[sh + q][sr] = e8m0f(s_ok && b < nbt ? byte : 0x100u);
+        }
+    };
+
+#pragma unroll
+    for (int st = 0; st < WSTAGES - 1; st++)
+        if (st < nst) load_b(st, st); /* in the first commit group below */
+    if (tid < np) {
+        const int32_t e = list[first + tid];
+        srow[tid] = (a_div ? (int64_t)e / a_div : first + tid) * K * 2;
+        sdst[tid] = e;
+    }
+    /* rows np .. 16 nmt - 1 of the last m16 tile in use: zeros in every stage (never loaded) */
+    const int nz = 16 * nmt - np;
+    for (int q = tid; q < WSTAGES * nz * (WA_LD / 16); q += WTHREADS) {
+        const int st = q / (nz * (WA_LD / 16)), rem = q % (nz * (WA_LD / 16));
+        const int r = np + rem / (WA_LD / 16), c = rem % (WA_LD / 16);
+        *reinterpret_cast<uint4 *>(smem + st * WSTAGE + r * WA_LD + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+    load_s(0);
+    store_s(0);
+    if (nch > 1) load_s(1);
+    __syncthreads(); /* srow, sdst, the zeros, chunk 0's scales */
+#pragma unroll
+    for (int st = 0; st < WSTAGES - 1; st++) {
+        if (st < nst) load_a(st, st);
+        cp_async_commit();
+    }
+
+    const uint32_t ldA = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * WA_LD + (lane >> 4) * 16);
+    const int rdB = WA_BYTES + (warp * 16 + g) * WB_LD + t * 4;
+    const int scol = warp * 16 + 2 * t; /* the lane's scale columns: scol + 8 nj + {0, 1} */
+    float acc[WMT][WNJ][4], sum[WMT][WNJ][4];
+#pragma unroll
+    for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+        for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nj][e] = sum[mt][nj][e] = 0.0f;
+
+    for (int i = 0; i < nst; i++) {
+        cp_async_wait<WSTAGES - 2>();
+        __syncthreads(); /* stage i landed; every warp is past stage i - 1 (and the scale table's reads) */
+        const int ci = i * WKB / KCH;
+        if (ci > 0 && (i * WKB) % KCH == 0) { /* chunk ci starts: its scales replace the last chunk's */
+            store_s(ci);
+            __syncthreads();
+            if (ci + 1 < nch) load_s(ci + 1);
+        }
+        if (i + WSTAGES - 1 < nst) {
+            load_b((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
+            load_a((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
+        }
+        cp_async_commit();
+        const int st = i % WSTAGES;
+        const uint32_t so = sbase + (uint32_t)(st * WSTAGE);
+        const uint8_t *const sb = smem + st * WSTAGE + rdB;
+#pragma unroll
+        for (int jb = 0; jb < WKB; jb++) {
+            uint32_t b[WNJ][4];
+#pragma unroll
+            for (int nj = 0; nj < WNJ; nj++) e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + nj * 8 * WB_LD + jb * 16), b[nj]);
+            /* a block past K multiplied zero-filled tiles and takes scale 0 (acc + 0·0 = acc, as above) */
+            const float *const sq = &s_sm[(i * WKB + jb) % KCH][scol];
+            const bool live = i * WKB + jb < nbt;
+            float2 q[WNJ];
+#pragma unroll
+            for (int nj = 0; nj < WNJ; nj++) {
+                q[nj] = *reinterpret_cast<const float2 *>(sq + 8 * nj);
+                if (!live) q[nj] = make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int mt = 0; mt < WMT; mt++) {
+                if (mt >= nmt) continue; /* warp-uniform: the tile's m16 tiles in use */
+                uint32_t a0[4], a1[4];
+                ldmatrix_x4(a0, so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64));
+                ldmatrix_x4(a1, so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64 + 32));
+#pragma unroll
+                for (int nj = 0; nj < WNJ; nj++) {
+                    float p[4];
+                    mma_bf16(p, a0[0], a0[1], a0[2], a0[3], b[nj][0], b[nj][1], 0.0f, 0.0f, 0.0f, 0.0f);
+                    mma_bf16(p, a1[0], a1[1], a1[2], a1[3], b[nj][2], b[nj][3], p[0], p[1], p[2], p[3]);
+                    float *const c = acc[mt][nj];
+                    c[0] = __fmaf_rn(p[0], q[nj].x, c[0]);
+                    c[1] = __fmaf_rn(p[1], q[nj].y, c[1]);
+                    c[2] = __fmaf_rn(p[2], q[nj].x, c[2]);
+                    c[3] = __fmaf_rn(p[3], q[nj].y, c[3]);
+                }
+            }
+        }
+        if (((i + 1) * WKB) % KCH == 0 || i == nst - 1) { /* chunk ci ends: its sum joins the chunks before, in order */
+#pragma unroll
+            for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+                for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        sum[mt][nj][e] = ci ? __fadd_rn(sum[mt][nj][e], acc[mt][nj][e]) : acc[mt][nj][e];
+                        acc[mt][nj][e] = 0.0f;
+                    }
+        }
+    }
+    cp_async_wait<0>();
+
+    if (NM == 1) { /* down: y[list entry, col] = bf16 of the chunk sums */
+#pragma unroll
+        for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+            for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = mt * 16 + g + 8 * h;
+                    const int64_t col = n0 + warp * 16 + nj * 8 + 2 * t;
+                    if (r >= np) continue;
+                    __nv_bfloat16 *yr = out + (int64_t)sdst[r] * N;
+                    if (col < N) yr[col] = __float2bfloat16_rn(sum[mt][nj][2 * h]);
+                    if (col + 1 < N) yr[col + 1] = __float2bfloat16_rn(sum[mt][nj][2 * h + 1]);
+                }
+        return;
+    }
+    /* gate/up: warps 2-3 hand bf16(u) to warps 0-1 through shared memory (the stages are free),
+     * which form h = bf16(wt · silu(min(g, limit)) · clamp(u)) in place; then the CTA quantizes
+     * each row's 32 values of h, 4 threads per row, into the k-permuted qh */
+    __syncthreads(); /* every warp is done with the stages */
+    float *const ex = reinterpret_cast<float *>(smem); /* [WP][WEX_LD] */
+    if (warp >= 2)
+#pragma unroll
+        for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+            for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float *e = ex + (mt * 16 + g + 8 * h) * WEX_LD + (warp - 2) * 16 + nj * 8 + 2 * t;
+                    e[0] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h]));
+                    e[1] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + 1]));
+                }
+    __syncthreads();
+    if (warp < 2)
+#pragma unroll
+        for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+            for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = mt * 16 + g + 8 * h;
+                    const float wt = r < np ? __ldg(wts + sdst[r]) : 0.0f;
+                    float *e = ex + r * WEX_LD + warp * 16 + nj * 8 + 2 * t;
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const float gb = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + c]));
+                        e[c] = ds_bf16f(ds_bf16_rne(mo_swiglu(gb, e[c], limit, true, wt)));
+                    }
+                }
+    __syncthreads();
+    const int tq = tid & 3;
+#pragma unroll
+    for (int it = 0; it < WP / (WTHREADS / 4); it++) {
+        const int r = it * (WTHREADS / 4) + tid / 4;
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = r < np ? ex[r * WEX_LD + 8 * tq + e] : 0.0f;
+        uint32_t o[4];
+        mma_quant8(v, o); /* every lane: the group's shuffles */
+        if (r < np) mma_store_perm8(reinterpret_cast<uint32_t *>(out) + ((first + r) * (N / 32) + n0 / 32) * 16, tq, o);
+    }
+}
+
 } /* namespace */
 
-void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
-                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
-                          const struct qweight *w3, const struct qweight *w2, float limit) {
+/* The expert pointers of experts [c0, c0 + cn) for one launch: gate/up (w1, w3) or down (w2). */
+static moe_wtab moe_mma_tab(const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, int down,
+                            int64_t c0, int cn) {
+    moe_wtab tab;
+    for (int i = 0; i < cn; i++) {
+        const struct qweight *a = down ? &w2[c0 + i] : &w1[c0 + i], *b = down ? &w2[c0 + i] : &w3[c0 + i];
+        tab.w[i][0] = (const uint8_t *)a->w;
+        tab.s[i][0] = a->s;
+        tab.w[i][1] = (const uint8_t *)b->w;
+        tab.s[i][1] = b->s;
+    }
+    return tab;
+}
+
+#define MOE_MMA_FAIL(msg) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", msg)
+
+/* Calls of at most MOE_MMA_DECODE_T tokens: k-chunks spread over CTAs, partials in memory. */
+static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                            int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                            const struct qweight *w3, const struct qweight *w2, float limit) {
     const int64_t D = w1[0].k, I = w1[0].n, Dout = w2[0].n;
     const int64_t ldg = w1[0].ld, sg = w1[0].s_ld, ldd = w2[0].ld, sd = w2[0].s_ld;
-    if ((uintptr_t)x % 16 || ldg % 16 || ldd % 16)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)",
-                 "x and the FP4 row strides must be 16-byte aligned");
     const int64_t tp = moe_mma_pass_tokens(T, k, D, I, Dout), mcap = tp * k;
     const int nchD = (int)moe_mma_chunks(D), nchI = (int)moe_mma_chunks(I);
     cudaStream_t st = cuda_be_stream(be);
@@ -271,8 +570,7 @@ void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const 
     float *part = (float *)(scr + b_plan + b_tiles + b_qx + b_qh);
 
     const int64_t ntg = (I + XBN - 1) / XBN, ntd = (Dout + XBN - 1) / XBN;
-    if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", "expert too large for the grid");
+    if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
         const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
         moe_plan_kernel<<<1, 1024, 0, st>>>(plan, tiles, idx + t0 * k, mn, e0, (int)n_local, XP);
@@ -284,16 +582,8 @@ void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const 
             for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
                 const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
                 const int64_t nt = moe_tiles_max(mn, cn, XP); /* the grid's tile slots */
-                if (nt > 65535)
-                    ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", "too many tiles");
-                moe_wtab tab;
-                for (int i = 0; i < cn; i++) {
-                    const struct qweight *a = pass ? &w2[c0 + i] : &w1[c0 + i], *b = pass ? &w2[c0 + i] : &w3[c0 + i];
-                    tab.w[i][0] = (const uint8_t *)a->w;
-                    tab.s[i][0] = a->s;
-                    tab.w[i][1] = (const uint8_t *)b->w;
-                    tab.s[i][1] = b->s;
-                }
+                if (nt > 65535) MOE_MMA_FAIL("too many tiles");
+                const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
                 const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)(pass ? nchI : nchD), (unsigned)nt);
                 if (pass == 0)
                     moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, plan, tiles, (int)n_local, qx, k, I, D,
@@ -316,4 +606,58 @@ void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const 
         }
     }
     cuda_be_scratch_free(be, scr);
+}
+
+/* Calls of more than MOE_MMA_DECODE_T tokens: moe_wide_kernel, each CTA over the whole of k. */
+static void moe_mma_wide(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                         const struct qweight *w3, const struct qweight *w2, float limit) {
+    const int64_t D = w1[0].k, I = w1[0].n, Dout = w2[0].n;
+    const int64_t tp = moe_wide_pass_tokens(T, k, D, I), mcap = tp * k;
+    cudaStream_t st = cuda_be_stream(be);
+    /* scratch (moe_mma_workspace_bytes): plan | tiles | qx [tp, D] | qh [mcap, I] */
+    const size_t b_plan = (size_t)moe_mma_align(4 * (2 * (n_local + 1) + mcap)),
+                 b_tiles = (size_t)moe_mma_align(8 * moe_tiles_max(mcap, n_local, WP)),
+                 b_qx = (size_t)moe_mma_align(tp * D * 2);
+    uint8_t *scr = (uint8_t *)cuda_be_scratch_raw(be, (size_t)moe_mma_workspace_bytes(T, k, n_local, D, I, Dout));
+    int32_t *plan = (int32_t *)scr;
+    int2 *tiles = (int2 *)(scr + b_plan);
+    __nv_bfloat16 *qx = (__nv_bfloat16 *)(scr + b_plan + b_tiles), *qh = (__nv_bfloat16 *)(scr + b_plan + b_tiles + b_qx);
+    const int64_t ng = I / 32, nd = (Dout + WBN - 1) / WBN;
+    if (ng > 0x7fffffff || nd > 0x7fffffff) MOE_MMA_FAIL("expert too large for the grid");
+    for (int64_t t0 = 0; t0 < T; t0 += tp) {
+        const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
+        moe_plan_kernel<<<1, 1024, 0, st>>>(plan, tiles, idx + t0 * k, mn, e0, (int)n_local, WP);
+        KERNEL_CHECK();
+        const int64_t n8 = tn * D / 8;
+        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x + t0 * D, qx, n8);
+        KERNEL_CHECK();
+        for (int pass = 0; pass < 2; pass++) /* 0: gate/up (all of h first), 1: down */
+            for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
+                const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
+                const int64_t nt = moe_tiles_max(mn, cn, WP);
+                if (nt > 65535) MOE_MMA_FAIL("too many tiles");
+                const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
+                if (pass == 0)
+                    moe_wide_kernel<2><<<dim3((unsigned)ng, 1, (unsigned)nt), WTHREADS, 0, st>>>(
+                        tab, (int)c0, cn, plan, tiles, (int)n_local, qx, k, I, D, w1[0].ld, w1[0].s_ld, qh, wts + t0 * k,
+                        limit);
+                else
+                    moe_wide_kernel<1><<<dim3((unsigned)nd, 1, (unsigned)nt), WTHREADS, 0, st>>>(
+                        tab, (int)c0, cn, plan, tiles, (int)n_local, qh, 0, Dout, I, w2[0].ld, w2[0].s_ld,
+                        (__nv_bfloat16 *)y + t0 * k * Dout, nullptr, 0.0f);
+                KERNEL_CHECK();
+            }
+    }
+    cuda_be_scratch_free(be, scr);
+}
+
+void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
+                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
+                          const struct qweight *w3, const struct qweight *w2, float limit) {
+    if ((uintptr_t)x % 16 || w1[0].ld % 16 || w2[0].ld % 16) MOE_MMA_FAIL("x and the FP4 row strides must be 16-byte aligned");
+    if (moe_mma_is_wide(T, w1[0].n))
+        moe_mma_wide(be, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
+    else
+        moe_mma_chunked(be, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
 }

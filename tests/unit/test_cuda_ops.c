@@ -1095,8 +1095,9 @@ static void test_moe_experts_mma(void **st) {
     seed_tag("experts real");
     struct experts ex = rank_experts();
     for (int i = 0; i < NT_REAL; i++) moe_experts_case("mma 48 of 384 FP4 [2304,5120] top-6", &ex, T_REAL[i], TOPK, 10.0f);
-    const int64_t Ts[] = {1, 8, 64, 300};
-    for (int i = 0; i < 4; i++) moe_mma_composition_case("48 of 384 FP4 [2304,5120] top-6", &ex, Ts[i], TOPK, 10.0f);
+    /* T = 300 and 1200 take the prefill path (moe_mma.h): ~18 and ~71 local pairs per expert */
+    const int64_t Ts[] = {1, 8, 64, 300, 1200};
+    for (int i = 0; i < 5; i++) moe_mma_composition_case("48 of 384 FP4 [2304,5120] top-6", &ex, Ts[i], TOPK, 10.0f);
     free_experts(&ex);
     seed_tag("experts odd");
     ex = make_experts(3, 96, 64, 5, 37);
@@ -1104,10 +1105,20 @@ static void test_moe_experts_mma(void **st) {
     moe_experts_case("mma odd 3 of 37 [64,96] top-4 no limit", &ex, 3, 4, 0.0f);
     moe_mma_composition_case("odd 3 of 37 [64,96] top-2 limit 0.5", &ex, 40, 2, 0.5f);
     moe_mma_composition_case("odd 3 of 37 [64,96] top-1", &ex, 64, 1, 10.0f);
+    /* the prefill path: y's 96 columns cut its second 64-column tile short */
+    moe_experts_case("mma odd 3 of 37 [64,96] top-2 prefill path", &ex, 300, 2, 0.5f);
+    moe_mma_composition_case("odd 3 of 37 [64,96] top-2 prefill path", &ex, 300, 2, 0.5f);
     free_experts(&ex);
     seed_tag("experts odd wide");
     ex = make_experts(2, 1088, 1056, 0, 9); /* k past one chunk, row tiles cut short: 1088 = 1024 + 64, 1056 = 16·66 */
     moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3", &ex, 37, 3, 10.0f);
+    /* the prefill path: ~250 pairs per expert (several 64-pair tiles, the last one partial), w1's
+     * scale rows 34 bytes apart (the byte-wise scale reads) */
+    moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3 prefill path", &ex, 400, 3, 10.0f);
+    free_experts(&ex);
+    seed_tag("experts odd wide 2");
+    ex = make_experts(2, 1120, 1056, 0, 9); /* 35 k-blocks: the prefill path's last stage half past k; y's last tile cut short */
+    moe_mma_composition_case("odd 2 of 9 [1056,1120] top-3 prefill path", &ex, 400, 3, 10.0f);
     free_experts(&ex);
     mma_switch(false);
 }
