@@ -585,18 +585,23 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * mHC mixes: m[t, j] = (Σ_s Σ_{i in segment s} x_i · fn[j, i]) · r over the L = hc·D values of
  * row t (segments of BE_HC_MIX_SEG, as the CPU), then the Sinkhorn split. Two kernels:
  *
- * hc_mix_part: CTA (row block of HC_R rows, segment s) computes the segment's sums for every
+ * hc_mix_part: CTA (row block of R rows, segment s) computes the segment's sums for every
  * (row, j), one thread per pair, a dependent chain of BE_HC_MIX_SEG fp32 adds; tiles of 64 values
- * of fn [nm, 64] and of the rows' x [HC_R, 64] stream through a cp.async ring in shared memory, so
+ * of fn [nm, 64] and of the rows' x [R, 64] stream through a cp.async ring in shared memory, so
  * fn is read once per CTA for all its rows, and the chains read it conflict-free (row stride 68
  * floats). The segments run in parallel: one long chain per j over all of L (the CPU's order
- * before) kept a single CTA busy for ~370 µs at L = 16384.
+ * before) kept a single CTA busy for ~370 µs at L = 16384. R = HC_R rows for small calls (decode:
+ * more CTAs), hc_r_big (16 at hc <= 4) from HC_R_BIG_T rows on (prefill: fn's tiles, most of the
+ * bytes a CTA moves, then serve 4x the rows; a 2K-token call took 0.43 ms at R = 4 on the H200).
+ * R changes no bit: each chain's order is its own.
  *
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
  * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
  * (hc_split_sinkhorn_warp; HC * HC > 32: thread 0 with C in registers; HC is a template parameter). */
 
-#define HC_R 4     /* rows per CTA */
+#define HC_R 4     /* rows per CTA (small calls) */
+#define HC_R_BIG_T 64
+template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : 8; }; /* <= 1024 chains, >= 2 stages */
 #define HC_KT 64   /* values per tile */
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
@@ -604,16 +609,17 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
 #define HC_FIN_THREADS 256
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
-template <int HC>
+template <int HC, int R = HC_R>
 struct hc_cfg {
     static constexpr int NM = (2 + HC) * HC;
-    static constexpr int CHAIN = HC_R * NM;
+    static constexpr int CHAIN = R * NM;
     static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
     static constexpr int THREADS = CHAIN_WARPS * 32;
-    static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + HC_R * HC_X_LD * 2;
+    static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + R * HC_X_LD * 2;
     static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > 4 ? 4 : HC_SMEM_MAX / STAGE_BYTES;
     static_assert(STAGES >= 2, "hc too large for the shared-memory ring");
     static_assert(STAGE_BYTES % 16 == 0, "stages must stay 16-byte aligned");
+    static_assert(THREADS <= 1024, "one CTA's chains");
 };
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
@@ -733,18 +739,18 @@ __device__ void hc_split_sinkhorn_warp(const float *m, const float *__restrict__
 
 /* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads.
  * part: [T, NM, nseg] f32, segment sums. */
-template <int HC, bool VEC>
-__global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
+template <int HC, bool VEC, int R>
+__global__ void __launch_bounds__(hc_cfg<HC, R>::THREADS)
     hc_mix_part_kernel(float *__restrict__ part, const uint16_t *__restrict__ X, int64_t T, int64_t D,
                        const float *__restrict__ fn, int nseg) {
-    using cfg = hc_cfg<HC>;
+    using cfg = hc_cfg<HC, R>;
     constexpr int NM = cfg::NM, STAGES = cfg::STAGES, SEG_TILES = BE_HC_MIX_SEG / HC_KT;
-    extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [HC_R][72] bf16 } */
+    extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [R][72] bf16 } */
 
     const int64_t L = HC * D;
-    const int64_t t0 = (int64_t)blockIdx.x * HC_R;
+    const int64_t t0 = (int64_t)blockIdx.x * R;
     const int seg = blockIdx.y;
-    const int nrows = T - t0 < HC_R ? (int)(T - t0) : HC_R;
+    const int nrows = T - t0 < R ? (int)(T - t0) : R;
     const int all_tiles = (int)((L + HC_KT - 1) / HC_KT);
     const int tile0 = seg * SEG_TILES;
     const int ntiles = all_tiles - tile0 < SEG_TILES ? all_tiles - tile0 : SEG_TILES;
@@ -762,7 +768,7 @@ __global__ void __launch_bounds__(hc_cfg<HC>::THREADS)
         const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
         if (VEC) { /* len is a multiple of 8: whole 16-byte chunks */
-            const int fch = len / 4, xch = len / 8, nf = NM * fch, nx = HC_R * xch;
+            const int fch = len / 4, xch = len / 8, nf = NM * fch, nx = R * xch;
             for (int q = tid; q < nf + nx; q += cfg::THREADS) {
                 if (q < nf) {
                     const int jj = q / fch, c = q % fch;
@@ -854,21 +860,30 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     }
 }
 
+template <int HC, int R>
+static void hc_mix_part_launch(struct backend *be, float *part, const bf16_t *X, int64_t T, int64_t D, const float *fn,
+                               int nseg) {
+    using cfg = hc_cfg<HC, R>;
+    const dim3 grid(ew_blocks(T, R), (unsigned)nseg);
+    const size_t smem = (size_t)cfg::STAGES * cfg::STAGE_BYTES;
+    if ((HC * D) % 8 == 0 && al16(X) && al16(fn))
+        hc_mix_part_kernel<HC, true, R><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+    else
+        hc_mix_part_kernel<HC, false, R><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+    KERNEL_CHECK();
+}
+
 template <int HC>
 static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                             int64_t D, const float *fn, const float *scale, const float *base, int iters,
                             float norm_eps, float hc_eps) {
-    using cfg = hc_cfg<HC>;
     const int64_t L = HC * D;
     const int nseg = (int)((L + BE_HC_MIX_SEG - 1) / BE_HC_MIX_SEG);
-    float *part = (float *)cuda_be_scratch_raw(be, (size_t)(T * cfg::NM * nseg) * sizeof(float)); /* [T, NM, nseg] */
-    const dim3 grid(ew_blocks(T, HC_R), (unsigned)nseg);
-    const size_t smem = (size_t)cfg::STAGES * cfg::STAGE_BYTES;
-    if (L % 8 == 0 && al16(X) && al16(fn))
-        hc_mix_part_kernel<HC, true><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+    float *part = (float *)cuda_be_scratch_raw(be, (size_t)(T * hc_cfg<HC>::NM * nseg) * sizeof(float)); /* [T, NM, nseg] */
+    if (T >= HC_R_BIG_T)
+        hc_mix_part_launch<HC, hc_r_big<HC>::R>(be, part, X, T, D, fn, nseg);
     else
-        hc_mix_part_kernel<HC, false><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
-    KERNEL_CHECK();
+        hc_mix_part_launch<HC, HC_R>(be, part, X, T, D, fn, nseg);
     hc_mix_finish_kernel<HC><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
         pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps);
     KERNEL_CHECK();

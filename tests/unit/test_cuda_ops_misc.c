@@ -603,11 +603,13 @@ static void hc_mixes_case(int64_t T, int64_t D, int iters) {
 static void test_hc_mixes(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) hc_mixes_case(T_REAL[i], DIM, 20);
+    hc_mixes_case(100, DIM, 20); /* from HC_R_BIG_T rows on, the larger row blocks (the last one partial) */
     const int64_t odd[] = {1, 33, 129};
     for (int i = 0; i < 3; i++) {
         hc_mixes_case(3, odd[i], 20);
         hc_mixes_case(1, odd[i], 1);
         hc_mixes_case(17, odd[i], 3);
+        hc_mixes_case(70, odd[i], 3);
     }
 }
 
