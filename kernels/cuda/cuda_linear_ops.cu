@@ -2,7 +2,8 @@
  * (wo_a) and head. FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
  * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
  * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
- * rows); BF16 (and F32) weights run here.
+ * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
+ * The other BF16 (and F32) weights run here.
  *
  * Numerics of the kernels here: every output is one sequential fp32 sum over k in k order, starting from +0, with a
  * round-to-nearest product and a round-to-nearest add per term (no FMA: __fmul_rn/__fadd_rn), then
@@ -333,6 +334,34 @@ void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int6
     if (W->n % G != 0)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda grouped_linear", "n is not divisible by G");
     int64_t r = W->n / G, kg = W->k;
+    /* the mma switch: BF16 groups on the tensor cores (linear_mma_sm80.cu, both tilings with the
+     * same bits per row) where the shapes allow (kg a multiple of 32, 16-byte rows); G > 1 (fewer
+     * than 8 ranks) goes through compact copies of each group's x columns and y columns */
+    if (cuda_be_mma(be) && W->fmt == WF_BF16 && kg % 32 == 0 && (W->ld * 2) % 16 == 0 && ((uintptr_t)W->w & 15) == 0 &&
+        (G > 1 || ((uintptr_t)x & 15) == 0)) {
+        cudaStream_t st = cuda_be_stream(be);
+        void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(T, r, kg));
+        bf16_t *xg = G > 1 ? (bf16_t *)cuda_be_scratch_raw(be, (size_t)(T * kg) * 2) : NULL; /* [T, kg] */
+        bf16_t *yg = G > 1 ? (bf16_t *)cuda_be_scratch_raw(be, (size_t)(T * r) * 2) : NULL;  /* [T, r] */
+        for (int64_t g = 0; g < G; g++) {
+            const bf16_t *wg = (const bf16_t *)W->w + g * r * W->ld;
+            if (G == 1) {
+                cuda_linear_mma(WF_BF16, y, x, T, wg, NULL, r, kg, W->ld, 0, ws, (void *)st);
+                continue;
+            }
+            CUDA_CHECK(cudaMemcpy2DAsync(xg, (size_t)kg * 2, x + g * kg, (size_t)(G * kg) * 2, (size_t)kg * 2, (size_t)T,
+                                         cudaMemcpyDeviceToDevice, st));
+            cuda_linear_mma(WF_BF16, yg, xg, T, wg, NULL, r, kg, W->ld, 0, ws, (void *)st);
+            CUDA_CHECK(cudaMemcpy2DAsync(y + g * r, (size_t)(G * r) * 2, yg, (size_t)r * 2, (size_t)r * 2, (size_t)T,
+                                         cudaMemcpyDeviceToDevice, st));
+        }
+        if (G > 1) {
+            cuda_be_scratch_free(be, yg);
+            cuda_be_scratch_free(be, xg);
+        }
+        cuda_be_scratch_free(be, ws);
+        return;
+    }
     dense_launch(be, y, false, G * r, r, x, G * kg, kg, W->w, W->fmt, W->ld, r * W->ld, T, r, kg, G);
 }
 

@@ -13,8 +13,8 @@
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
- *  - mma_decode_kernel (FP8/FP4, T <= 256): see its own comment below;
- *  - mma_linear_kernel (T > 256, and BF16), one launch per k-chunk: CTA tile 128 (T) x 128 (n) x
+ *  - mma_decode_kernel (T <= 256): see its own comment below;
+ *  - mma_linear_kernel (T > 256), one launch per k-chunk: CTA tile 128 (T) x 128 (n) x
  *    32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
  *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
@@ -345,10 +345,11 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode kernel (T <= 256, FP8/FP4): the same per-output arithmetic as mma_linear_kernel — the
- * same k-permuted activations, the same weight decode into the same fragment registers, per
- * k-block P'_b = mma(mma(0, first 16), second 16) then acc = fma(P'_b, s_w[b], acc) in block
- * order, the same k-chunks — so a row's bits do not depend on which of the two kernels ran it
+ * Decode kernel (T <= 256): the same per-output arithmetic as mma_linear_kernel — the same
+ * k-permuted activations, the same weight decode into the same fragment registers, per k-block
+ * P'_b = mma(mma(0, first 16), second 16) then acc = fma(P'_b, s_w[b], acc) in block order, the
+ * same k-chunks (BF16: x as it is, the weights by ldmatrix, one mma accumulation per chunk, as
+ * there) — so a row's bits do not depend on which of the two kernels ran it
  * (test_cuda_ops, test_linear_mma_kernels_agree). What changes is the tiling, for weight bandwidth
  * at a handful of rows: one m16 tile (MR = 8: rows 8..15 are zero registers, not shared memory), a
  * CTA of DW warps of one n8 tile each and one k-chunk (grid: n / 16 x chunks, so a [1280, 5120]
@@ -370,15 +371,16 @@ template <int F, int MR, int MT = 1> struct dcfg {
     static constexpr int DKB = MT == 1 ? 8 : 2; /* k-blocks per stage */
     static constexpr int RM = MT == 1 ? MR : 16 * MT; /* activation rows per CTA */
     static constexpr int BN = 8 * DW, THREADS = 32 * DW;
-    static constexpr int B_ROW = F == K_FP8 ? 32 : 16;
-    static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16);
+    static constexpr int B_ROW = F == K_FP8 ? 32 : (F == K_FP4 ? 16 : 64);
+    static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16); /* BF16: ldmatrix rows 16 B apart mod 128 */
     static constexpr int A_LD = DKB * 64 + 16;
     static constexpr int A_BYTES = RM * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int S_ROWS = F == K_FP8 ? 1 : BN, S_BYTES = S_ROWS * KCH;
+    static constexpr int S_ROWS = F == K_FP8 ? 1 : (F == K_FP4 ? BN : 0);
+    static constexpr int S_BYTES = F == K_BF16 ? 16 : S_ROWS * KCH; /* BF16: none (a placeholder array) */
     static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
     static constexpr int A_CHUNKS = RM * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
-    static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && F != K_BF16 && (MR == 8 || MR == 16) &&
+    static_assert(STAGES >= 2 && STAGE_BYTES % 16 == 0 && (MR == 8 || MR == 16) &&
                       (MT == 1 || MR == 16),
                   "decode tile");
 };
@@ -443,6 +445,9 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     const uint32_t ldA = MR == 16 ? (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * C::A_LD + (lane >> 4) * 16)
                                   : (uint32_t)((lane & 7) * C::A_LD + ((lane >> 3) & 1) * 16);
     const int rdB = C::A_BYTES + (warp * 8 + g) * C::B_LD + t * (B_ROW / 4);
+    /* BF16 B: ldmatrix.x4 of the warp's n8 rows, lane L addressing row L % 8, 16-byte chunk L / 8
+     * (k 8 (L / 8) ..): registers 0-1 feed a block's first mma, 2-3 its second */
+    const uint32_t ldBb = (uint32_t)(C::A_BYTES + (warp * 8 + (lane & 7)) * C::B_LD + (lane >> 3) * 16);
 
     float acc[MT][4];
 #pragma unroll
@@ -452,7 +457,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
         if (st < nst) load_stage(st, st);
         cp_async_commit();
     }
-    load_scales(); /* published by the loop's first __syncthreads */
+    if (F != K_BF16) load_scales(); /* published by the loop's first __syncthreads */
     for (int i = 0; i < nst; i++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
@@ -462,6 +467,36 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
         const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
         const uint8_t *const sb = smem + st * C::STAGE_BYTES + rdB;
         const int nblk = nb - i * DKB < DKB ? nb - i * DKB : DKB;
+        if (F == K_BF16) {
+            /* BF16: the chunk's one accumulation, acc = mma(mma(acc, k 0..15), k 16..31) block by
+             * block, as mma_linear_kernel (blocks past nb are not run: a warp-uniform branch) */
+#pragma unroll
+            for (int j = 0; j < DKB; j++) {
+                if (j >= nblk) continue;
+                uint32_t b[4];
+                ldmatrix_x4(b, so + ldBb + (uint32_t)(j * B_ROW));
+#pragma unroll
+                for (int mi = 0; mi < MT; mi++) {
+                    uint32_t a0[4], a1[4];
+                    const uint32_t at = so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
+                    if (MR == 16) {
+                        ldmatrix_x4(a0, at);
+                        ldmatrix_x4(a1, at + 32u);
+                    } else {
+                        uint32_t r0[2], r1[2];
+                        ldmatrix_x2(r0, at);
+                        ldmatrix_x2(r1, at + 32u);
+                        a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+                        a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+                    }
+                    float *c = acc[mi], d[4];
+                    mma_bf16(d, a0[0], a0[1], a0[2], a0[3], b[0], b[1], c[0], c[1], c[2], c[3]);
+                    mma_bf16(d, a1[0], a1[1], a1[2], a1[3], b[2], b[3], d[0], d[1], d[2], d[3]);
+                    c[0] = d[0], c[1] = d[1], c[2] = d[2], c[3] = d[3];
+                }
+            }
+            continue;
+        }
         /* all the stage's block products first (independent mma pairs the warp can keep in
          * flight; blocks past nb multiply zero-filled tiles and are not folded), then the
          * ordered fold: with the fold inside the block loop, in-order issue stalled every block
@@ -629,10 +664,14 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
-    if (tiling == CUDA_MMA_DECODE && (!quant || T > MMA_DECODE_MAX_T))
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes FP8/FP4 and T <= 256");
-    if (quant && decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
-        if (fmt == WF_FP8) {
+    if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
+    if (decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
+        if (fmt == WF_BF16) {
+            if (T <= 8) launch_decode<K_BF16, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+        } else if (fmt == WF_FP8) {
             if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else if (T <= 16) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);

@@ -730,6 +730,58 @@ static void grouped_case(const char *name, struct hw *h, bool from_fp8, int64_t 
     hw_free(h);
 }
 
+static void mma_switch(bool on);
+
+struct grouped_ctx {
+    const struct qweight *g;
+    int64_t G;
+    const void *dx;
+};
+
+static void grouped_rows(void *vc, int64_t r0, int64_t T, void *out) {
+    struct grouped_ctx *c = vc;
+    size_t rb = (size_t)c->g->n * 2;
+    void *dy = g_out((size_t)T * rb, PZ_16);
+    GPU->grouped_linear(&gpu_be, dy, (const bf16_t *)c->dx + r0 * c->G * c->g->k, T, c->G, c->g);
+    g_get(out, dy, (size_t)T * rb);
+    g_free(dy);
+}
+
+/* grouped_linear with the mma switch on: the BF16 groups on the tensor cores (decode tiling up to
+ * 256 rows, prefill tiling above), within the same order-free bound of the CPU backend; shapes the
+ * tensor cores cannot take (kg not a multiple of 32) stay exact. Rows do not depend on T. */
+static void test_grouped_linear_mma(void **st) {
+    NEED_GPU(st);
+    mma_switch(true);
+    seed_tag("grouped mma weights");
+    const int64_t Ts[] = {1, 8, 17, 64, 300};
+    struct hw h = hw_fp8(O_LORA, O_GROUP_IN, 0, O_GROUP_IN, 0.02f);
+    grouped_case("mma wo_a TP8 (1 group [1024,4096], FP8->bf16)", &h, true, 1, Ts, 5);
+    h = hw_fp8(8 * 128, 512, 0, 512, 0.03f);
+    grouped_case("mma 8 groups [8x128,512] (FP8->bf16)", &h, true, 8, Ts, 5);
+    h = hw_bf16(3 * 40, 1056, 0.05f); /* n8 tiles cut short, k past one chunk */
+    grouped_case("mma odd 3 groups [3x40,1056]", &h, false, 3, T_ODD, NT_ODD);
+    h = hw_bf16(3 * 37, 100, 0.05f);
+    grouped_case("mma odd 3 groups [3x37,100] (exact: kg % 32)", &h, false, 3, T_ODD, NT_ODD);
+    const int64_t Tb[] = {8, 16, 64, 300}, probes[] = {0, 5, 7, 15, 63, 150, 299};
+    struct hw hb[2] = {hw_fp8(O_LORA, O_GROUP_IN, 0, O_GROUP_IN, 0.02f), hw_bf16(3 * 40, 1056, 0.05f)};
+    const int64_t Gs[2] = {1, 3};
+    const char *names[2] = {"mma wo_a TP8 [1024,4096]", "mma odd 3 groups [3x40,1056]"};
+    for (int i = 0; i < 2; i++) {
+        struct qweight g = g_weight(&hb[i].q, i == 0);
+        int64_t row = Gs[i] * g.k;
+        bf16_t *x = NEW(bf16_t, 300 * row);
+        fill_act(x, 300 * row, 1.0f);
+        struct grouped_ctx c = {&g, Gs[i], g_in(x, (size_t)(300 * row) * 2)};
+        batch_invariance("grouped_linear", names[i], grouped_rows, &c, (size_t)g.n * 2, Tb, 4, probes, 7);
+        g_free((void *)c.dx);
+        free(x);
+        GPU->weight_release(&gpu_be, &g);
+        hw_free(&hb[i]);
+    }
+    mma_switch(false);
+}
+
 static void test_grouped_linear(void **st) {
     NEED_GPU(st);
     seed_tag("grouped weights");
@@ -1328,6 +1380,7 @@ int main(void) {
         cmocka_unit_test(test_linear_bf16),
         cmocka_unit_test(test_linear_f32),
         cmocka_unit_test(test_grouped_linear),
+        cmocka_unit_test(test_grouped_linear_mma),
         cmocka_unit_test(test_head),
         cmocka_unit_test(test_moe_combine),
         cmocka_unit_test(test_router),
