@@ -63,25 +63,31 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
         float *gsc = model_tmp(m, (size_t)(T / ratio + b->n) * ratio * hd * 4);
         size_t rowb = (size_t)hd * 4;
         struct seg_list groups = {0}, state = {0};
-        for (int i = 0; i < b->n; i++) {
-            const struct fwd_seq *s = &b->seqs[i];
-            float *skv = lc->cmp_kv + (size_t)s->slot * ratio * hd, *ssc = lc->cmp_sc + (size_t)s->slot * ratio * hd;
-            for (int64_t t = 0; t < s->len; t++) {
-                int64_t p = s->start + t;
-                if ((p + 1) % ratio) continue;
-                for (int64_t k = 0; k < ratio; k++) {
-                    int64_t q = p + 1 - ratio + k, row = b->row0[i] + (q - s->start);
-                    size_t dst = ((size_t)em->n * ratio + k) * hd;
-                    seg_push(&groups, gkv + dst, q >= s->start ? kvf + row * hd : skv + k * hd, rowb);
-                    seg_push(&groups, gsc + dst, q >= s->start ? scf + row * hd : ssc + k * hd, rowb);
+        /* kv's rows first, then the gate's: consecutive rows merge into one copy (a prefill
+         * chunk's groups are one range each), where interleaving them left one copy per row */
+        for (int pass = 0; pass < 2; pass++) {
+            float *gdst = pass ? gsc : gkv;
+            const float *fsrc = pass ? scf : kvf;
+            int64_t ng = 0;
+            for (int i = 0; i < b->n; i++) {
+                const struct fwd_seq *s = &b->seqs[i];
+                float *sst = (pass ? lc->cmp_sc : lc->cmp_kv) + (size_t)s->slot * ratio * hd;
+                for (int64_t t = 0; t < s->len; t++) {
+                    int64_t p = s->start + t;
+                    if ((p + 1) % ratio) continue;
+                    for (int64_t k = 0; k < ratio; k++) {
+                        int64_t q = p + 1 - ratio + k, row = b->row0[i] + (q - s->start);
+                        seg_push(&groups, gdst + ((size_t)ng * ratio + k) * hd, q >= s->start ? fsrc + row * hd : sst + k * hd,
+                                 rowb);
+                    }
+                    if (!pass) {
+                        em->chunk[em->n] = i;
+                        em->group[em->n++] = p / ratio;
+                    }
+                    ng++;
                 }
-                em->chunk[em->n] = i;
-                em->group[em->n++] = p / ratio;
-            }
-            for (int64_t t = i64max(0, s->len - ratio); t < s->len; t++) {
-                int64_t k = (s->start + t) % ratio, row = b->row0[i] + t;
-                seg_push(&state, skv + k * hd, kvf + row * hd, rowb);
-                seg_push(&state, ssc + k * hd, scf + row * hd, rowb);
+                for (int64_t t = i64max(0, s->len - ratio); t < s->len; t++)
+                    seg_push(&state, sst + ((s->start + t) % ratio) * hd, fsrc + (b->row0[i] + t) * hd, rowb);
             }
         }
         seg_flush(m, &groups);
