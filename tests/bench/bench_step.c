@@ -89,7 +89,7 @@ struct args {
     bool balanced; /* --routing balanced (default) | model */
     bool exact;    /* --exact-linears: FP8/FP4 linears in the CPU's k order (default: tensor cores) */
     bool eager;    /* --eager: no graph segments (default: decode steps replay CUDA graphs) */
-    bool range;    /* --profiler-range: the CUDA profiler collects the timed decode steps only */
+    bool range;    /* --profiler-range: the CUDA profiler collects the timed decode steps and prefills only */
 };
 
 static void usage(FILE *f) {
@@ -841,10 +841,16 @@ int main(int argc, char **argv) {
         double distinct = (double)dsum / forwards / B.n_layers_run;
         routing(&be, plan, false);
         g_comm_bytes = 0;
+#ifdef DS_HAVE_CUDA
+        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, true);
+#endif
         double ts = now_s();
         prefill_one(&B, n, chunk, tok);
         be.ops->sync(&be);
         double ms = 1e3 * (now_s() - ts);
+#ifdef DS_HAVE_CUDA
+        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, false);
+#endif
         const double comm_mb = (double)g_comm_bytes / 1e6; /* of the timed run only */
         if (prof) { /* the same prompt again through the profiler: where a prefill's time goes */
             if (plan) routing(&be, plan, false); /* the plan from its start again */

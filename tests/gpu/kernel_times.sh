@@ -5,7 +5,9 @@
 # duration (gpu__time_duration.sum), with the caches and clocks left as they run
 # (--cache-control none --clock-control none); ncu serializes the kernels, so the launch gaps
 # between them are not in these numbers. tests/bench/kernel_times.py sums them per kernel into
-# $OUT/cuda_step_kernels.csv. Env: BATCHES (default "1 8 64"), STEPS (2).
+# $OUT/cuda_step_kernels.csv. Env: BATCHES (default "1 8 64"), STEPS (2); PREFILL (default none:
+# prompt lengths whose timed prefill is broken down the same way into $OUT/cuda_prefill_kernels.csv,
+# one prompt each, "batch" = its length).
 set -u
 cd "$(dirname "$0")/../.."
 . tests/gpu/carry_env.sh
@@ -19,3 +21,13 @@ for b in ${BATCHES:-1 8 64}; do
   args+=("$b=$OUT/ncu_kernels_b$b.csv")
 done
 python3 tests/bench/kernel_times.py --steps "$STEPS" --out "$OUT/cuda_step_kernels.csv" "${args[@]}"
+if [ -n "${PREFILL:-}" ]; then
+  pargs=()
+  for p in $PREFILL; do
+    timeout ${T_NCU:-200} $NCU --profile-from-start off --metrics gpu__time_duration.sum --cache-control none \
+      --clock-control none --csv carry/gpu/bench/bench_step --backend cuda --ctx 0 --batch "" --prefill "$p" \
+      --profiler-range > "$OUT/ncu_kernels_p$p.csv" 2> "$OUT/ncu_kernels_p$p.err"
+    pargs+=("$p=$OUT/ncu_kernels_p$p.csv")
+  done
+  python3 tests/bench/kernel_times.py --steps 1 --out "$OUT/cuda_prefill_kernels.csv" "${pargs[@]}"
+fi
