@@ -601,7 +601,8 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
 
 #define HC_R 4     /* rows per CTA (small calls) */
 #define HC_R_BIG_T 64
-template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : 8; }; /* <= 1024 chains, >= 2 stages */
+/* <= 1024 chains, >= 2 stages, and registers for them (hc = 8 at 8 rows spilled under the SM90 JIT) */
+template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC <= 6 ? 8 : HC_R); };
 #define HC_KT 64   /* values per tile */
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
