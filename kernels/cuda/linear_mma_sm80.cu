@@ -14,8 +14,8 @@
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
  *  - mma_decode_kernel (T <= 256): see its own comment below;
- *  - mma_linear_kernel (T > 256), one launch per k-chunk: CTA tile 128 (T) x 128 (n) x
- *    32 (k = one scale block), 3-stage cp.async
+ *  - mma_linear_kernel (T > 256), one launch for the full k-chunks (grid z) and one for a shorter
+ *    last chunk: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
  *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
  *      BF16: 8 warps as 2 (T) x 4 (n), warp tile 64 x 32 (4 x 4 m16n8 fragments), 48 KB of
@@ -103,7 +103,7 @@ template <int F, class C, bool PART>
 __global__ void __launch_bounds__(C::THREADS, C::MINB)
     mma_linear_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
-                      int64_t ld_b, int64_t s_ld, int pair_store, int chunk, int nb) {
+                      int64_t ld_b, int64_t s_ld, int pair_store, int chunk0, int nb) {
     constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
                   B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[C::SMEM];
@@ -112,9 +112,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
     const int g = lane >> 2, t = lane & 3;      /* mma groupID, thread in group */
     const int wm = warp % WM, wn = warp / WM;   /* warp tile: rows wm*MT*16.., cols wn*WNC.. */
     const int64_t n0 = (int64_t)blockIdx.x * BN, m0 = (int64_t)blockIdx.y * BM;
-    /* the launch's k-chunk, blocks [b0, b0 + nb): kernel parameters (one launch per chunk), which
-     * live in constant memory — derived in registers they made the FP8 tile (255 registers) spill */
-    const int b0 = chunk * KCH;
+    /* the CTA's k-chunk chunk0 + blockIdx.z, blocks [b0, b0 + nb): one launch covers the chunks of
+     * equal length (the full ones, then a shorter last one), so nb is a kernel parameter, which
+     * lives in constant memory — derived in a register it made the FP8 tile (255 registers) spill */
+    const int chunk = chunk0 + (int)blockIdx.z, b0 = chunk * KCH;
 
     /* Per-thread copy assignments, fixed for the whole k loop. Thread tid copies 16-byte chunk
      * tid % 4 of activation rows tid / 4 + c * A_RS (c < A_CH), and chunk tid % B_PER_ROW of
@@ -324,13 +325,18 @@ void launch(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 
     const int64_t mt = (T + BM - 1) / BM, nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH;
     if (mt > 65535 || nt > 0x7fffffff || nch > 65535)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T, n or k too large for the grid");
-    const dim3 grid((unsigned)nt, (unsigned)mt);
-    for (int c = 0; c < (nch > 0 ? nch : 1); c++) {
-        const int nb = (int)(k / 32 - (int64_t)c * KCH < KCH ? k / 32 - (int64_t)c * KCH : KCH);
+    /* the full chunks in one launch (their CTAs run side by side: one launch per chunk left a
+     * call of few tiles, e.g. n = 1280 at T = 2048, with a part-filled wave per chunk), then the
+     * shorter last one */
+    const int nbt = (int)(k / 32), nfull = nbt / KCH, rest = nbt % KCH;
+    for (int pass = 0; pass < 2; pass++) {
+        const int c0 = pass ? nfull : 0, cn = pass ? (rest > 0) : (nbt ? nfull : 1), nb = pass ? rest : (nbt ? KCH : 0);
+        if (!cn) continue;
+        const dim3 grid((unsigned)nt, (unsigned)mt, (unsigned)cn);
         if (part)
-            mma_linear_kernel<F, C, true><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c, nb);
+            mma_linear_kernel<F, C, true><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb);
         else
-            mma_linear_kernel<F, C, false><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c, nb);
+            mma_linear_kernel<F, C, false><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb);
     }
 }
 
