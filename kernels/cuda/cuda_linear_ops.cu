@@ -206,6 +206,106 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
     }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same sequential k-order chain per output,
+ * tiled for reuse. The GEMV kernel above reads each weight once per 8 token rows, so at T = 2048 a
+ * [384, 5120] router gate streamed its weights 256 times through L2 and spent a CTA's issue slots
+ * on widening them; here a CTA owns 64 token rows x 32 weight rows, both widened to fp32 in shared
+ * memory once per stage of 32 k, and each thread runs 8 chains (token rows ty, ty + 32 x weight
+ * rows tx + 8j), loading 4 k of each operand per float4, so a multiply-add pair costs ~2.2
+ * instructions. Bits: every chain is acc = fadd(acc, fmul(x_k, w_k)) for k = 0.. in order from +0,
+ * as dense_bf16_kernel and the CPU; zero-filled tails (rows, tokens, k) are never stored or add
+ * 0·0. Stage s: wait for own copies, barrier (everyone is past stage s-1's compute), issue stage s +
+ * 2, widen own chunks, barrier, compute. */
+#define DT_MIN_T 256 /* calls of more rows take the tiled kernel */
+#define DT_BT 64     /* token rows per CTA */
+#define DT_BR 32     /* weight rows per CTA */
+#define DT_KB 32     /* k per stage */
+#define DT_LD (DT_KB + 4) /* widened rows, padded: the 8 weight rows a phase reads sit on distinct banks */
+#define DT_STAGES 3
+#define DT_THREADS 256
+
+template <bool OUT_F32>
+__global__ void __launch_bounds__(DT_THREADS)
+    dense_tile_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
+                      int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
+                      int64_t k) {
+    __shared__ __align__(16) uint16_t sx[DT_STAGES][DT_BT][DT_KB]; /* raw stages */
+    __shared__ __align__(16) uint16_t sw[DT_STAGES][DT_BR][DT_KB];
+    __shared__ __align__(16) float xf[DT_BT][DT_LD]; /* the stage's widened rows */
+    __shared__ __align__(16) float wf[DT_BR][DT_LD];
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int64_t t0 = (int64_t)blockIdx.x * DT_BT, r0 = (int64_t)blockIdx.y * DT_BR, g = blockIdx.z;
+    const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
+    const int nst = (int)((k + DT_KB - 1) / DT_KB);
+    /* copy assignment: x row tid / 4 chunk tid % 4 (8 values); w row tid / 4 chunk tid % 4 for tid < 128 */
+    const int cr = tid >> 2, cc = tid & 3;
+    auto load_stage = [&](int slot, int s) {
+        const int64_t gk = (int64_t)s * DT_KB + cc * 8;
+        int bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+        lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
+        if (tid < DT_BR * 4) {
+            bytes = (r0 + cr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+            lo_cp16(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
+        }
+    };
+    auto widen = [](float *dst, const uint16_t *src) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(src);
+        *reinterpret_cast<float4 *>(dst) = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+        *reinterpret_cast<float4 *>(dst + 4) = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                                           __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+    };
+#pragma unroll
+    for (int s = 0; s < DT_STAGES - 1; s++) {
+        if (s < nst) load_stage(s, s);
+        lo_cp_commit();
+    }
+    float acc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int s = 0; s < nst; s++) {
+        const int slot = s % DT_STAGES;
+        lo_cp_wait<DT_STAGES - 2>();
+        __syncthreads();
+        if (s + DT_STAGES - 1 < nst) load_stage((s + DT_STAGES - 1) % DT_STAGES, s + DT_STAGES - 1);
+        lo_cp_commit();
+        widen(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
+        if (tid < DT_BR * 4) widen(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < DT_KB; kk += 4) {
+            const float4 xa = *reinterpret_cast<const float4 *>(&xf[ty][kk]);
+            const float4 xb = *reinterpret_cast<const float4 *>(&xf[ty + 32][kk]);
+            float4 wv[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) wv[j] = *reinterpret_cast<const float4 *>(&wf[tx + 8 * j][kk]);
+            const float xs[2][4] = {{xa.x, xa.y, xa.z, xa.w}, {xb.x, xb.y, xb.z, xb.w}};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float we = e == 0 ? wv[j].x : e == 1 ? wv[j].y : e == 2 ? wv[j].z : wv[j].w;
+#pragma unroll
+                    for (int i = 0; i < 2; i++) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(xs[i][e], we));
+                }
+        }
+    }
+    lo_cp_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int64_t t = t0 + ty + 32 * i;
+        if (t >= T) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int64_t row = r0 + tx + 8 * j;
+            if (row < n) lo_store(y, OUT_F32, t * ldy + g * y_gs + row, acc[i][j]);
+        }
+    }
+}
+
 /* Any shape, BF16 or F32 weights: one thread per output (grid x over rows, y over token rows,
  * z over groups), the same sequential k-order sum. Used where 16-byte copies are not possible. */
 template <bool W_F32, bool OUT_F32>
@@ -254,6 +354,17 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
                 dense_generic_kernel<false, false><<<grid, 128, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, w, ldw, w_gs, T, n,
                                                                           k);
         }
+        KERNEL_CHECK();
+        return;
+    }
+    if (T > DT_MIN_T && (T + DT_BT - 1) / DT_BT <= 0x7fffffff) {
+        dim3 grid((unsigned)((T + DT_BT - 1) / DT_BT), (unsigned)((n + DT_BR - 1) / DT_BR), (unsigned)G);
+        if (out_f32)
+            dense_tile_kernel<true><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, (const uint16_t *)w, ldw,
+                                                                 w_gs, T, n, k);
+        else
+            dense_tile_kernel<false><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, (const uint16_t *)w, ldw,
+                                                                  w_gs, T, n, k);
         KERNEL_CHECK();
         return;
     }

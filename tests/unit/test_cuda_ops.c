@@ -667,6 +667,11 @@ static void test_linear_f32(void **st) {
                     : hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
         dense_cases(OP_LINEAR_F32, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
     }
+    /* prefill-sized calls (T > 256): the tiled kernel, its token, row and k tails */
+    const int64_t Tp[] = {300, 600};
+    h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] prefill", &h, Tp, 2, 1.0f);
+    h = hw_bf16(37, 1000, 0.05f), dense_cases(OP_LINEAR_F32, "odd [37,1000] prefill", &h, Tp, 1, 1.0f);
+    h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR, "BF16 compressor wkv [512,5120] prefill", &h, Tp, 1, 1.0f);
 }
 
 static void test_head(void **st) {
@@ -839,6 +844,8 @@ static void test_moe_combine(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM, E_LOCAL, 8, 8);
     moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8);
+    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8); /* from 32 rows on: the 8-wide kernel */
+    moe_combine_case(40, 4, 136, 5, 3, 8);
     moe_combine_case(17, 4, 37, 5, 3, 8); /* slots of parts >= 3 skipped */
     moe_combine_case(3, 1, 129, 37, 1, 1);
     moe_combine_case(1, 3, 100, 16, 8, 8);
@@ -1262,6 +1269,9 @@ static void test_batch_invariance_linear(void **st) {
     h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "FP4 expert w1 [2304,5120]", &h, Ts, 3, probes, 6);
     h = hw_bf16(HD, DIM, 0.02f), lin_invariance(OP_LINEAR, "BF16 [512,5120]", &h, Ts, 3, probes, 6);
     h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "FP8 odd [37,160]", &h, Ts, 3, probes, 6);
+    /* the exact dense kernels: the GEMV up to 256 rows, the tiled kernel above, the same chains */
+    h = hw_bf16(N_EXPERTS, DIM, 0.02f), lin_invariance(OP_LINEAR_F32, "BF16 gate [384,5120]", &h, Ts, 3, probes, 6);
+    h = hw_bf16(37, 1000, 0.05f), lin_invariance(OP_LINEAR_F32, "BF16 odd [37,1000]", &h, Ts, 3, probes, 6);
 }
 
 /* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 256) and the
