@@ -593,7 +593,8 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * before) kept a single CTA busy for ~370 µs at L = 16384. R = HC_R rows for small calls (decode:
  * more CTAs), hc_r_big (16 at hc <= 4) from HC_R_BIG_T rows on (prefill: fn's tiles, most of the
  * bytes a CTA moves, then serve 4x the rows; a 2K-token call took 0.43 ms at R = 4 on the H200).
- * R changes no bit: each chain's order is its own.
+ * R changes no bit: each chain's order is its own. (Tried and not kept: 4 segments per CTA in turn,
+ * to spread the ring's fill over more tiles: hc_mixes 10.5 -> 10.8 ms per 2K-token prefill.)
  *
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
  * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
@@ -980,10 +981,47 @@ __global__ void __launch_bounds__(EW_THREADS)
     store_bf<VEC>(Xo + tk * D + d, mix); /* Xo [T, hc, D] bf16 */
 }
 
+/* The same outputs with hc a template parameter: thread (t, VEC d's) reads the hc input copies
+ * once and forms all hc output copies (the kernel above reads each input 16 bytes hc times, through
+ * L1), in the same order per output. */
+template <int HC>
+__global__ void __launch_bounds__(EW_THREADS)
+    hc_expand_all_kernel(uint16_t *__restrict__ Xo, const uint16_t *__restrict__ y, const uint16_t *__restrict__ X,
+                         const float *__restrict__ post, const float *__restrict__ comb, int64_t T, int64_t D) {
+    const int64_t nv = D / 8, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * nv) return;
+    const int64_t d = (g % nv) * 8, t = g / nv;
+    const uint16_t *xr = X + t * HC * D + d; /* X [T, hc, D] bf16 */
+    const float *c = comb + t * HC * HC;     /* comb [T, hc, hc]: c[j*hc + k] */
+    float xv[HC][8], yv[8];
+#pragma unroll
+    for (int j = 0; j < HC; j++) load_bf<8>(xr + j * D, xv[j]);
+    load_bf<8>(y + t * D + d, yv); /* y [T, D] bf16 */
+#pragma unroll
+    for (int k = 0; k < HC; k++) {
+        float mix[8];
+        const float c0 = c[k], pk = post[t * HC + k]; /* post [T, hc] */
+#pragma unroll
+        for (int i = 0; i < 8; i++) mix[i] = __fmul_rn(c0, xv[0][i]);
+#pragma unroll
+        for (int jj = 1; jj < HC; jj++) {
+            const float cj = c[jj * HC + k];
+#pragma unroll
+            for (int i = 0; i < 8; i++) mix[i] = __fadd_rn(mix[i], __fmul_rn(cj, xv[jj][i]));
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) mix[i] = __fadd_rn(__fmul_rn(pk, yv[i]), mix[i]);
+        store_bf<8>(Xo + (t * HC + k) * D + d, mix); /* Xo [T, hc, D] bf16 */
+    }
+}
+
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                        const float *comb, int64_t T, int64_t hc, int64_t D) {
     if (T <= 0 || D <= 0 || hc <= 0) return;
-    if (D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
+    if (hc == 4 && D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
+        hc_expand_all_kernel<4><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+            Xo, y, X, post, comb, T, D);
+    else if (D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
         hc_expand_kernel<8><<<ew_blocks(T * hc * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
             Xo, y, X, post, comb, T, hc, D);
     else
