@@ -103,6 +103,7 @@ static void usage(FILE *f) {
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
             "                  from the stage's first layer); the smoke-test knob, real runs omit it\n"
+            "  --batch LIST    decode batch sizes to time (empty string: none)\n"
             "  --prefill LIST  prompt lengths to time (one sequence each; empty string: none)\n"
             "  --chunk N       prefill chunk in tokens (0 = whole prompt; the context prefill then packs 2048)\n"
             "  --engram-vocab  start of the Engram prime search (sets the tables' rows; the release's is 16M)\n"
@@ -175,7 +176,6 @@ static void parse_args(int argc, char **argv, struct args *a) {
             a->balanced = !strcmp(v, "balanced");
         } else if (!strcmp(k, "--batch")) {
             a->n_batch = parse_list(k, v, tmp, 1, 1 << 20);
-            if (a->n_batch == 0) ds_die("--batch: needs at least one batch size");
             for (int j = 0; j < a->n_batch; j++) a->batch[j] = (int)tmp[j];
         } else if (!strcmp(k, "--prefill")) {
             a->n_prefill = parse_list(k, v, a->prefill, 1, 1 << 30);
@@ -193,6 +193,7 @@ static void parse_args(int argc, char **argv, struct args *a) {
     }
     if (strcmp(a->backend, "cpu") && strcmp(a->backend, "cuda"))
         ds_die("--backend: cpu or cuda, not '%s'", a->backend);
+    if (a->n_batch == 0 && a->n_prefill == 0) ds_die("--batch and --prefill are both empty: nothing to time");
 }
 
 /* The preset as given, else relative to the binary (build/bench/ -> ../../data/presets), so the
