@@ -13,8 +13,8 @@
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
- *  - mma_decode_kernel (T <= 256): see its own comment below;
- *  - mma_linear_kernel (T > 256), one launch for the full k-chunks (grid z) and one for a shorter
+ *  - mma_decode_kernel (T <= 64 by default, up to 256 when asked for): see its own comment below;
+ *  - mma_linear_kernel (T > 64), one launch for the full k-chunks (grid z) and one for a shorter
  *    last chunk: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
  *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
@@ -369,9 +369,14 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
  * on distinct banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart
  * mod 128). */
 constexpr int DW = 2;       /* warps per CTA */
-/* calls of up to this many rows take the decode tiling (one or four m16 tiles per CTA, grid z over
- * them: the weights are re-read from L2 per row tile); the 128 x 128 prefill tile above it */
+/* the decode tiling takes up to MMA_DECODE_MAX_T rows (one or four m16 tiles per CTA, grid z over
+ * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it calls of up to
+ * MMA_DECODE_AUTO_T rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
+ * (bench_step, graphs): with the switch at 64 rather than 256, the step at batch 128 29.3 -> 27.0 ms
+ * and at batch 256 40.9 -> 34.6 ms (linears 7.4 -> 4.3 ms, shared expert 6.3 -> 3.3 ms), batch 8-64
+ * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
+constexpr int64_t MMA_DECODE_AUTO_T = 64;
 /* A decode configuration: MR rows of the one m16 tile (8: rows 8..15 are zero registers) or MT m16
  * tiles per CTA (T > 16: MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once
  * per 16 — at T = 256 the one-tile form decoded every weight 16 times and was instruction bound —
@@ -672,7 +677,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
-    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_MAX_T);
+    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
     if (decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */

@@ -753,7 +753,7 @@ static void grouped_rows(void *vc, int64_t r0, int64_t T, void *out) {
 }
 
 /* grouped_linear with the mma switch on: the BF16 groups on the tensor cores (decode tiling up to
- * 256 rows, prefill tiling above), within the same order-free bound of the CPU backend; shapes the
+ * 64 rows, prefill tiling above), within the same order-free bound of the CPU backend; shapes the
  * tensor cores cannot take (kg not a multiple of 32) stay exact. Rows do not depend on T. */
 static void test_grouped_linear_mma(void **st) {
     NEED_GPU(st);
@@ -1274,10 +1274,11 @@ static void test_batch_invariance_linear(void **st) {
     h = hw_bf16(37, 1000, 0.05f), lin_invariance(OP_LINEAR_F32, "BF16 odd [37,1000]", &h, Ts, 3, probes, 6);
 }
 
-/* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 256) and the
- * prefill tiling (T > 256) within the linear bound of the CPU backend, and bit-identical to each
+/* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 64) and the
+ * prefill tiling (T > 64) within the linear bound of the CPU backend, and bit-identical to each
  * other for the same row — a row alone, in a call of 8, 16 or 64 (decode kernel: one, one, four
- * m16 tiles) and in a call of 300 (prefill kernel) — so the switch keeps results batch invariant. */
+ * m16 tiles) and in a call of 128 or 300 (prefill kernel) — so the switch keeps results batch
+ * invariant. */
 static void mma_switch(bool on) {
 #ifdef DS_HAVE_CUDA
     if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
@@ -1311,15 +1312,15 @@ static void test_linear_mma(void **st) {
 static void test_linear_mma_kernels_agree(void **st) {
     NEED_GPU(st);
     mma_switch(true);
-    const int64_t Ts[] = {8, 16, 64, 300}, probes[] = {0, 5, 7, 15, 63, 150, 299};
+    const int64_t Ts[] = {8, 16, 64, 128, 300}, probes[] = {0, 5, 7, 15, 63, 150, 299};
     struct hw h;
     seed_tag("mma bi weights");
-    h = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), lin_invariance(OP_LINEAR, "mma FP8 wq_b slice [4096,1280]", &h, Ts, 4, probes, 7);
+    h = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), lin_invariance(OP_LINEAR, "mma FP8 wq_b slice [4096,1280]", &h, Ts, 5, probes, 7);
     h = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f),
-    lin_invariance(OP_LINEAR, "mma FP8 wo_b TP slice [5120,1024]", &h, Ts, 4, probes, 7);
-    h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "mma FP4 expert w1 [2304,5120]", &h, Ts, 4, probes, 7);
-    h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "mma FP8 odd [37,160]", &h, Ts, 4, probes, 7);
-    h = hw_fp4(33, 96), lin_invariance(OP_LINEAR, "mma FP4 odd [33,96]", &h, Ts, 4, probes, 7);
+    lin_invariance(OP_LINEAR, "mma FP8 wo_b TP slice [5120,1024]", &h, Ts, 5, probes, 7);
+    h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "mma FP4 expert w1 [2304,5120]", &h, Ts, 5, probes, 7);
+    h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "mma FP8 odd [37,160]", &h, Ts, 5, probes, 7);
+    h = hw_fp4(33, 96), lin_invariance(OP_LINEAR, "mma FP4 odd [33,96]", &h, Ts, 5, probes, 7);
     mma_switch(false);
 }
 
