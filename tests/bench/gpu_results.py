@@ -7,8 +7,10 @@ torch_linear_decode.csv), writes results/cuda_h200.json (the command, the tree,
 the device, every test's summary line, the decode-step rows as fractions of the measured copy
 bandwidth) and redraws the PNGs (plot_results.py).
 
-Usage: gpu_results.py RUN --commit SHA --command "what ran" [--results results]
-RUN: the run's directory or its run.tgz (what device_run.sh leaves in $OUT).
+Usage: gpu_results.py RUN --commit SHA --command "what ran" [--results results] [--ceilings RUN2]
+RUN: the run's directory or its run.tgz (what device_run.sh leaves in $OUT). RUN2: an earlier run
+on the same device for the copy bandwidth and the cuBLAS rate, where RUN has not got them; a RUN
+without test_cuda.txt takes test_cuda_summary.txt (the summary lines the run printed).
 """
 import argparse
 import csv
@@ -37,30 +39,44 @@ def main():
     ap.add_argument("--commit", required=True)
     ap.add_argument("--command", required=True)
     ap.add_argument("--results", default="results")
+    ap.add_argument("--ceilings", help="another run (directory or run.tgz) of the same device whose bench.txt "
+                                       "and cuda_gemm_ceiling.csv give the copy bandwidth and the cuBLAS rate, "
+                                       "for a RUN without them")
     a = ap.parse_args()
-    if os.path.isfile(a.run):  # run.tgz
-        tmp = tempfile.mkdtemp()
-        with tarfile.open(a.run) as t:
-            t.extractall(tmp)
-        a.run = tmp
+
+    def unpack(path):
+        if os.path.isfile(path):  # run.tgz
+            tmp = tempfile.mkdtemp()
+            with tarfile.open(path) as t:
+                t.extractall(tmp)
+            return tmp
+        return path
+
+    a.run = unpack(a.run)
+    ceil = unpack(a.ceilings) if a.ceilings else a.run
     for c in CSVS:
         src = os.path.join(a.run, c)
         if os.path.exists(src):
             shutil.copy(src, os.path.join(a.results, c))
-    bench = open(os.path.join(a.run, "bench.txt")).read()
+    bench = open(os.path.join(ceil, "bench.txt")).read()
     m = re.search(r"# (.+?), L2 .*?device-to-device copy (\d+) GB/s", bench)
     if not m:
         sys.exit("gpu_results: no copy bandwidth line in bench.txt")
     device, copy_gbps = m.group(1), float(m.group(2))
-    gemm = os.path.join(a.run, "cuda_gemm_ceiling.csv")
+    gemm = os.path.join(ceil, "cuda_gemm_ceiling.csv")
     cublas = max((float(r["tflops"]) for r in read_rows(gemm)), default=0.0) if os.path.exists(gemm) else 0.0
     tests = {}
     cur = None
-    for line in open(os.path.join(a.run, "test_cuda.txt")):
-        if line.startswith("== "):
-            cur = os.path.basename(line[3:].strip())
-        elif cur and ("PASSED" in line or "FAILED" in line):
-            tests[cur] = line.strip()
+    tpath = os.path.join(a.run, "test_cuda.txt")
+    if os.path.exists(tpath):
+        for line in open(tpath):
+            if line.startswith("== "):
+                cur = os.path.basename(line[3:].strip())
+            elif cur and ("PASSED" in line or "FAILED" in line):
+                tests[cur] = line.strip()
+    else:  # the log did not come back; the summary lines the run printed, as printed
+        spath = os.path.join(a.run, "test_cuda_summary.txt")
+        tests["summary lines printed (log not brought back)"] = [l.strip() for l in open(spath) if l.strip()]
     eng = [line.strip() for line in open(os.path.join(a.run, "test_cuda_engine.txt"))
            if line.startswith(("ok", "not ok", "verify", "# GPU vs CPU"))]
     steps = {}

@@ -31,3 +31,6 @@ if [ -n "${PREFILL:-}" ]; then
   done
   python3 tests/bench/kernel_times.py --steps 1 --out "$OUT/cuda_prefill_kernels.csv" "${pargs[@]}"
 fi
+# the raw ncu tables in one archive: the device tool brings back only a handful of files, and a
+# run that also leaves device_run.sh's run.tgz must stay under that count
+tar -C "$OUT" -czf "$OUT/ncu_raw.tgz" $(cd "$OUT" && ls ncu_kernels_* 2>/dev/null) && rm -f "$OUT"/ncu_kernels_*
