@@ -622,6 +622,20 @@ void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const i
 /* ---------------------------------------------------------------------------------------------
  * Combine and shared expert */
 
+/* A token's slots in ascending expert id (ties: the lower slot), with the part that computed each:
+ * the order moe_combine adds them in. */
+__device__ void combine_order(const int32_t *it, int k, int64_t per_part, int *order, int64_t *part_of) {
+    uint64_t done = 0;
+    for (int r = 0; r < k; r++) {
+        int best = -1;
+        for (int s = 0; s < k; s++)
+            if (!((done >> s) & 1) && (best < 0 || it[s] < it[best])) best = s;
+        done |= 1ull << best;
+        order[r] = best;
+        part_of[r] = (int64_t)it[best] / per_part;
+    }
+}
+
 /* acc[t, :] += y_e in ascending expert id over the token's slots (ties: lower slot, as the CPU's
  * selection), parts past P skipped. Grid: x over D in 256-wide pieces, y over tokens (strided);
  * thread 0 orders the slots once per token. y [P, T, k, D] bf16, acc [T, D] fp32. */
@@ -633,17 +647,7 @@ __global__ void moe_combine_kernel(float *__restrict__ acc, const uint16_t *__re
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
         const int32_t *it = idx + t * k;
         __syncthreads();
-        if (threadIdx.x == 0) {
-            uint64_t done = 0;
-            for (int r = 0; r < k; r++) {
-                int best = -1;
-                for (int s = 0; s < k; s++)
-                    if (!((done >> s) & 1) && (best < 0 || it[s] < it[best])) best = s;
-                done |= 1ull << best;
-                order[r] = best;
-                part_of[r] = (int64_t)it[best] / per_part;
-            }
-        }
+        if (threadIdx.x == 0) combine_order(it, k, per_part, order, part_of);
         __syncthreads();
         for (int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; d < D; d += (int64_t)gridDim.x * blockDim.x) {
             float a = acc[t * D + d];
@@ -669,17 +673,7 @@ __global__ void __launch_bounds__(256)
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int32_t *it = idx + t * k;
         __syncthreads();
-        if (threadIdx.x == 0) {
-            uint64_t done = 0;
-            for (int r = 0; r < k; r++) {
-                int best = -1;
-                for (int s = 0; s < k; s++)
-                    if (!((done >> s) & 1) && (best < 0 || it[s] < it[best])) best = s;
-                done |= 1ull << best;
-                order[r] = best;
-                part_of[r] = (int64_t)it[best] / per_part;
-            }
-        }
+        if (threadIdx.x == 0) combine_order(it, k, per_part, order, part_of);
         __syncthreads();
         for (int64_t d = (int64_t)threadIdx.x * 8; d < D; d += (int64_t)blockDim.x * 8) {
             float4 *ap = reinterpret_cast<float4 *>(acc + t * D + d);

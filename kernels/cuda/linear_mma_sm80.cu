@@ -400,6 +400,22 @@ template <int F, int MR, int MT = 1> struct dcfg {
 };
 
 
+/* A fragments of one k-block's two mma (k 0..15 and 16..31) for the m16 tile whose lane address is
+ * `at`: MR = 16 by ldmatrix.x4; MR = 8 by ldmatrix.x2, rows 8..15 being zero registers. */
+template <int MR>
+__device__ __forceinline__ void decode_a_frags(uint32_t at, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
+    if (MR == 16) {
+        ldmatrix_x4(a0, at);
+        ldmatrix_x4(a1, at + 32u);
+    } else {
+        uint32_t r0[2], r1[2];
+        ldmatrix_x2(r0, at);
+        ldmatrix_x2(r1, at + 32u);
+        a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+        a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+    }
+}
+
 template <int F, int MR, int MT>
 __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
@@ -481,7 +497,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
         const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
         const uint8_t *const sb = smem + st * C::STAGE_BYTES + rdB;
         const int nblk = nb - i * DKB < DKB ? nb - i * DKB : DKB;
-        if (F == K_BF16) {
+        if constexpr (F == K_BF16) {
             /* BF16: the chunk's one accumulation, acc = mma(mma(acc, k 0..15), k 16..31) block by
              * block, as mma_linear_kernel (blocks past nb are not run: a warp-uniform branch) */
 #pragma unroll
@@ -492,75 +508,55 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
 #pragma unroll
                 for (int mi = 0; mi < MT; mi++) {
                     uint32_t a0[4], a1[4];
-                    const uint32_t at = so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
-                    if (MR == 16) {
-                        ldmatrix_x4(a0, at);
-                        ldmatrix_x4(a1, at + 32u);
-                    } else {
-                        uint32_t r0[2], r1[2];
-                        ldmatrix_x2(r0, at);
-                        ldmatrix_x2(r1, at + 32u);
-                        a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
-                        a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
-                    }
+                    decode_a_frags<MR>(so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64), a0, a1);
                     float *c = acc[mi], d[4];
                     mma_bf16(d, a0[0], a0[1], a0[2], a0[3], b[0], b[1], c[0], c[1], c[2], c[3]);
                     mma_bf16(d, a1[0], a1[1], a1[2], a1[3], b[2], b[3], d[0], d[1], d[2], d[3]);
                     c[0] = d[0], c[1] = d[1], c[2] = d[2], c[3] = d[3];
                 }
             }
-            continue;
-        }
-        /* all the stage's block products first (independent mma pairs the warp can keep in
-         * flight; blocks past nb multiply zero-filled tiles and are not folded), then the
-         * ordered fold: with the fold inside the block loop, in-order issue stalled every block
-         * on its mma latency (~260 cycles per block at 1-2 warps per SM) */
-        float p[DKB][MT][4];
-#pragma unroll
-        for (int j = 0; j < DKB; j++) {
-            uint32_t b[4]; /* decoded once, used by every m16 tile of the CTA */
-            if (F == K_FP8) {
-                const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
-                b[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
-                b[1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
-                b[2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
-                b[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
-            } else {
-                e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + j * B_ROW), b);
-            }
-#pragma unroll
-            for (int mi = 0; mi < MT; mi++) {
-                uint32_t a0[4], a1[4];
-                const uint32_t at = so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64);
-                if (MR == 16) {
-                    ldmatrix_x4(a0, at);
-                    ldmatrix_x4(a1, at + 32u);
+        } else {
+            /* all the stage's block products first (independent mma pairs the warp can keep in
+             * flight; blocks past nb multiply zero-filled tiles and are not folded), then the
+             * ordered fold: with the fold inside the block loop, in-order issue stalled every block
+             * on its mma latency (~260 cycles per block at 1-2 warps per SM) */
+            float p[DKB][MT][4];
+    #pragma unroll
+            for (int j = 0; j < DKB; j++) {
+                uint32_t b[4]; /* decoded once, used by every m16 tile of the CTA */
+                if (F == K_FP8) {
+                    const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
+                    b[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
+                    b[1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
+                    b[2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
+                    b[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
                 } else {
-                    uint32_t r0[2], r1[2];
-                    ldmatrix_x2(r0, at);
-                    ldmatrix_x2(r1, at + 32u);
-                    a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
-                    a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+                    e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + j * B_ROW), b);
                 }
-                float *pj = p[j][mi];
-                mma_bf16(p[j][mi], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
-                mma_bf16(p[j][mi], a1[0], a1[1], a1[2], a1[3], b[2], b[3], pj[0], pj[1], pj[2], pj[3]);
+    #pragma unroll
+                for (int mi = 0; mi < MT; mi++) {
+                    uint32_t a0[4], a1[4];
+                    decode_a_frags<MR>(so + ldA + (uint32_t)(mi * 16 * C::A_LD + j * 64), a0, a1);
+                    float *pj = p[j][mi];
+                    mma_bf16(p[j][mi], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+                    mma_bf16(p[j][mi], a1[0], a1[1], a1[2], a1[3], b[2], b[3], pj[0], pj[1], pj[2], pj[3]);
+                }
             }
-        }
-        /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
-         * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
-         * terms are); with a branch per block the compiler rebuilt the scales' address each time */
-#pragma unroll
-        for (int j = 0; j < DKB; j++) {
-            const int kb = i * DKB + j;
-            float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
-            if (j >= nblk) q0 = q1 = 0.0f;
-#pragma unroll
-            for (int mi = 0; mi < MT; mi++) {
-                acc[mi][0] = __fmaf_rn(p[j][mi][0], q0, acc[mi][0]);
-                acc[mi][1] = __fmaf_rn(p[j][mi][1], q1, acc[mi][1]);
-                acc[mi][2] = __fmaf_rn(p[j][mi][2], q0, acc[mi][2]);
-                acc[mi][3] = __fmaf_rn(p[j][mi][3], q1, acc[mi][3]);
+            /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
+             * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
+             * terms are); with a branch per block the compiler rebuilt the scales' address each time */
+    #pragma unroll
+            for (int j = 0; j < DKB; j++) {
+                const int kb = i * DKB + j;
+                float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
+                if (j >= nblk) q0 = q1 = 0.0f;
+    #pragma unroll
+                for (int mi = 0; mi < MT; mi++) {
+                    acc[mi][0] = __fmaf_rn(p[j][mi][0], q0, acc[mi][0]);
+                    acc[mi][1] = __fmaf_rn(p[j][mi][1], q1, acc[mi][1]);
+                    acc[mi][2] = __fmaf_rn(p[j][mi][2], q0, acc[mi][2]);
+                    acc[mi][3] = __fmaf_rn(p[j][mi][3], q1, acc[mi][3]);
+                }
             }
         }
     }
