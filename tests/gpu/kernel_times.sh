@@ -33,4 +33,5 @@ if [ -n "${PREFILL:-}" ]; then
 fi
 # the raw ncu tables in one archive: the device tool brings back only a handful of files, and a
 # run that also leaves device_run.sh's run.tgz must stay under that count
-tar -C "$OUT" -czf "$OUT/ncu_raw.tgz" $(cd "$OUT" && ls ncu_kernels_* 2>/dev/null) && rm -f "$OUT"/ncu_kernels_*
+raw=$(cd "$OUT" && ls ncu_kernels_* 2>/dev/null)
+if [ -n "$raw" ]; then tar -C "$OUT" -czf "$OUT/ncu_raw.tgz" $raw && rm -f "$OUT"/ncu_kernels_*; fi
