@@ -37,6 +37,15 @@ static __device__ __forceinline__ void lo_store(void *y, bool out_f32, int64_t i
         ((uint16_t *)y)[i] = ds_bf16_rne(v);
 }
 
+/* 8 bf16 (16 bytes, shared memory) -> 8 fp32 (exact widening), two float4 stores. */
+static __device__ __forceinline__ void lo_widen8(float *dst, const uint16_t *src) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(src);
+    *reinterpret_cast<float4 *>(dst) = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                                   __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    *reinterpret_cast<float4 *>(dst + 4) = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+}
+
 /* ---------------------------------------------------------------------------------------------
  * cp.async (SM80): 16-byte global -> shared copies, bytes beyond `src_bytes` zero-filled. */
 
@@ -133,13 +142,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
         if (TPW > 1) { /* >= 5 token rows: widen x once per stage (the inner loop is compute bound) */
             for (int i = tid; i < TT * (DN_KB / 8); i += DN_WARPS * 32) {
                 int t = i >> 4, c = i & 15;
-                uint4 v = *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]);
-                float4 a = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-                float4 b = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
-                *reinterpret_cast<float4 *>(&sm_xf[t][c * 8]) = a;
-                *reinterpret_cast<float4 *>(&sm_xf[t][c * 8 + 4]) = b;
+                lo_widen8(&sm_xf[t][c * 8], &sm_x[slot][t][c * 8]);
             }
             __syncthreads();
         } /* <= 4 rows: one row per warp, widened where it is read: one barrier per stage */
@@ -249,13 +252,6 @@ __global__ void __launch_bounds__(DT_THREADS)
             lo_cp16(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
         }
     };
-    auto widen = [](float *dst, const uint16_t *src) {
-        const uint4 v = *reinterpret_cast<const uint4 *>(src);
-        *reinterpret_cast<float4 *>(dst) = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                                                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-        *reinterpret_cast<float4 *>(dst + 4) = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                                                           __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
-    };
 #pragma unroll
     for (int s = 0; s < DT_STAGES - 1; s++) {
         if (s < nst) load_stage(s, s);
@@ -272,8 +268,8 @@ __global__ void __launch_bounds__(DT_THREADS)
         __syncthreads();
         if (s + DT_STAGES - 1 < nst) load_stage((s + DT_STAGES - 1) % DT_STAGES, s + DT_STAGES - 1);
         lo_cp_commit();
-        widen(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
-        if (tid < DT_BR * 4) widen(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
+        lo_widen8(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
+        if (tid < DT_BR * 4) lo_widen8(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < DT_KB; kk += 4) {

@@ -97,6 +97,22 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
+/* A fragments of one k-block's two mma (k 0..15 and 16..31) for the m16 tile whose lane address is
+ * `at`: MR = 16 by ldmatrix.x4; MR = 8 by ldmatrix.x2, rows 8..15 being zero registers. */
+template <int MR>
+__device__ __forceinline__ void decode_a_frags(uint32_t at, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
+    if (MR == 16) {
+        ldmatrix_x4(a0, at);
+        ldmatrix_x4(a1, at + 32u);
+    } else {
+        uint32_t r0[2], r1[2];
+        ldmatrix_x2(r0, at);
+        ldmatrix_x2(r1, at + 32u);
+        a0[0] = r0[0], a0[1] = 0u, a0[2] = r0[1], a0[3] = 0u;
+        a1[0] = r1[0], a1[1] = 0u, a1[2] = r1[1], a1[3] = 0u;
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Activation quantization, 4 threads per 32-value group (aligned lanes 4j..4j+3 of a warp, all
  * four active), 8 values per thread: the reference's act_quant_kernel arithmetic (the group amax

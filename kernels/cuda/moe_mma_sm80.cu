@@ -64,6 +64,19 @@ constexpr int XS_BYTES = KCH * XS_LD * 4; /* the CTA's weight scales of its chun
 constexpr int XSTAGES = (48 * 1024 - XS_BYTES - 256) / XSTAGE > 4 ? 4 : (48 * 1024 - XS_BYTES - 256) / XSTAGE;
 static_assert(XSTAGES >= 2 && XSTAGE % 16 == 0 && XBN * XKB == XTHREADS, "expert tile");
 
+/* Activation rows r0 .. r1 - 1 of every stage's tile (stride LD bytes from the stage's start)
+ * zeroed, in 16-byte words by the CTA's NT threads: the rows of a tile's last m16 tile past its
+ * pairs, which no stage loads. */
+template <int NST, int STAGE, int LD, int NT>
+__device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, int tid) {
+    const int nz = r1 - r0;
+    for (int q = tid; q < NST * nz * (LD / 16); q += NT) {
+        const int st = q / (nz * (LD / 16)), rem = q % (nz * (LD / 16));
+        const int r = r0 + rem / (LD / 16), c = rem % (LD / 16);
+        *reinterpret_cast<uint4 *>(smem + st * STAGE + r * LD + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 /* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 63 of
  * matrix m (grid x = NM matrices x ceil(N / 64) row tiles; gate/up: m = 0 w1, 1 w3), k-chunk
  * blockIdx.y. a: k-permuted quantized activations, K values per row; the tile's row r is a's row
@@ -124,11 +137,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         srow[tid] = row * K * 2 + (int64_t)kb0 * 64;
     }
     /* rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
-    for (int q = tid; q < XSTAGES * (XP - np) * (XA_LD / 16); q += XTHREADS) {
-        const int st = q / ((XP - np) * (XA_LD / 16)), rem = q % ((XP - np) * (XA_LD / 16));
-        const int r = np + rem / (XA_LD / 16), c = rem % (XA_LD / 16);
-        *reinterpret_cast<uint4 *>(smem + st * XSTAGE + r * XA_LD + c * 16) = make_uint4(0, 0, 0, 0);
-    }
+    zero_tile_rows<XSTAGES, XSTAGE, XA_LD, XTHREADS>(smem, np, XP, tid);
     __syncthreads(); /* srow */
     const int sr0 = warp * 8 + 2 * t; /* the lane's scale rows sr0, sr0 + 1 (output columns 2t, 2t+1) */
     const float *const srow_s = &s_sm[0][sr0];
@@ -168,8 +177,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
             uint32_t b[4];
             e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + jb * 16), b);
             uint32_t a0[4], a1[4];
-            ldmatrix_x4(a0, so + ldA + (uint32_t)(jb * 64));
-            ldmatrix_x4(a1, so + ldA + (uint32_t)(jb * 64 + 32));
+            decode_a_frags<16>(so + ldA + (uint32_t)(jb * 64), a0, a1);
             mma_bf16(p[jb], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
             mma_bf16(p[jb], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
         }
@@ -379,12 +387,7 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
         sdst[tid] = e;
     }
     /* rows np .. 16 nmt - 1 of the last m16 tile in use: zeros in every stage (never loaded) */
-    const int nz = 16 * nmt - np;
-    for (int q = tid; q < WSTAGES * nz * (WA_LD / 16); q += WTHREADS) {
-        const int st = q / (nz * (WA_LD / 16)), rem = q % (nz * (WA_LD / 16));
-        const int r = np + rem / (WA_LD / 16), c = rem % (WA_LD / 16);
-        *reinterpret_cast<uint4 *>(smem + st * WSTAGE + r * WA_LD + c * 16) = make_uint4(0, 0, 0, 0);
-    }
+    zero_tile_rows<WSTAGES, WSTAGE, WA_LD, WTHREADS>(smem, np, 16 * nmt, tid);
     load_s(0);
     store_s(0);
     if (nch > 1) load_s(1);
@@ -441,8 +444,7 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
             for (int mt = 0; mt < WMT; mt++) {
                 if (mt >= nmt) continue; /* warp-uniform: the tile's m16 tiles in use */
                 uint32_t a0[4], a1[4];
-                ldmatrix_x4(a0, so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64));
-                ldmatrix_x4(a1, so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64 + 32));
+                decode_a_frags<16>(so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64), a0, a1);
 #pragma unroll
                 for (int nj = 0; nj < WNJ; nj++) {
                     float p[4];
