@@ -40,10 +40,10 @@ static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
     return (M + busy * (P - 1) + P - 1) / P;
 }
 
-/* Calls of more than MOE_MMA_DECODE_T tokens (prefill chunks) take the prefill path (at decode
- * sizes it was slower at every batch on the H200: moe_experts b64 10.1 -> 17.2 ms per step): tiles of up to MOE_WIDE_TILE pairs, each CTA over the whole
- * of k, no partials in memory. It needs I % 32 == 0 (a CTA's 32 columns of h are one
- * quantization group). Same bits either way. */
+/* Calls of more than MOE_MMA_DECODE_T tokens (prefill chunks) take the prefill path: tiles of up
+ * to MOE_WIDE_TILE pairs, each CTA over the whole of k, no partials in memory. It needs
+ * I % 32 == 0 (a CTA's 32 columns of h are one quantization group). Same bits either way; at
+ * decode sizes it was slower at every batch on the H200 (moe_experts b64 10.1 -> 17.2 ms a step). */
 #define MOE_MMA_DECODE_T 256
 #define MOE_WIDE_TILE 64
 

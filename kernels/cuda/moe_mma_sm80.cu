@@ -553,6 +553,44 @@ static moe_wtab moe_mma_tab(const struct qweight *w1, const struct qweight *w3, 
 
 #define MOE_MMA_FAIL(msg) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_experts (tensor cores)", msg)
 
+/* One call's scratch, in moe_mma_workspace_bytes's layout for passes of tp tokens and tiles of P
+ * pairs: plan | tiles | qx [tp, D] | qh [tp k, I] | part [tp k, per pair] (the decode path's; the
+ * prefill path has none: NULL). */
+struct moe_scr {
+    uint8_t *base;
+    int32_t *plan;
+    int2 *tiles;
+    __nv_bfloat16 *qx, *qh;
+    float *part;
+};
+
+static moe_scr moe_scr_take(struct backend *be, int64_t T, int64_t tp, int64_t k, int64_t n_local, int64_t D,
+                            int64_t I, int64_t Dout, int P) {
+    const int64_t mcap = tp * k;
+    const size_t b_plan = (size_t)moe_mma_align(4 * (2 * (n_local + 1) + mcap)),
+                 b_tiles = (size_t)moe_mma_align(8 * moe_tiles_max(mcap, n_local, P)),
+                 b_qx = (size_t)moe_mma_align(tp * D * 2), b_qh = (size_t)moe_mma_align(mcap * I * 2);
+    moe_scr r;
+    r.base = (uint8_t *)cuda_be_scratch_raw(be, (size_t)moe_mma_workspace_bytes(T, k, n_local, D, I, Dout));
+    r.plan = (int32_t *)r.base;
+    r.tiles = (int2 *)(r.base + b_plan);
+    r.qx = (__nv_bfloat16 *)(r.base + b_plan + b_tiles);
+    r.qh = (__nv_bfloat16 *)(r.base + b_plan + b_tiles + b_qx);
+    r.part = moe_mma_is_wide(T, I) ? nullptr : (float *)(r.base + b_plan + b_tiles + b_qx + b_qh);
+    return r;
+}
+
+/* A pass's first two launches, the same on both paths: its pairs bucketed by expert into tiles of
+ * P (the plan), and its tn tokens' x quantized into qx. */
+static void moe_pass_begin(cudaStream_t st, const moe_scr &r, const int32_t *idx, const bf16_t *x, int64_t tn,
+                           int64_t k, int64_t D, int64_t e0, int64_t n_local, int P) {
+    moe_plan_kernel<<<1, 1024, 0, st>>>(r.plan, r.tiles, idx, tn * k, e0, (int)n_local, P);
+    KERNEL_CHECK();
+    const int64_t n8 = tn * D / 8;
+    mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x, r.qx, n8);
+    KERNEL_CHECK();
+}
+
 /* Calls of at most MOE_MMA_DECODE_T tokens: k-chunks spread over CTAs, partials in memory. */
 static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                             int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
@@ -562,25 +600,13 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
     const int64_t tp = moe_mma_pass_tokens(T, k, D, I, Dout), mcap = tp * k;
     const int nchD = (int)moe_mma_chunks(D), nchI = (int)moe_mma_chunks(I);
     cudaStream_t st = cuda_be_stream(be);
-    /* scratch (moe_mma_workspace_bytes): plan | qx [tp, D] | qh [mcap, I] | part [mcap, per pair] */
-    const size_t b_plan = (size_t)moe_mma_align(4 * (2 * (n_local + 1) + mcap)),
-                 b_tiles = (size_t)moe_mma_align(8 * moe_tiles_max(mcap, n_local, XP)),
-                 b_qx = (size_t)moe_mma_align(tp * D * 2), b_qh = (size_t)moe_mma_align(mcap * I * 2);
-    uint8_t *scr = (uint8_t *)cuda_be_scratch_raw(be, (size_t)moe_mma_workspace_bytes(T, k, n_local, D, I, Dout));
-    int32_t *plan = (int32_t *)scr;
-    int2 *tiles = (int2 *)(scr + b_plan);
-    __nv_bfloat16 *qx = (__nv_bfloat16 *)(scr + b_plan + b_tiles), *qh = (__nv_bfloat16 *)(scr + b_plan + b_tiles + b_qx);
-    float *part = (float *)(scr + b_plan + b_tiles + b_qx + b_qh);
+    const moe_scr r = moe_scr_take(be, T, tp, k, n_local, D, I, Dout, XP);
 
     const int64_t ntg = (I + XBN - 1) / XBN, ntd = (Dout + XBN - 1) / XBN;
     if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
         const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
-        moe_plan_kernel<<<1, 1024, 0, st>>>(plan, tiles, idx + t0 * k, mn, e0, (int)n_local, XP);
-        KERNEL_CHECK();
-        const int64_t n8 = tn * D / 8;
-        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x + t0 * D, qx, n8);
-        KERNEL_CHECK();
+        moe_pass_begin(st, r, idx + t0 * k, x + t0 * D, tn, k, D, e0, n_local, XP);
         for (int pass = 0; pass < 2; pass++) { /* 0: gate/up, 1: down */
             for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
                 const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
@@ -589,26 +615,26 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
                 const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)(pass ? nchI : nchD), (unsigned)nt);
                 if (pass == 0)
-                    moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, plan, tiles, (int)n_local, qx, k, I, D,
-                                                                 ldg, sg, part, mcap);
+                    moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qx, k,
+                                                                 I, D, ldg, sg, r.part, mcap);
                 else
-                    moe_mma_kernel<1><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, plan, tiles, (int)n_local, qh, 0, Dout,
-                                                                 I, ldd, sd, part, mcap);
+                    moe_mma_kernel<1><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qh, 0,
+                                                                 Dout, I, ldd, sd, r.part, mcap);
                 KERNEL_CHECK();
             }
             if (pass == 0) {
                 const int64_t th = mn * I / 8;
                 moe_gateup_finish_kernel<<<(unsigned)((th + 255) / 256), 256, 0, st>>>(
-                    qh, part, plan, (int)n_local, wts + t0 * k, I, nchD, mcap, limit);
+                    r.qh, r.part, r.plan, (int)n_local, wts + t0 * k, I, nchD, mcap, limit);
             } else {
                 const int64_t blocks = (mn * Dout + 255) / 256;
                 moe_down_finish_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(
-                    (__nv_bfloat16 *)y + t0 * k * Dout, part, plan, (int)n_local, Dout, nchI, mcap);
+                    (__nv_bfloat16 *)y + t0 * k * Dout, r.part, r.plan, (int)n_local, Dout, nchI, mcap);
             }
             KERNEL_CHECK();
         }
     }
-    cuda_be_scratch_free(be, scr);
+    cuda_be_scratch_free(be, r.base);
 }
 
 /* Calls of more than MOE_MMA_DECODE_T tokens: moe_wide_kernel, each CTA over the whole of k. */
@@ -616,25 +642,14 @@ static void moe_mma_wide(struct backend *be, bf16_t *y, const bf16_t *x, const i
                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                          const struct qweight *w3, const struct qweight *w2, float limit) {
     const int64_t D = w1[0].k, I = w1[0].n, Dout = w2[0].n;
-    const int64_t tp = moe_wide_pass_tokens(T, k, D, I), mcap = tp * k;
+    const int64_t tp = moe_wide_pass_tokens(T, k, D, I);
     cudaStream_t st = cuda_be_stream(be);
-    /* scratch (moe_mma_workspace_bytes): plan | tiles | qx [tp, D] | qh [mcap, I] */
-    const size_t b_plan = (size_t)moe_mma_align(4 * (2 * (n_local + 1) + mcap)),
-                 b_tiles = (size_t)moe_mma_align(8 * moe_tiles_max(mcap, n_local, WP)),
-                 b_qx = (size_t)moe_mma_align(tp * D * 2);
-    uint8_t *scr = (uint8_t *)cuda_be_scratch_raw(be, (size_t)moe_mma_workspace_bytes(T, k, n_local, D, I, Dout));
-    int32_t *plan = (int32_t *)scr;
-    int2 *tiles = (int2 *)(scr + b_plan);
-    __nv_bfloat16 *qx = (__nv_bfloat16 *)(scr + b_plan + b_tiles), *qh = (__nv_bfloat16 *)(scr + b_plan + b_tiles + b_qx);
+    const moe_scr r = moe_scr_take(be, T, tp, k, n_local, D, I, Dout, WP);
     const int64_t ng = I / 32, nd = (Dout + WBN - 1) / WBN;
     if (ng > 0x7fffffff || nd > 0x7fffffff) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
         const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
-        moe_plan_kernel<<<1, 1024, 0, st>>>(plan, tiles, idx + t0 * k, mn, e0, (int)n_local, WP);
-        KERNEL_CHECK();
-        const int64_t n8 = tn * D / 8;
-        mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, st>>>((const __nv_bfloat16 *)x + t0 * D, qx, n8);
-        KERNEL_CHECK();
+        moe_pass_begin(st, r, idx + t0 * k, x + t0 * D, tn, k, D, e0, n_local, WP);
         for (int pass = 0; pass < 2; pass++) /* 0: gate/up (all of h first), 1: down */
             for (int64_t c0 = 0; c0 < n_local; c0 += MOE_CHUNK) {
                 const int cn = (int)(n_local - c0 < MOE_CHUNK ? n_local - c0 : MOE_CHUNK);
@@ -643,16 +658,16 @@ static void moe_mma_wide(struct backend *be, bf16_t *y, const bf16_t *x, const i
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
                 if (pass == 0)
                     moe_wide_kernel<2><<<dim3((unsigned)ng, 1, (unsigned)nt), WTHREADS, 0, st>>>(
-                        tab, (int)c0, cn, plan, tiles, (int)n_local, qx, k, I, D, w1[0].ld, w1[0].s_ld, qh, wts + t0 * k,
-                        limit);
+                        tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qx, k, I, D, w1[0].ld, w1[0].s_ld, r.qh,
+                        wts + t0 * k, limit);
                 else
                     moe_wide_kernel<1><<<dim3((unsigned)nd, 1, (unsigned)nt), WTHREADS, 0, st>>>(
-                        tab, (int)c0, cn, plan, tiles, (int)n_local, qh, 0, Dout, I, w2[0].ld, w2[0].s_ld,
+                        tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qh, 0, Dout, I, w2[0].ld, w2[0].s_ld,
                         (__nv_bfloat16 *)y + t0 * k * Dout, nullptr, 0.0f);
                 KERNEL_CHECK();
             }
     }
-    cuda_be_scratch_free(be, scr);
+    cuda_be_scratch_free(be, r.base);
 }
 
 void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
