@@ -511,6 +511,16 @@ static int clk_mark(void *ctx) { return backend_cuda_mark(ctx); }
 static double clk_ms(void *ctx, int a, int b) { return backend_cuda_mark_ms(ctx, a, b); }
 static void clk_reset(void *ctx) { backend_cuda_marks_reset(ctx); }
 #endif
+/* --profiler-range: the CUDA profiler collects only what lies between on and off (the timed steps
+ * and prefills). */
+static void profiler_range(const struct args *a, struct backend *be, bool on) {
+#ifdef DS_HAVE_CUDA
+    if (a->range && !strcmp(a->backend, "cuda")) backend_cuda_profiler_range(be, on);
+#else
+    (void)a, (void)be, (void)on;
+#endif
+}
+
 static void profiler_init(struct backend *be, struct backend *inner, const char *backend) {
 #ifdef DS_HAVE_CUDA
     if (!strcmp(backend, "cuda")) {
@@ -762,9 +772,7 @@ int main(int argc, char **argv) {
         ctx_mean /= bs;
         g_comm_bytes = 0;
         double best = 1e30, total = 0;
-#ifdef DS_HAVE_CUDA
-        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, true);
-#endif
+        profiler_range(&a, &be, true);
         for (int s = 0; s < a.steps; s++) {
             double ts = now_s();
             decode_step(&B, bs, tok, seqs);
@@ -773,9 +781,7 @@ int main(int argc, char **argv) {
             total += dt;
             if (dt < best) best = dt;
         }
-#ifdef DS_HAVE_CUDA
-        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, false);
-#endif
+        profiler_range(&a, &be, false);
         double ms = 1e3 * total / a.steps;
         if (prof) {
             /* the same steps again, eager, each op timed on the device (profiler_init): the split of
@@ -842,16 +848,12 @@ int main(int argc, char **argv) {
         double distinct = (double)dsum / forwards / B.n_layers_run;
         routing(&be, plan, false);
         g_comm_bytes = 0;
-#ifdef DS_HAVE_CUDA
-        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, true);
-#endif
+        profiler_range(&a, &be, true);
         double ts = now_s();
         prefill_one(&B, n, chunk, tok);
         be.ops->sync(&be);
         double ms = 1e3 * (now_s() - ts);
-#ifdef DS_HAVE_CUDA
-        if (a.range && !strcmp(a.backend, "cuda")) backend_cuda_profiler_range(&be, false);
-#endif
+        profiler_range(&a, &be, false);
         const double comm_mb = (double)g_comm_bytes / 1e6; /* of the timed run only */
         if (prof) { /* the same prompt again through the profiler: where a prefill's time goes */
             if (plan) routing(&be, plan, false); /* the plan from its start again */
