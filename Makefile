@@ -94,6 +94,7 @@ test-cuda: all
 	$(BUILD_DIR)/tests/test_cuda_ops
 	$(BUILD_DIR)/tests/test_cuda_ops_misc
 	$(BUILD_DIR)/tests/test_cuda_index
+	$(BUILD_DIR)/tests/test_cuda_branch
 	GOLDEN=$(abspath $(GOLDEN)) DSBATCH=$(BUILD_DIR)/dsbatch bash tests/cli/test_cuda_engine.sh
 	MPITESTS=$(BUILD_DIR)/mpitests bash tests/cli/test_nccl.sh
 	BUILD_DIR=$(BUILD_DIR) bash tests/cli/test_ptxas.sh

@@ -254,6 +254,21 @@ struct backend_ops {
      * fold its own switches into the key (the CUDA backend's mma switch). */
     bool (*graph_begin)(struct backend *be, const uint64_t *key, int n_key);
     void (*graph_end)(struct backend *be);
+
+    /* ---- branches (optional: NULL where a backend runs every op in issue order; the caller
+     * issues the same ops either way, so a NULL branch is a valid schedule of the same work) ----
+     * A decode step's ops are mostly latency bound and leave SMs idle; two independent chains (the
+     * shared expert beside the router and the routed experts) can run side by side. branch_begin:
+     * the ops issued after it run on a second lane, after everything issued before it.
+     * branch_end: the ops issued after it run on the main lane again, concurrently with the
+     * branch's. branch_join: the main lane waits for every op of the branch. The two chains must
+     * not touch each other's outputs; a buffer either chain uses is freed only after the join
+     * (the backend defers every free between begin and join to the join). One branch at a time,
+     * joined inside the graph segment it began in; no host-side op (upload, download, copy_segs,
+     * sync, preparation) between begin and join. An op computes the same bits on either lane. */
+    void (*branch_begin)(struct backend *be);
+    void (*branch_end)(struct backend *be);
+    void (*branch_join)(struct backend *be);
 };
 
 struct backend {
@@ -266,9 +281,9 @@ int backend_cpu_init(struct backend *be);
 void backend_cpu_free(struct backend *be);
 
 #ifdef DS_HAVE_CUDA
-/* The SM80 suite (kernels/cuda) on CUDA device `device`: one stream, stream-ordered allocations,
- * weights copied to device memory by weight_prepare/tensor_prepare. Returns 0, or -1 with
- * ds_err_set when there is no usable device. */
+/* The SM80 suite (kernels/cuda) on CUDA device `device`: one stream (and a second one for
+ * branches), stream-ordered allocations, weights copied to device memory by
+ * weight_prepare/tensor_prepare. Returns 0, or -1 with ds_err_set when there is no usable device. */
 int backend_cuda_init(struct backend *be, int device);
 void backend_cuda_free(struct backend *be);
 /* FP8/FP4 linears on the tensor cores (linear_mma_sm80.cu; on) or in the CPU backend's k order
@@ -278,7 +293,7 @@ void backend_cuda_free(struct backend *be);
  * bit for bit; a decode step is 1.6x (8 rows) to 3.4x (64 rows) faster with them. Off after backend_cuda_init; the
  * engine turns it on unless --exact-linears. */
 void backend_cuda_set_mma(struct backend *be, bool on);
-/* The backend's cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
+/* The backend's main cudaStream_t (as void *), for the NCCL comm backend to enqueue on. */
 void *backend_cuda_stream(struct backend *be);
 /* Graph segments since init: replays (a recorded graph launched) and recordings (captures), and
  * the device memory the recordings' temporaries have held at most (the graph memory pool). */

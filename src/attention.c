@@ -266,14 +266,18 @@ void attention_project(struct model *m, int l, struct batch *b, const bf16_t *x,
     int64_t Hl = aw->wq_b.n / hd;
     float eps = (float)c->norm_eps;
     bf16_t *kv = attention_kv_rows(m);
-    OPS->linear(m->be, qr, x, T, &aw->wq_a);
-    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
-    OPS->linear(m->be, q, qr, T, &aw->wq_b);
-    OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    /* the window K=V rows on a branch beside the query chain: both only read x */
+    model_branch_begin(m);
     OPS->linear(m->be, kv, x, T, &aw->wkv);
     OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, eps);
     OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
     OPS->qdq_fp8_32(m->be, kv, T * hd);
+    model_branch_end(m);
+    OPS->linear(m->be, qr, x, T, &aw->wq_a);
+    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
+    OPS->linear(m->be, q, qr, T, &aw->wq_b);
+    OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    model_branch_join(m);
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,

@@ -570,33 +570,37 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
     model_tfree(m, kv);
 }
 
-/* MoE (§3.10), first part: router and this rank's routed experts into their slots of ye
- * [T, k, D] bf16 (idx [T, k] int32, wts [T, k] fp32). */
+/* MoE (§3.10), first part: the shared expert into sh [T, D] bf16, and the router and this rank's
+ * routed experts into their slots of ye [T, k, D] bf16 (idx [T, k] int32, wts [T, k] fp32). The
+ * two chains only read x: the shared expert runs on a branch beside the routed path, where at
+ * decode sizes each leaves most SMs idle (its own three linears cost as much as the router). */
 static void moe_route(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
-                      bf16_t *ye) {
+                      bf16_t *ye, bf16_t *sh) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
     int64_t T = b->T, k = c->role[l].n_active;
+    model_branch_begin(m);
+    OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
+    model_branch_end(m);
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
     OPS->moe_experts(m->be, ye, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
                      (float)c->swiglu_limit);
+    model_branch_join(m);
 }
 
 /* MoE, second part: every rank's slot outputs (all [P, T, k, D], P = TP size, gathered) summed per
- * token in ascending expert id into fp32 (the single-rank order), the shared expert, bf16 -> out. */
-static void moe_finish(struct model *m, int l, struct batch *b, const bf16_t *x, const int32_t *idx,
-                       const bf16_t *all, bf16_t *out) {
+ * token in ascending expert id into fp32 (the single-rank order), plus the shared expert's sh,
+ * bf16 -> out. */
+static void moe_finish(struct model *m, int l, struct batch *b, const int32_t *idx, const bf16_t *all,
+                       const bf16_t *sh, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
     int64_t T = b->T, D = c->dim, k = c->role[l].n_active;
     float *acc = balloc(m, sizeof(float) * (size_t)(T * D)); /* summed into: zero fill */
-    bf16_t *sh = model_tmp(m, (size_t)(T * D) * 2);
     OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
-    OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
     OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
     model_tfree(m, acc);
-    model_tfree(m, sh);
 }
 
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
@@ -639,9 +643,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         /* slots of other ranks' experts are left untouched by moe_experts (and never read) */
         bf16_t *ye = model_fbuf(m, b, FB_MOE_Y, (size_t)(T * k * D) * 2, true), *all = ye;
         if (m->tp_size > 1) all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2 * (size_t)m->tp_size, false);
+        bf16_t *sh = model_fbuf(m, b, FB_MOE_SH, (size_t)(T * D) * 2, false);
         bool one = m->tp_size == 1;
         struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
-        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all};
+        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
@@ -650,7 +655,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
                           c->hc_sinkhorn_iters, eps, hc_eps);
             OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
             OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
-            moe_route(m, l, b, y, idx, wts, ye);
+            moe_route(m, l, b, y, idx, wts, ye, sh);
         }
         if (!one) {
             if (issue) model_graph_end(m);
@@ -659,12 +664,13 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             issue = model_graph_begin(m, b, &kf);
         }
         if (issue) {
-            moe_finish(m, l, b, y, idx, all, o);
+            moe_finish(m, l, b, idx, all, sh, o);
             OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
             model_graph_end(m);
         }
         if (all != ye) model_fbuf_free(m, b, all);
         model_fbuf_free(m, b, ye);
+        model_fbuf_free(m, b, sh);
         model_fbuf_free(m, b, idx);
         model_fbuf_free(m, b, wts);
     }

@@ -13,6 +13,7 @@ enum fbuf_id {
     FB_APRE, FB_POST, FB_COMB, FB_Y, FB_O,  /* the block's mixes and its sublayers' input and output */
     FB_QR, FB_Q,                            /* attention's low-rank query and heads */
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
+    FB_MOE_SH,                              /* the shared expert's output */
     FB_N
 };
 struct fbuf {
@@ -106,6 +107,18 @@ void graph_key_ptr(struct graph_key *k, const void *p);
  * Forwards that do not run graphs (b->graphs false, or a backend without them) always get true. */
 bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k);
 void model_graph_end(struct model *m);
+/* Two independent chains side by side (backend.h's branch ops; a backend without them runs the
+ * branch's ops in issue order): the ops between model_branch_begin and model_branch_end run
+ * beside those between model_branch_end and model_branch_join. */
+static inline void model_branch_begin(struct model *m) {
+    if (m->be->ops->branch_begin) m->be->ops->branch_begin(m->be);
+}
+static inline void model_branch_end(struct model *m) {
+    if (m->be->ops->branch_end) m->be->ops->branch_end(m->be);
+}
+static inline void model_branch_join(struct model *m) {
+    if (m->be->ops->branch_join) m->be->ops->branch_join(m->be);
+}
 
 /* A forward's temporary that its producer writes whole before anything reads it: backend scratch,
  * no zero fill (the CPU backend poisons it, so a read of anything unwritten fails the tests). */

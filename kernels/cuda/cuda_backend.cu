@@ -2,6 +2,9 @@
  *
  * One backend = one device and one stream; every op enqueues on that stream and nothing here
  * waits except download and sync, so the host runs ahead of the GPU until the model needs a value.
+ * A branch (backend.h) moves the ops issued between branch_begin and branch_end to a second
+ * stream, forked from and joined back into the main one by events: c->stream is always the lane
+ * ops issue on now, so the kernels (cuda_be_stream) follow without knowing.
  * Activations come from the stream-ordered pool (cudaMallocAsync with an unbounded release
  * threshold) through a host-side free list by size (cuda_be_scratch): the forward allocates and
  * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are
@@ -53,10 +56,23 @@ struct scratch_live {
     size_t bytes; /* rounded size, or 0: allocated outside the classes */
 };
 
+/* where a branch stands (backend.h: branch_begin / branch_end / branch_join) */
+enum cuda_branch { BRANCH_NONE, BRANCH_ON_SIDE, BRANCH_ENDED };
+struct deferred_free {
+    void *p;
+    size_t bytes; /* the live table's rounded size (0: exact, LIVE_GRAPH: a recording's) */
+};
+
 struct cuda_be {
     int device, sms;
     bool mma;
-    cudaStream_t stream;
+    cudaStream_t stream;     /* the lane ops issue on now: main, or side inside a branch */
+    cudaStream_t main, side; /* the two lanes */
+    cudaEvent_t fork_ev, join_ev;
+    enum cuda_branch branch;
+    /* frees issued between branch_begin and branch_join, done at the join (see cuda_be_scratch_free) */
+    struct deferred_free *deferred;
+    int n_deferred, cap_deferred;
     struct prep *preps;
     struct scratch_class *cls; /* [n_cls] */
     int n_cls;
@@ -99,7 +115,12 @@ static void not_in_segment(struct backend *be, const char *what) {
     if (cb(be)->capturing)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", what,
                  "called inside a graph segment (only device ops may be recorded, backend.h)");
+    if (cb(be)->branch != BRANCH_NONE)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", what,
+                 "called between branch_begin and branch_join (only device ops may run in a branch, backend.h)");
 }
+
+bool cuda_be_branch_open(struct backend *be) { return cb(be)->branch != BRANCH_NONE; }
 
 extern "C" void backend_cuda_set_mma(struct backend *be, bool on) { cb(be)->mma = on; }
 
@@ -249,15 +270,9 @@ void *cuda_be_scratch(struct backend *be, size_t bytes) {
     return p;
 }
 
-void cuda_be_scratch_free(struct backend *be, void *p) {
-    if (!p) return;
-    struct cuda_be *c = cb(be);
-    size_t rb = live_take(c, p);
-    if (rb == LIVE_GRAPH || c->capturing) {
-        if (rb != LIVE_GRAPH || !c->capturing)
-            ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cuda_be_scratch_free",
-                     rb == LIVE_GRAPH ? "a buffer a graph segment allocated is freed outside it"
-                                      : "a graph segment frees a buffer allocated before it (backend.h)");
+/* The free itself, on the main lane (outside a branch, or at its join). */
+static void scratch_release(struct cuda_be *c, void *p, size_t rb) {
+    if (rb == LIVE_GRAPH) {
         CUDA_CHECK(cudaFreeAsync(p, c->stream)); /* recorded: the graph's free node */
         c->graph_allocs--;
         return;
@@ -270,6 +285,58 @@ void cuda_be_scratch_free(struct backend *be, void *p) {
     if (k->n_free == k->cap_free)
         k->free = (void **)ds_realloc(k->free, sizeof *k->free * (size_t)(k->cap_free = k->cap_free ? 2 * k->cap_free : 8));
     k->free[k->n_free++] = p;
+}
+
+/* Between branch_begin and branch_join two lanes run at once, and the free list's safety argument
+ * (one stream: later work runs after earlier) no longer holds: a block one lane frees could be
+ * handed to the other lane's next op while the first still reads it. So every free in that span
+ * waits for the join, where the main lane has waited for both. A block taken from the free list
+ * inside the span was freed before the fork, so both lanes run after its last use. */
+void cuda_be_scratch_free(struct backend *be, void *p) {
+    if (!p) return;
+    struct cuda_be *c = cb(be);
+    size_t rb = live_take(c, p);
+    if ((rb == LIVE_GRAPH) != c->capturing)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cuda_be_scratch_free",
+                 rb == LIVE_GRAPH ? "a buffer a graph segment allocated is freed outside it"
+                                  : "a graph segment frees a buffer allocated before it (backend.h)");
+    if (c->branch != BRANCH_NONE) {
+        if (c->n_deferred == c->cap_deferred)
+            c->deferred = (struct deferred_free *)ds_realloc(
+                c->deferred, sizeof *c->deferred * (size_t)(c->cap_deferred = c->cap_deferred ? 2 * c->cap_deferred : 64));
+        c->deferred[c->n_deferred++] = (struct deferred_free){p, rb};
+        return;
+    }
+    scratch_release(c, p, rb);
+}
+
+static void cu_branch_begin(struct backend *be) {
+    struct cuda_be *c = cb(be);
+    if (c->branch != BRANCH_NONE)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_begin", "a branch begins before the last one was joined");
+    CUDA_CHECK(cudaEventRecord(c->fork_ev, c->main));
+    CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork_ev, 0));
+    c->stream = c->side;
+    c->branch = BRANCH_ON_SIDE;
+}
+
+static void cu_branch_end(struct backend *be) {
+    struct cuda_be *c = cb(be);
+    if (c->branch != BRANCH_ON_SIDE)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_end", "no branch is issuing");
+    CUDA_CHECK(cudaEventRecord(c->join_ev, c->side));
+    c->stream = c->main;
+    c->branch = BRANCH_ENDED;
+}
+
+static void cu_branch_join(struct backend *be) {
+    struct cuda_be *c = cb(be);
+    if (c->branch != BRANCH_ENDED)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_join", "no ended branch to join (branch_end first)");
+    CUDA_CHECK(cudaStreamWaitEvent(c->main, c->join_ev, 0));
+    c->branch = BRANCH_NONE;
+    for (int i = 0; i < c->n_deferred; i++) scratch_release(c, c->deferred[i].p, c->deferred[i].bytes);
+    c->n_deferred = 0;
 }
 
 /* n device copies in one launch: the host list is cut into pieces of at most COPY_PIECE bytes (so a
@@ -568,6 +635,9 @@ static const struct backend_ops cuda_ops = {
     .interleave = cuda_op_interleave,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
+    .branch_begin = cu_branch_begin,
+    .branch_end = cu_branch_end,
+    .branch_join = cu_branch_join,
 };
 
 extern "C" int backend_cuda_init(struct backend *be, int device) {
@@ -585,7 +655,11 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
     c->device = device;
     CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c->main, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->fork_ev, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->join_ev, cudaEventDisableTiming));
+    c->stream = c->main;
     /* without pinned memory to spare the uploads stay direct (slower, as correct) */
     if (cudaHostAlloc((void **)&c->ring, RING_BYTES, cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -618,13 +692,18 @@ extern "C" void backend_cuda_free(struct backend *be) {
         c->preps = p->next;
         prep_undo(p);
     }
-    CUDA_CHECK(cudaStreamDestroy(c->stream));
+    CUDA_CHECK(cudaStreamSynchronize(c->side));
+    CUDA_CHECK(cudaEventDestroy(c->fork_ev));
+    CUDA_CHECK(cudaEventDestroy(c->join_ev));
+    CUDA_CHECK(cudaStreamDestroy(c->side));
+    CUDA_CHECK(cudaStreamDestroy(c->main));
+    free(c->deferred);
     free(c);
     be->ops = NULL;
     be->priv = NULL;
 }
 
-extern "C" void *backend_cuda_stream(struct backend *be) { return (void *)cb(be)->stream; }
+extern "C" void *backend_cuda_stream(struct backend *be) { return (void *)cb(be)->main; }
 
 extern "C" int backend_cuda_mark(struct backend *be) {
     struct cuda_be *c = cb(be);

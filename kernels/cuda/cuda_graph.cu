@@ -8,7 +8,9 @@
  *
  * Recorded temporaries are the graph's own allocation nodes (cuda_backend.cu routes scratch there
  * while recording), freed inside the graph, so a replay never writes a block that the host has
- * since handed to other work. The mma switch is part of every key: a test that flips it between
+ * since handed to other work. A branch (backend.h) inside a segment is recorded as two parallel
+ * chains of the graph: the side stream joins the capture through the fork event and leaves it
+ * through the join event. The mma switch is part of every key: a test that flips it between
  * forwards gets new recordings. The cache is bounded: past GRAPHS_MAX recordings it is emptied
  * (a job whose batch sizes keep changing records again rather than growing without end). */
 #include <stdlib.h>
@@ -73,6 +75,8 @@ bool cuda_graph_begin(struct backend *be, const uint64_t *key, int n_key) {
     struct cuda_graphs *g = graphs(be);
     if (g->open)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_begin", "a graph segment begins inside another one");
+    if (cuda_be_branch_open(be))
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_begin", "a graph segment begins inside a branch (backend.h)");
     if (n_key < 0 || n_key > KEY_MAX)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_begin", "segment key longer than KEY_MAX words");
     struct seg_graph probe;
@@ -100,6 +104,8 @@ void cuda_graph_end(struct backend *be) {
     struct cuda_graphs *g = graphs(be);
     struct seg_graph *s = g->open;
     if (!s) ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_end", "no graph segment is open");
+    if (cuda_be_branch_open(be))
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_end", "a graph segment ends with its branch not joined (backend.h)");
     cudaGraph_t graph = NULL;
     CUDA_CHECK(cudaStreamEndCapture(cuda_be_stream(be), &graph));
     cuda_be_set_capturing(be, false);

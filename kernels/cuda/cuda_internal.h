@@ -15,8 +15,10 @@
 
 extern "C" void ds_err_set(const char *fmt, ...);
 
-/* The backend's stream: every kernel of an op launches on it. */
+/* The backend's stream: every kernel of an op launches on it (inside a branch, the side lane). */
 cudaStream_t cuda_be_stream(struct backend *be);
+/* Whether a branch has begun and is not yet joined (backend.h's branch ops). */
+bool cuda_be_branch_open(struct backend *be);
 /* Stream-ordered scratch (zero-filled; freed blocks are kept on a host free list by size and reused
  * by later requests on the stream) and its release; the same as be->ops->alloc / be->ops->free. */
 void *cuda_be_scratch(struct backend *be, size_t bytes);

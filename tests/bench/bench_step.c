@@ -335,9 +335,13 @@ static void routing(struct backend *be, const int32_t *plan, bool count) {
     g_plan_pos = 0;
     g_count = count;
     g_router_calls = g_distinct_sum = 0;
-    /* counting downloads the router's output: no graph segment may hold it */
+    /* counting downloads the router's output: no graph segment nor branch may hold it (the
+     * counted forwards run their branches' ops in issue order) */
     g_wrap_ops.graph_begin = count ? NULL : g_real_ops->graph_begin;
     g_wrap_ops.graph_end = count ? NULL : g_real_ops->graph_end;
+    g_wrap_ops.branch_begin = count ? NULL : g_real_ops->branch_begin;
+    g_wrap_ops.branch_end = count ? NULL : g_real_ops->branch_end;
+    g_wrap_ops.branch_join = count ? NULL : g_real_ops->branch_join;
     be->ops = plan || count ? &g_wrap_ops : g_real_ops;
 }
 

@@ -26,40 +26,6 @@ static void build_tables(void) {
     }
 }
 
-struct hw {
-    struct qweight q;
-    void *data;
-    uint8_t *scale;
-};
-
-static struct qweight qw(enum wfmt fmt, int64_t n, int64_t k, int64_t ld, int64_t s_ld, const void *w,
-                         const uint8_t *s) {
-    struct qweight q = {.fmt = fmt, .n = n, .k = k, .ld = ld, .s_ld = s_ld, .w = w, .s = s, .be_priv = NULL};
-    return q;
-}
-
-/* FP8 [n, kfull] quantized from a gaussian of sd `sigma` (per-row spread ×0.5..2) in 32x32 tiles;
- * the weight is the column slice [k0, k0 + k) (a row-parallel TP slice when k < kfull). */
-static struct hw hw_fp8(int64_t n, int64_t kfull, int64_t k0, int64_t k, float sigma) {
-    struct hw h;
-    int64_t s_ld = (kfull + 31) / 32, srows = (n + 31) / 32;
-    uint8_t *d = NEW(uint8_t, n * kfull), *s = NEW(uint8_t, srows * s_ld);
-    float *band = NEW(float, 32 * kfull);
-    for (int64_t r0 = 0; r0 < n; r0 += 32) {
-        int64_t nr = n - r0 < 32 ? n - r0 : 32;
-        for (int64_t r = 0; r < nr; r++) {
-            float rs = sigma * (0.5f + 1.5f * (float)urand());
-            for (int64_t i = 0; i < kfull; i++) band[r * kfull + i] = gauss() * rs;
-        }
-        quant_fp8_tiles(band, nr, kfull, d + r0 * kfull, s + (r0 / 32) * s_ld);
-    }
-    free(band);
-    h.data = d;
-    h.scale = s;
-    h.q = qw(WF_FP8, n, k, kfull, s_ld, d + k0, s + k0 / 32);
-    return h;
-}
-
 /* FP4 experts [n, k] (packed [n, k/2], low nibble = even k) with e8m0 row scales 2^-10..2^-6. */
 static struct hw hw_fp4(int64_t n, int64_t k) {
     struct hw h;
@@ -79,41 +45,6 @@ static struct hw hw_fp4(int64_t n, int64_t k) {
     h.scale = s;
     h.q = qw(WF_FP4, n, k, ld, s_ld, d, s);
     return h;
-}
-
-static struct hw hw_bf16(int64_t n, int64_t k, float sigma) {
-    struct hw h;
-    bf16_t *d = NEW(bf16_t, n * k);
-    fill_gauss_bf16(d, n * k, sigma);
-    h.data = d;
-    h.scale = NULL;
-    h.q = qw(WF_BF16, n, k, k, 0, d, NULL);
-    return h;
-}
-
-static struct hw hw_f32(int64_t n, int64_t k, float sigma) {
-    struct hw h;
-    float *d = NEW(float, n * k);
-    fill_f32(d, n * k, 0.0f, sigma);
-    h.data = d;
-    h.scale = NULL;
-    h.q = qw(WF_F32, n, k, k, 0, d, NULL);
-    return h;
-}
-
-static void hw_free(struct hw *h) {
-    free(h->data);
-    free(h->scale);
-    h->data = NULL;
-    h->scale = NULL;
-}
-
-/* The GPU backend's copy of a host weight (weight_prepare; dequant: to bf16, as for wo_a). */
-static struct qweight g_weight(const struct qweight *h, bool dequant) {
-    struct qweight w = *h;
-    w.be_priv = NULL;
-    assert_int_equal(GPU->weight_prepare(&gpu_be, &w, dequant), 0);
-    return w;
 }
 
 /* Row j of a host weight as exact fp32 values (code · scale). */

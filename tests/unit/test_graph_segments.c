@@ -10,7 +10,13 @@
  * grows them) and then one at a time before a step each, so a buffer missing from a key shows as
  * a changed digest under an old key.
  * And the persistent buffers of the graph path change no number: logits equal those of the same
- * steps with graphs off, bit for bit. */
+ * steps with graphs off, bit for bit.
+ * The decorator also offers backend.h's branch ops and checks their promise: begin, end and join
+ * in that order, joined inside the segment the branch began in, no host-side op (nor any op this
+ * file does not track) between begin and join, and the two chains independent: no buffer one of
+ * them writes is read or written by the other (by base address: the model's buffers are distinct
+ * allocations, and a chain writing into the middle of the other's buffer would be a bug of the
+ * same kind as writing its base). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -52,6 +58,30 @@ static void violation(const char *what) {
     printf("violation: %s\n", what);
 }
 
+/* ---- branches ---- */
+enum { BR_NONE, BR_SIDE, BR_MAIN }; /* no branch; issuing the branch; issuing the main lane's part */
+#define MAX_TOUCH 512
+static int g_br;
+static bool g_br_in_seg; /* the branch began inside a segment */
+static struct {
+    const void *p;
+    bool write;
+    int lane;
+} g_touch[MAX_TOUCH];
+static int g_n_touch;
+static long g_branches;
+
+static void touch(const void *p, bool write) {
+    if (g_br == BR_NONE || !p) return;
+    assert_true(g_n_touch < MAX_TOUCH);
+    g_touch[g_n_touch].p = p;
+    g_touch[g_n_touch].write = write;
+    g_touch[g_n_touch].lane = g_br;
+    g_n_touch++;
+}
+#define RD(p) touch((p), false)
+#define WR(p) touch((p), true)
+
 static void mix(uint64_t v) {
     g_digest ^= v;
     g_digest *= 0x100000001b3ull;
@@ -82,10 +112,43 @@ static void op(int id) {
 }
 
 static void outside(const char *name) {
-    if (!g_open) return;
     char msg[96];
+    if (g_br != BR_NONE) {
+        snprintf(msg, sizeof msg, "%s inside a branch", name);
+        violation(msg);
+    }
+    if (!g_open) return;
     snprintf(msg, sizeof msg, "%s inside a graph segment", name);
     violation(msg);
+}
+
+static void chk_branch_begin(struct backend *be) {
+    (void)be;
+    if (g_br != BR_NONE) violation("branch_begin before the last branch was joined");
+    g_br = BR_SIDE;
+    g_br_in_seg = g_open;
+    g_n_touch = 0;
+    op(14);
+}
+static void chk_branch_end(struct backend *be) {
+    (void)be;
+    if (g_br != BR_SIDE) violation("branch_end without branch_begin");
+    g_br = BR_MAIN;
+    op(15);
+}
+static void chk_branch_join(struct backend *be) {
+    (void)be;
+    if (g_br != BR_MAIN) violation("branch_join without branch_end");
+    if (g_br_in_seg != g_open) violation("a branch joined outside the segment it began in");
+    for (int i = 0; i < g_n_touch; i++)
+        for (int j = 0; j < g_n_touch; j++)
+            if (g_touch[i].lane == BR_SIDE && g_touch[j].lane == BR_MAIN && g_touch[i].p == g_touch[j].p &&
+                (g_touch[i].write || g_touch[j].write))
+                violation(g_touch[i].write ? "the main lane touches a buffer the branch writes"
+                                           : "the main lane writes a buffer the branch reads");
+    g_br = BR_NONE;
+    g_branches++;
+    op(16);
 }
 
 #define IN (g_inner)
@@ -105,6 +168,7 @@ static bool chk_graph_begin(struct backend *be, const uint64_t *key, int n) {
 static void chk_graph_end(struct backend *be) {
     (void)be;
     if (!g_open) violation("graph_end without graph_begin");
+    if (g_br != BR_NONE && g_br_in_seg) violation("a segment ends with its branch not joined");
     if (g_n_alloc) violation("a segment ends with buffers it allocated still live");
     g_open = false;
     for (int i = 0; i < g_n_seen; i++)
@@ -165,6 +229,7 @@ static void chk_free(struct backend *be, void *p) {
 static void chk_copy(struct backend *be, void *d, const void *s, size_t n) {
     (void)be;
     op(1);
+    WR(d), RD(s);
     if (g_open) mix_ptr(d), mix_ptr(s), mix(n);
     g_cpu->copy(IN, d, s, n);
 }
@@ -197,6 +262,7 @@ static void mix_w(const struct qweight *w) {
 static void chk_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     (void)be;
     op(2);
+    WR(y), RD(x);
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix_w(W);
     g_cpu->linear(IN, y, x, T, W);
 }
@@ -204,6 +270,7 @@ static void chk_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf
                         float eps) {
     (void)be;
     op(3);
+    WR(y), RD(x);
     if (g_open) mix_ptr(y), mix_ptr(x), mix_ptr(w), mix((uint64_t)T), mix((uint64_t)n), mix_f(eps);
     g_cpu->rmsnorm(IN, y, x, w, T, n, eps);
 }
@@ -211,6 +278,7 @@ static void chk_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64
                      int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
     (void)be;
     op(4);
+    WR(x), RD(pos);
     if (g_open) {
         mix_ptr(x), mix_ptr(pos), mix_ptr(freqs);
         int64_t v[] = {T, nh, ld_row, ld_head, off, rd, inverse};
@@ -221,6 +289,7 @@ static void chk_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64
 static void chk_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n) {
     (void)be;
     op(5);
+    WR(x);
     if (g_open) mix_ptr(x), mix((uint64_t)n);
     g_cpu->qdq_fp8_32(IN, x, n);
 }
@@ -229,6 +298,7 @@ static void chk_hc_mixes(struct backend *be, float *pre, float *post, float *com
                          float ne, float he) {
     (void)be;
     op(6);
+    WR(pre), WR(post), WR(comb), RD(X);
     if (g_open) {
         const void *p[] = {pre, post, comb, X, fn, scale, base};
         for (size_t i = 0; i < sizeof p / sizeof *p; i++) mix_ptr(p[i]);
@@ -240,6 +310,7 @@ static void chk_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, cons
                             int64_t D) {
     (void)be;
     op(7);
+    WR(y), RD(X), RD(p);
     if (g_open) mix_ptr(y), mix_ptr(X), mix_ptr(p), mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D);
     g_cpu->hc_collapse(IN, y, X, p, T, hc, D);
 }
@@ -247,6 +318,7 @@ static void chk_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const
                           const float *comb, int64_t T, int64_t hc, int64_t D) {
     (void)be;
     op(8);
+    WR(Xo), RD(y), RD(X), RD(post), RD(comb);
     if (g_open) {
         mix_ptr(Xo), mix_ptr(y), mix_ptr(X), mix_ptr(post), mix_ptr(comb);
         mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D);
@@ -257,6 +329,7 @@ static void chk_router(struct backend *be, int32_t *idx, float *wts, const bf16_
                        const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm, float rs) {
     (void)be;
     op(9);
+    WR(idx), WR(wts), RD(x);
     if (g_open) {
         mix_ptr(idx), mix_ptr(wts), mix_ptr(x), mix_w(gate), mix_ptr(bias);
         mix((uint64_t)T), mix((uint64_t)k), mix_f(temp), mix(norm), mix_f(rs);
@@ -268,6 +341,7 @@ static void chk_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, cons
                             const struct qweight *w3, const struct qweight *w2, float limit) {
     (void)be;
     op(10);
+    WR(y), RD(x), RD(idx), RD(wts);
     if (g_open) {
         mix_ptr(y), mix_ptr(x), mix_ptr(idx), mix_ptr(wts), mix_ptr(w1), mix_ptr(w3), mix_ptr(w2);
         mix((uint64_t)T), mix((uint64_t)k), mix((uint64_t)e0), mix((uint64_t)nl), mix_f(limit);
@@ -278,6 +352,7 @@ static void chk_moe_combine(struct backend *be, float *acc, const bf16_t *y, con
                             int64_t D, int64_t per_part, int64_t P) {
     (void)be;
     op(11);
+    WR(acc), RD(y), RD(idx);
     if (g_open) {
         mix_ptr(acc), mix_ptr(y), mix_ptr(idx);
         mix((uint64_t)T), mix((uint64_t)k), mix((uint64_t)D), mix((uint64_t)per_part), mix((uint64_t)P);
@@ -288,12 +363,14 @@ static void chk_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, in
                               const struct qweight *w3, const struct qweight *w2, float limit) {
     (void)be;
     op(12);
+    WR(y), RD(x);
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix_w(w1), mix_w(w3), mix_w(w2), mix_f(limit);
     g_cpu->shared_expert(IN, y, x, T, w1, w3, w2, limit);
 }
 static void chk_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
     (void)be;
     op(13);
+    WR(out), RD(acc), RD(y);
     if (g_open) mix_ptr(out), mix_ptr(acc), mix_ptr(y), mix((uint64_t)n);
     g_cpu->add_f32_bf16(IN, out, acc, y, n);
 }
@@ -406,6 +483,7 @@ static struct backend_ops checker_ops(const struct backend_ops *cpu) {
     o.compress_pool = chk_compress_pool, o.index_scores = chk_index_scores, o.index_topk = chk_index_topk;
     o.cand_mask = chk_cand_mask, o.idx_remap = chk_idx_remap, o.interleave = chk_interleave;
     o.graph_begin = chk_graph_begin, o.graph_end = chk_graph_end;
+    o.branch_begin = chk_branch_begin, o.branch_end = chk_branch_end, o.branch_join = chk_branch_join;
     return o;
 }
 
@@ -474,7 +552,8 @@ static void check_spec(const char *spec) {
     chk.ops = &ops;
     chk.priv = NULL;
     g_n_seen = 0;
-    g_hits = g_recorded = g_violations = g_segment_ops = 0;
+    g_hits = g_recorded = g_violations = g_segment_ops = g_branches = 0;
+    g_br = BR_NONE;
 
     struct golden_case g;
     golden_case_open(&g, spec);
@@ -488,14 +567,17 @@ static void check_spec(const char *spec) {
     float *with = malloc(sizeof(float) * rows * (size_t)V), *without = malloc(sizeof(float) * rows * (size_t)V);
 
     run(spec, true, &chk, with, V);
-    printf("%s: %ld segments recorded, %ld repeated, %ld ops inside them, %ld violations\n", spec, g_recorded, g_hits,
-           g_segment_ops, g_violations);
+    printf("%s: %ld segments recorded, %ld repeated, %ld ops inside them, %ld branches, %ld violations\n", spec,
+           g_recorded, g_hits, g_segment_ops, g_branches, g_violations);
     assert_int_equal(g_violations, 0);
     assert_true(g_recorded > 0);
     assert_true(g_hits > 0);
-    long seg_ops = g_segment_ops;
+    assert_true(g_branches > 0); /* the branch checks above saw branches to check */
+    long seg_ops = g_segment_ops, branches = g_branches;
     run(spec, false, &chk, without, V); /* graphs off: the checker sees no segment at all */
     assert_int_equal(g_segment_ops, seg_ops);
+    assert_int_equal(g_violations, 0);
+    assert_int_equal(g_branches, 2 * branches); /* the same branches without graphs */
     assert_memory_equal(with, without, sizeof(float) * rows * (size_t)V);
     free(with);
     free(without);
@@ -512,8 +594,38 @@ static void test_segments_keep_their_promise_tp8pp2(void **s) {
     check_spec("tp8pp2");
 }
 
+/* The branch checks can fail: a main lane that reads what the branch writes, one that writes what
+ * the branch reads, and a host-side op inside a branch are each reported. */
+static void test_branch_checker_catches_shared_buffers(void **s) {
+    (void)s;
+    struct backend cpu, chk;
+    assert_int_equal(backend_cpu_init(&cpu), 0);
+    static struct backend_ops ops;
+    ops = checker_ops(cpu.ops);
+    g_cpu = cpu.ops;
+    g_inner = &cpu;
+    chk.ops = &ops;
+    chk.priv = NULL;
+    g_violations = g_branches = 0;
+    g_br = BR_NONE;
+    char a[16] = {0}, b[16] = {0}, c[16] = {0};
+    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, c, b, 16), ops.branch_join(&chk);
+    assert_int_equal(g_violations, 0); /* both only read b */
+    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, c, a, 16), ops.branch_join(&chk);
+    assert_int_equal(g_violations, 1);
+    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, b, c, 16), ops.branch_join(&chk);
+    assert_int_equal(g_violations, 2);
+    ops.branch_begin(&chk), ops.sync(&chk), ops.branch_end(&chk), ops.branch_join(&chk);
+    assert_int_equal(g_violations, 3);
+    ops.branch_end(&chk);
+    assert_int_equal(g_violations, 4);
+    g_br = BR_NONE;
+    backend_cpu_free(&cpu);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_segments_keep_their_promise_small6),
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_branch_checker_catches_shared_buffers),
+                                       cmocka_unit_test(test_segments_keep_their_promise_small6),
                                        cmocka_unit_test(test_segments_keep_their_promise_tp8pp2)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

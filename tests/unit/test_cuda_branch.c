@@ -1,0 +1,180 @@
+/* The CUDA backend's branches (backend.h: branch_begin / branch_end / branch_join), on the GPU.
+ *
+ * - Frees between begin and join wait for the join: a block freed on either lane is not handed
+ *   out again before it (the other lane may still be reading it), and after the join it is.
+ * - Two chains run as a branch compute the bits they compute one after the other: the shared
+ *   expert on the branch beside a query-like chain (two FP8 linears around an RMSNorm) on the main
+ *   lane, the model's shapes (TP8 rank: D 5120, inter 2304, q_lora 1280), T = 8 and 64, with the
+ *   tensor-core linears and without; eagerly, recorded into a graph segment, and replayed twice,
+ *   every output poisoned before each run. Both chains take and free temporaries inside the ops,
+ *   so a free list that let one lane reuse the other's live block would show here as well.
+ * Without a GPU every test skips; under DS_CUDA_OPS_ON_CPU (the CPU backend, which has no branch
+ * ops) the first test skips and the second runs its chains in issue order. */
+#include "cuda_ops_common.h"
+
+static bool has_branches(void) { return GPU->branch_begin && GPU->branch_end && GPU->branch_join; }
+
+static void mma_switch(bool on) {
+#ifdef DS_HAVE_CUDA
+    if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
+#else
+    (void)on;
+#endif
+}
+
+static void test_branch_defers_frees(void **st) {
+    NEED_GPU(st);
+    if (!has_branches()) skip();
+    const size_t n = 3 << 12; /* one scratch size class */
+    void *a = GPU->scratch(&gpu_be, n);
+    GPU->free(&gpu_be, a);
+    void *b = GPU->scratch(&gpu_be, n);
+    assert_ptr_equal(a, b); /* outside a branch a freed block is reused at once (what the rest relies on) */
+
+    /* freed on the branch lane: not handed to the main lane before the join */
+    GPU->branch_begin(&gpu_be);
+    GPU->free(&gpu_be, b);
+    void *c = GPU->scratch(&gpu_be, n); /* the branch itself asks again */
+    assert_ptr_not_equal(c, b);
+    GPU->branch_end(&gpu_be);
+    void *d = GPU->scratch(&gpu_be, n);
+    assert_ptr_not_equal(d, b);
+    assert_ptr_not_equal(d, c);
+    /* freed on the main lane while the branch may run: the branch's next block is another one */
+    GPU->free(&gpu_be, d);
+    void *e = GPU->scratch(&gpu_be, n);
+    assert_ptr_not_equal(e, d);
+    GPU->branch_join(&gpu_be);
+    /* after the join both deferred blocks are back */
+    void *f = GPU->scratch(&gpu_be, n), *g = GPU->scratch(&gpu_be, n);
+    assert_true((f == b && g == d) || (f == d && g == b));
+    void *ps[] = {c, e, f, g};
+    for (int i = 0; i < 4; i++) GPU->free(&gpu_be, ps[i]);
+    g_sync();
+}
+
+/* The two chains' weights and buffers. */
+struct chains {
+    struct hw w1, w3, w2, wa, wb;
+    struct qweight g1, g3, g2, ga, gb;
+    bf16_t *norm;  /* [Q_LORA] host */
+    const void *dnorm;
+    void *dx, *dsh, *dqr, *dq;
+    int64_t T;
+};
+
+#define QB_N 2048 /* wq_b's rows in this test: 4 heads of 512 (the real 4096 adds nothing here) */
+
+static void chains_issue(struct chains *c, bool branch) {
+    branch = branch && has_branches(); /* the CPU stand-in: issue order */
+    if (branch) GPU->branch_begin(&gpu_be);
+    GPU->shared_expert(&gpu_be, c->dsh, c->dx, c->T, &c->g1, &c->g3, &c->g2, 10.0f);
+    if (branch) GPU->branch_end(&gpu_be);
+    GPU->linear(&gpu_be, c->dqr, c->dx, c->T, &c->ga);
+    GPU->rmsnorm(&gpu_be, c->dqr, c->dqr, c->dnorm, c->T, Q_LORA, 1e-6f);
+    GPU->linear(&gpu_be, c->dq, c->dqr, c->T, &c->gb);
+    if (branch) GPU->branch_join(&gpu_be);
+}
+
+static void chains_poison(struct chains *c) {
+    size_t sz[] = {(size_t)(c->T * DIM) * 2, (size_t)(c->T * Q_LORA) * 2, (size_t)(c->T * QB_N) * 2};
+    void *d[] = {c->dsh, c->dqr, c->dq};
+    for (int i = 0; i < 3; i++) {
+        void *h = xmalloc(sz[i]);
+        poison_host(h, sz[i], PZ_16);
+        g_put(d[i], h, sz[i]);
+        free(h);
+    }
+}
+
+/* The outputs, one host array: sh, then qr, then q. */
+static void chains_get(struct chains *c, bf16_t *out) {
+    g_get(out, c->dsh, (size_t)(c->T * DIM) * 2);
+    g_get(out + c->T * DIM, c->dqr, (size_t)(c->T * Q_LORA) * 2);
+    g_get(out + c->T * (DIM + Q_LORA), c->dq, (size_t)(c->T * QB_N) * 2);
+}
+
+static void same_bits_case(int64_t T, bool mma) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "branch T=%lld mma=%d", (long long)T, mma);
+    seed_tag(tag);
+    mma_switch(mma);
+    struct chains c = {.T = T};
+    c.w1 = hw_fp8(MOE_INTER, DIM, 0, DIM, 0.02f), c.w3 = hw_fp8(MOE_INTER, DIM, 0, DIM, 0.02f);
+    c.w2 = hw_fp8(DIM, MOE_INTER, 0, MOE_INTER, 0.02f);
+    c.wa = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), c.wb = hw_fp8(QB_N, Q_LORA, 0, Q_LORA, 0.03f);
+    c.g1 = g_weight(&c.w1.q, false), c.g3 = g_weight(&c.w3.q, false), c.g2 = g_weight(&c.w2.q, false);
+    c.ga = g_weight(&c.wa.q, false), c.gb = g_weight(&c.wb.q, false);
+    c.norm = NEW(bf16_t, Q_LORA);
+    for (int64_t i = 0; i < Q_LORA; i++) c.norm[i] = bf16_from_f32(0.5f + (float)urand());
+    c.dnorm = g_tensor(c.norm, (size_t)Q_LORA * 2, false);
+    bf16_t *x = NEW(bf16_t, T * DIM);
+    fill_act(x, T * DIM, 1.0f);
+    c.dx = g_in(x, (size_t)(T * DIM) * 2);
+    c.dsh = g_alloc((size_t)(T * DIM) * 2), c.dqr = g_alloc((size_t)(T * Q_LORA) * 2);
+    c.dq = g_alloc((size_t)(T * QB_N) * 2);
+
+    int64_t n_out = T * (DIM + Q_LORA + QB_N);
+    bf16_t *ref = NEW(bf16_t, n_out), *got = NEW(bf16_t, n_out);
+    chains_poison(&c);
+    chains_issue(&c, false);
+    chains_get(&c, ref);
+    for (int64_t i = 0; i < n_out; i++)
+        if (ref[i] == POISON16) fail_msg("%s: output %lld of the serial run left unwritten", tag, (long long)i);
+
+    const uint64_t key[] = {0xB4A2C400u, (uint64_t)T, (uint64_t)(uintptr_t)c.dx, mma};
+    const char *runs[] = {"eager", "recorded", "replayed", "replayed again"};
+    for (int r = 0; r < 4; r++) {
+        chains_poison(&c);
+        if (r == 0 || !GPU->graph_begin) {
+            chains_issue(&c, true);
+        } else {
+            bool issue = GPU->graph_begin(&gpu_be, key, 4);
+            assert_int_equal(issue, r == 1); /* the first time it records, then it replays */
+            if (issue) {
+                chains_issue(&c, true);
+                GPU->graph_end(&gpu_be);
+            }
+        }
+        chains_get(&c, got);
+        int64_t bad = 0, first = -1;
+        for (int64_t i = 0; i < n_out; i++)
+            if (got[i] != ref[i] && !bad++) first = i;
+        print_message("  branch T=%-3lld mma=%d %-15s %lld of %lld outputs differ from the serial run\n", (long long)T,
+                      mma, runs[r], (long long)bad, (long long)n_out);
+        if (bad)
+            fail_msg("%s %s: %lld outputs differ from the serial run; first at %lld (%#x, serial %#x)", tag, runs[r],
+                     (long long)bad, (long long)first, got[first], ref[first]);
+    }
+
+    void *bufs[] = {c.dx, c.dsh, c.dqr, c.dq};
+    for (int i = 0; i < 4; i++) g_free(bufs[i]);
+    GPU->tensor_release(&gpu_be, c.dnorm);
+    struct qweight *gs[] = {&c.g1, &c.g3, &c.g2, &c.ga, &c.gb};
+    for (int i = 0; i < 5; i++) GPU->weight_release(&gpu_be, gs[i]);
+    struct hw *hs[] = {&c.w1, &c.w3, &c.w2, &c.wa, &c.wb};
+    for (int i = 0; i < 5; i++) hw_free(hs[i]);
+    free(c.norm);
+    free(x);
+    free(ref);
+    free(got);
+    mma_switch(false);
+}
+
+static void test_branch_same_bits(void **st) {
+    NEED_GPU(st);
+    const int64_t Ts[] = {8, 64};
+    for (int i = 0; i < 2; i++) {
+        same_bits_case(Ts[i], true);
+        same_bits_case(Ts[i], false);
+    }
+}
+
+int main(void) {
+    cuda_ops_test_filters();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_branch_defers_frees),
+        cmocka_unit_test(test_branch_same_bits),
+    };
+    return cmocka_run_group_tests(tests, cuda_ops_group_setup, cuda_ops_group_teardown);
+}
