@@ -109,7 +109,9 @@ void cuda_graph_end(struct backend *be) {
     cudaGraph_t graph = NULL;
     CUDA_CHECK(cudaStreamEndCapture(cuda_be_stream(be), &graph));
     cuda_be_set_capturing(be, false);
-    cudaError_t e = cudaGraphInstantiate(&s->exec, graph, 0);
+    /* the kernel nodes keep their lane's priority (captured from the stream); without the flag a
+     * graph would run at the priority of the stream it is launched into */
+    cudaError_t e = cudaGraphInstantiate(&s->exec, graph, cudaGraphInstantiateFlagUseNodePriority);
     if (e == cudaErrorMemoryAllocation)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cudaGraphInstantiate",
                  "not enough GPU memory for a decode step's graph (its temporaries live in the graph pool, "
