@@ -636,6 +636,15 @@ static inline int cuda_ops_group_teardown(void **st) {
     return 0;
 }
 
+/* The CUDA backend's tensor-core switch (backend_cuda_set_mma); nothing on the CPU stand-in. */
+static inline void mma_switch(bool on) {
+#ifdef DS_HAVE_CUDA
+    if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
+#else
+    (void)on;
+#endif
+}
+
 /* bring-up aids: run or skip tests by glob pattern (a crashed CUDA context ends the process) */
 static inline void cuda_ops_test_filters(void) {
     if (getenv("DS_TEST_FILTER")) cmocka_set_test_filter(getenv("DS_TEST_FILTER"));

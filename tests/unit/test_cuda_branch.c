@@ -14,14 +14,6 @@
 
 static bool has_branches(void) { return GPU->branch_begin && GPU->branch_end && GPU->branch_join; }
 
-static void mma_switch(bool on) {
-#ifdef DS_HAVE_CUDA
-    if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
-#else
-    (void)on;
-#endif
-}
-
 static void test_branch_defers_frees(void **st) {
     NEED_GPU(st);
     if (!has_branches()) skip();

@@ -666,8 +666,6 @@ static void grouped_case(const char *name, struct hw *h, bool from_fp8, int64_t 
     hw_free(h);
 }
 
-static void mma_switch(bool on);
-
 struct grouped_ctx {
     const struct qweight *g;
     int64_t G;
@@ -874,8 +872,6 @@ static void test_router(void **st) {
     router_case("odd 37 experts top-1 temp 2", 17, 37, 100, 1, 2.0f, true, 1.0f);
     router_case("odd 33 experts top-4 no norm", 3, 33, 129, 4, 1.0f, false, 1.0f);
 }
-
-static void mma_switch(bool on);
 
 /* Routing like a busy rank: about 40% of the slots on local experts (half of those on 8 hot ones),
  * the rest anywhere; distinct experts per token; positive weights summing to route_scale. */
@@ -1210,13 +1206,6 @@ static void test_batch_invariance_linear(void **st) {
  * other for the same row — a row alone, in a call of 8, 16 or 64 (decode kernel: one, one, four
  * m16 tiles) and in a call of 128 or 300 (prefill kernel) — so the switch keeps results batch
  * invariant. */
-static void mma_switch(bool on) {
-#ifdef DS_HAVE_CUDA
-    if (gpu_state == 1) backend_cuda_set_mma(&gpu_be, on);
-#else
-    (void)on;
-#endif
-}
 
 static void test_linear_mma(void **st) {
     NEED_GPU(st);

@@ -542,18 +542,24 @@ static void run(const char *spec, bool graphs, struct backend *be, float *lg, in
     st_close(&g.f);
 }
 
-static void check_spec(const char *spec) {
-    struct backend cpu, chk;
-    assert_int_equal(backend_cpu_init(&cpu), 0);
+/* The checker over a fresh CPU backend (cpu), its counts and state reset. */
+static void checker_init(struct backend *cpu, struct backend *chk) {
+    assert_int_equal(backend_cpu_init(cpu), 0);
     static struct backend_ops ops;
-    ops = checker_ops(cpu.ops);
-    g_cpu = cpu.ops;
-    g_inner = &cpu;
-    chk.ops = &ops;
-    chk.priv = NULL;
+    ops = checker_ops(cpu->ops);
+    g_cpu = cpu->ops;
+    g_inner = cpu;
+    chk->ops = &ops;
+    chk->priv = NULL;
     g_n_seen = 0;
     g_hits = g_recorded = g_violations = g_segment_ops = g_branches = 0;
     g_br = BR_NONE;
+    g_open = false;
+}
+
+static void check_spec(const char *spec) {
+    struct backend cpu, chk;
+    checker_init(&cpu, &chk);
 
     struct golden_case g;
     golden_case_open(&g, spec);
@@ -599,25 +605,18 @@ static void test_segments_keep_their_promise_tp8pp2(void **s) {
 static void test_branch_checker_catches_shared_buffers(void **s) {
     (void)s;
     struct backend cpu, chk;
-    assert_int_equal(backend_cpu_init(&cpu), 0);
-    static struct backend_ops ops;
-    ops = checker_ops(cpu.ops);
-    g_cpu = cpu.ops;
-    g_inner = &cpu;
-    chk.ops = &ops;
-    chk.priv = NULL;
-    g_violations = g_branches = 0;
-    g_br = BR_NONE;
+    checker_init(&cpu, &chk);
+    const struct backend_ops *ops = chk.ops;
     char a[16] = {0}, b[16] = {0}, c[16] = {0};
-    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, c, b, 16), ops.branch_join(&chk);
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk), ops->copy(&chk, c, b, 16), ops->branch_join(&chk);
     assert_int_equal(g_violations, 0); /* both only read b */
-    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, c, a, 16), ops.branch_join(&chk);
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk), ops->copy(&chk, c, a, 16), ops->branch_join(&chk);
     assert_int_equal(g_violations, 1);
-    ops.branch_begin(&chk), ops.copy(&chk, a, b, 16), ops.branch_end(&chk), ops.copy(&chk, b, c, 16), ops.branch_join(&chk);
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk), ops->copy(&chk, b, c, 16), ops->branch_join(&chk);
     assert_int_equal(g_violations, 2);
-    ops.branch_begin(&chk), ops.sync(&chk), ops.branch_end(&chk), ops.branch_join(&chk);
+    ops->branch_begin(&chk), ops->sync(&chk), ops->branch_end(&chk), ops->branch_join(&chk);
     assert_int_equal(g_violations, 3);
-    ops.branch_end(&chk);
+    ops->branch_end(&chk);
     assert_int_equal(g_violations, 4);
     g_br = BR_NONE;
     backend_cpu_free(&cpu);
