@@ -18,7 +18,8 @@
  * partials' memory):
  *  1. moe_plan_kernel buckets the pass's local pairs by expert, tiles of <= 16 pairs (one m16 mma
  *     tile); mma_act_quant_kernel quantizes x;
- *  2. moe_mma_kernel<2> (gate/up): CTA = (one tile) x (64 rows of w1 or of w3) x (one k-chunk);
+ *  2. moe_mma_kernel<2> (gate/up): CTA = (one tile) x (64 rows of w1 or of w3) x (one k-chunk, or
+ *     from MOE_MMA_WHOLE_K_T tokens on all of them in turn);
  *     the CTA finds its tile with one load of the plan's tile table, the tile's x rows are gathered
  *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the 64
  *     weight rows stream through a 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
@@ -51,7 +52,7 @@ constexpr int XW = 8;                 /* warps per CTA, one n8 tile of weight ro
 constexpr int XBN = 8 * XW;           /* weight rows per CTA */
 constexpr int XTHREADS = 32 * XW;
 constexpr int XMINB = 4;              /* CTAs per SM asked of the register allocator: 64 registers (56-59
-                                       * used, no spills under either compiler), 4 CTAs of 46 KB on the
+                                       * used, no spills under either compiler), 4 CTAs of 47.4 KB on the
                                        * H200 (the A800's shared memory holds 3); against 3: moe_experts
                                        * per decode step b8 2.62 -> 2.50 ms, b64 10.1 -> 9.9 ms */
 constexpr int XKB = 4;                /* k-blocks per cp.async stage */
@@ -78,20 +79,26 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
 }
 
 /* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 63 of
- * matrix m (grid x = NM matrices x ceil(N / 64) row tiles; gate/up: m = 0 w1, 1 w3), k-chunk
- * blockIdx.y. a: k-permuted quantized activations, K values per row; the tile's row r is a's row
- * list[first + r] / a_div (gate/up: the pair's token) or first + r (down, a_div = 0: h is stored by
- * list position). part [nch][mcap][NM N] fp32, row = list position.
+ * matrix m (grid x = NM matrices x ceil(N / 64) row tiles; gate/up: m = 0 w1, 1 w3), the cpc
+ * k-chunks from cpc·blockIdx.y on, one after the other through one cp.async pipeline (each chunk's
+ * sum from +0 and its partial stored at its end, as one CTA per chunk would: the same bits). a:
+ * k-permuted quantized activations, K values per row; the tile's row r is a's row list[first + r]
+ * / a_div (gate/up: the pair's token) or first + r (down, a_div = 0: h is stored by list
+ * position). part [nch][mcap][NM N] fp32, row = list position.
  * The prologue is a chain of dependent loads (the chunk's tile range, the tile's entry, the list)
  * before the activations can be fetched, so the weights' first stages, which need only the
- * expert, are issued before the list is read. */
+ * expert, are issued before the list is read. With cpc > 1 that prologue (and the scale table's
+ * first fill) is paid once per cpc chunks, and the pipeline runs on across the chunk boundaries:
+ * a later chunk's raw scale bytes arrive by cp.async with the loads of its first stage (s_ld % 4
+ * == 0, the caller's condition for cpc > 1) and are decoded into the table at that stage. */
 template <int NM>
 __global__ void __launch_bounds__(XTHREADS, XMINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
                    int n_local, const __nv_bfloat16 *__restrict__ a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
-                   int64_t s_ld, float *__restrict__ part, int64_t mcap) {
+                   int64_t s_ld, float *__restrict__ part, int64_t mcap, int cpc) {
     __shared__ __align__(16) uint8_t smem[XSTAGES * XSTAGE];
-    __shared__ __align__(16) float s_sm[KCH][XS_LD]; /* decoded once: the fold reads a lane's two with one load */
+    __shared__ __align__(16) float s_sm[KCH][XS_LD]; /* decoded once per chunk: the fold reads a lane's two with one load */
+    __shared__ __align__(16) uint8_t s_raw[XBN * KCH]; /* a later chunk's raw scales [XBN][KCH] (cpc > 1) */
     __shared__ int64_t srow[XP]; /* byte offset of each tile row in a */
     const int64_t j = (int64_t)plan[c0] + blockIdx.z;
     if (j >= plan[c0 + cn]) return; /* uniform per CTA, before any barrier */
@@ -104,8 +111,8 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     const int m = (int)(blockIdx.x / ntm);
     const int64_t n0 = (int64_t)(blockIdx.x % ntm) * XBN;
     const uint8_t *const w = tab.w[le - c0][m], *const s = tab.s[le - c0][m];
-    const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(K / 32);
-    const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH, nst = (nb + XKB - 1) / XKB;
+    const int ci0 = (int)blockIdx.y * cpc, kb0 = ci0 * KCH, nbt = (int)(K / 32);
+    const int nb = nbt - kb0 < cpc * KCH ? nbt - kb0 : cpc * KCH, nst = (nb + XKB - 1) / XKB; /* blocks, stages */
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
     const uint32_t sbase = smem_addr(smem);
 
@@ -119,6 +126,23 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     auto load_b = [&](int st, int i) {
         const bool v = row_ok && i * XKB + cb < nb;
         cp_async16(bdst + (uint32_t)(st * XSTAGE), v ? wsrc + i * XKB * 16 : w, v);
+    };
+    /* chunk cc's raw scale bytes (cc > 0), 4 per copy: thread tid takes word tid % 8 of rows tid / 8
+     * and tid / 8 + 32 (smem bytes 4 tid and 4 tid + 1024); words past the CTA's blocks or rows
+     * past N are not fetched (their scales decode as 0 below). The CTA's scale base is read from
+     * shared memory when needed: kept in registers through the main loop it spilled under the
+     * SM90 compiler (64 registers, XMINB). */
+    static_assert(XBN * KCH / 4 == 2 * XTHREADS && KCH == 32, "two scale words per thread");
+    const int sw = 4 * (tid % 8);
+    const int nrows = N - n0 < XBN ? (int)(N - n0) : XBN; /* the CTA's weight rows inside N */
+    __shared__ const uint8_t *s_cta;
+    if (tid == 0) s_cta = s + n0 * s_ld + kb0;
+    auto load_s = [&](int cc) {
+        const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw;
+        const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
+        const bool v0 = tid / 8 < nrows && cc * KCH + sw < nb, v1 = tid / 8 + 32 < nrows && cc * KCH + sw < nb;
+        cp_async4(s_dst, v0 ? s_src + cc * KCH : s_src, v0);
+        cp_async4(s_dst + 1024, v1 ? s_src + 32 * s_ld + cc * KCH : s_src, v1);
     };
     auto load_a = [&](int st, int i) {
         const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
@@ -147,6 +171,8 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     const uint32_t ldA = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * XA_LD + (lane >> 4) * 16);
     const int rdB = XA_BYTES + (warp * 8 + g) * XB_LD + t * 4;
 
+    /* the lane's partial of its first row and column in the CTA's first chunk */
+    float *const pbase = part + ((int64_t)ci0 * mcap + first + g) * (NM * N) + (int64_t)m * N + n0 + warp * 8 + 2 * t;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int st = 0; st < XSTAGES - 1; st++) {
@@ -155,6 +181,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     }
     /* the chunk's scales of the CTA's rows, plain loads while the first stages are in flight, decoded
      * once (e8m0f, as the linears); rows past N read as 0 (never stored) */
+#pragma unroll 1
     for (int q = tid; q < KCH * XBN; q += XTHREADS) {
         const int r = q / KCH, b = q % KCH;
         s_sm[b][r] = e8m0f(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
@@ -163,10 +190,23 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         cp_async_wait<XSTAGES - 2>();
         __syncthreads();
         if (i + XSTAGES - 1 < nst) {
-            load_b((i + XSTAGES - 1) % XSTAGES, i + XSTAGES - 1);
-            load_a((i + XSTAGES - 1) % XSTAGES, i + XSTAGES - 1);
+            const int in = i + XSTAGES - 1;
+            load_b(in % XSTAGES, in);
+            load_a(in % XSTAGES, in);
+            if ((in * XKB) % KCH == 0) load_s(in * XKB / KCH); /* a later chunk's first stage (in > 0) */
         }
         cp_async_commit();
+        const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
+        if (i > 0 && (i * XKB) % KCH == 0) {
+            /* its first stage: the barrier above saw every fold of the chunk before; its raw scales
+             * came with this stage's group */
+#pragma unroll 1
+            for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+                const int r = q / KCH, b = q % KCH;
+                s_sm[b][r] = e8m0f(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
+            }
+            __syncthreads();
+        }
         const int st = i % XSTAGES;
         const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
         const uint8_t *const sb = smem + st * XSTAGE + rdB;
@@ -184,7 +224,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
          * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
          * terms are); the branch made the compiler rebuild the table's address per block */
-        const float *const sq = srow_s + i * XKB * XS_LD;
+        const float *const sq = srow_s + ((i * XKB) % KCH) * XS_LD;
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
             float2 q = *reinterpret_cast<const float2 *>(sq + jb * XS_LD);
@@ -194,18 +234,20 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
             acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
             acc[3] = __fmaf_rn(p[jb][3], q.y, acc[3]);
         }
+        if (((i + 1) * XKB) % KCH == 0 || i == nst - 1) { /* the chunk's last stage: its partial */
+            const int cl = warp * 8 + 2 * t; /* the lane's first column, relative to n0 */
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (g + 8 * h >= np) continue;
+                float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)(8 * h) * (NM * N);
+                if (cl < nrows) pr[0] = acc[2 * h];
+                if (cl + 1 < nrows) pr[1] = acc[2 * h + 1];
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] = 0.0f;
+        }
     }
     cp_async_wait<0>();
-
-    const int64_t col = n0 + warp * 8 + 2 * t, ldp = NM * N;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = g + 8 * h;
-        if (r >= np) continue;
-        float *pr = part + ((int64_t)blockIdx.y * mcap + first + r) * ldp + (int64_t)m * N;
-        if (col < N) pr[col] = acc[2 * h];
-        if (col + 1 < N) pr[col + 1] = acc[2 * h + 1];
-    }
 }
 
 /* The local pairs of the pass (off[n_local] of the plan). */
@@ -613,13 +655,14 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const int64_t nt = moe_tiles_max(mn, cn, XP); /* the grid's tile slots */
                 if (nt > 65535) MOE_MMA_FAIL("too many tiles");
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
-                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)(pass ? nchI : nchD), (unsigned)nt);
+                const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, pass ? sd : sg, nch);
+                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), (unsigned)nt);
                 if (pass == 0)
                     moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qx, k,
-                                                                 I, D, ldg, sg, r.part, mcap);
+                                                                 I, D, ldg, sg, r.part, mcap, cpc);
                 else
                     moe_mma_kernel<1><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qh, 0,
-                                                                 Dout, I, ldd, sd, r.part, mcap);
+                                                                 Dout, I, ldd, sd, r.part, mcap, cpc);
                 KERNEL_CHECK();
             }
             if (pass == 0) {
