@@ -368,7 +368,12 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
  * one CTA's walk over k. Rows are padded (no swizzle): 32 B for FP8 (the lanes' 8-byte reads fall
  * on distinct banks per half warp), 16 B for FP4 and for the activations (ldmatrix rows 16 B apart
  * mod 128). */
-constexpr int DW = 2;       /* warps per CTA */
+constexpr int DW = 2;       /* warps per CTA, one m16 tile */
+/* warps per CTA, four m16 tiles (17..64 rows), FP8 and BF16: each stage's 64 activation rows serve
+ * 32 weight rows instead of 16 (an FP8 CTA's rows still lie in one 32-row scale group). H200, bench_step decode
+ * ms at batch 32 / 64, two runs each: 2 warps 15.55 15.53 / 19.85 19.91, 4 warps 15.08 15.16 /
+ * 19.29 19.14 (batch 1 unchanged). */
+constexpr int DW_MT = 4;
 /* the decode tiling takes up to MMA_DECODE_MAX_T rows (one or four m16 tiles per CTA, grid z over
  * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it calls of up to
  * MMA_DECODE_AUTO_T rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
@@ -384,7 +389,8 @@ constexpr int64_t MMA_DECODE_AUTO_T = 64;
 template <int F, int MR, int MT = 1> struct dcfg {
     static constexpr int DKB = MT == 1 ? 8 : 2; /* k-blocks per stage */
     static constexpr int RM = MT == 1 ? MR : 16 * MT; /* activation rows per CTA */
-    static constexpr int BN = 8 * DW, THREADS = 32 * DW;
+    static constexpr int WARPS = MT == 1 || F == K_FP4 ? DW : DW_MT; /* one n8 tile each (FP4 at 4: spills at sm_90) */
+    static constexpr int BN = 8 * WARPS, THREADS = 32 * WARPS;
     static constexpr int B_ROW = F == K_FP8 ? 32 : (F == K_FP4 ? 16 : 64);
     static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16); /* BF16: ldmatrix rows 16 B apart mod 128 */
     static constexpr int A_LD = DKB * 64 + 16;
