@@ -636,6 +636,15 @@ __device__ void combine_order(const int32_t *it, int k, int64_t per_part, int *o
     }
 }
 
+/* The CTA's slot order for token slots `it` into its shared order / part_of: every thread waits
+ * until the token before is done with them, thread 0 orders, everyone reads after the barrier. */
+__device__ __forceinline__ void combine_order_cta(const int32_t *it, int k, int64_t per_part, int *order,
+                                                  int64_t *part_of) {
+    __syncthreads();
+    if (threadIdx.x == 0) combine_order(it, k, per_part, order, part_of);
+    __syncthreads();
+}
+
 /* acc[t, :] += y_e in ascending expert id over the token's slots (ties: lower slot, as the CPU's
  * selection), parts past P skipped. Grid: x over D in 256-wide pieces, y over tokens (strided);
  * thread 0 orders the slots once per token. y [P, T, k, D] bf16, acc [T, D] fp32. */
@@ -645,10 +654,7 @@ __global__ void moe_combine_kernel(float *__restrict__ acc, const uint16_t *__re
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-        const int32_t *it = idx + t * k;
-        __syncthreads();
-        if (threadIdx.x == 0) combine_order(it, k, per_part, order, part_of);
-        __syncthreads();
+        combine_order_cta(idx + t * k, k, per_part, order, part_of);
         for (int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; d < D; d += (int64_t)gridDim.x * blockDim.x) {
             float a = acc[t * D + d];
             for (int r = 0; r < k; r++) {
@@ -671,10 +677,7 @@ __global__ void __launch_bounds__(256)
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
-        const int32_t *it = idx + t * k;
-        __syncthreads();
-        if (threadIdx.x == 0) combine_order(it, k, per_part, order, part_of);
-        __syncthreads();
+        combine_order_cta(idx + t * k, k, per_part, order, part_of);
         for (int64_t d = (int64_t)threadIdx.x * 8; d < D; d += (int64_t)blockDim.x * 8) {
             float4 *ap = reinterpret_cast<float4 *>(acc + t * D + d);
             float4 a0 = ap[0], a1 = ap[1];

@@ -334,6 +334,17 @@ static_assert(KCH % WKB == 0 && WBN * WKB == WTHREADS && WTHREADS == 2 * WBN && 
                   WP % 32 == 0,
               "prefill expert tile");
 
+/* f(mt, nj, h) for each half of a warp's output fragments in the prefill tile: rows mt·16 + g + 8h
+ * of the tile, columns nj·8 + 2t and + 1 of the warp's 16 (the epilogues' one walk). */
+template <class F> __device__ __forceinline__ void wide_frag_halves(F &&f) {
+#pragma unroll
+    for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+        for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) f(mt, nj, h);
+}
+
 /* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), output columns blockIdx.x
  * (gate/up NM = 2: h columns n0 .. n0 + 31, n0 = 32 x; down NM = 1: y columns n0 .. n0 + 63, n0 =
  * 64 x). a: k-permuted quantized activations, K values per row, tile row r = a's row list[first +
@@ -515,19 +526,14 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
     cp_async_wait<0>();
 
     if (NM == 1) { /* down: y[list entry, col] = bf16 of the chunk sums */
-#pragma unroll
-        for (int mt = 0; mt < WMT; mt++)
-#pragma unroll
-            for (int nj = 0; nj < WNJ; nj++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = mt * 16 + g + 8 * h;
-                    const int64_t col = n0 + warp * 16 + nj * 8 + 2 * t;
-                    if (r >= np) continue;
-                    __nv_bfloat16 *yr = out + (int64_t)sdst[r] * N;
-                    if (col < N) yr[col] = __float2bfloat16_rn(sum[mt][nj][2 * h]);
-                    if (col + 1 < N) yr[col + 1] = __float2bfloat16_rn(sum[mt][nj][2 * h + 1]);
-                }
+        wide_frag_halves([&](int mt, int nj, int h) {
+            const int r = mt * 16 + g + 8 * h;
+            const int64_t col = n0 + warp * 16 + nj * 8 + 2 * t;
+            if (r >= np) return;
+            __nv_bfloat16 *yr = out + (int64_t)sdst[r] * N;
+            if (col < N) yr[col] = __float2bfloat16_rn(sum[mt][nj][2 * h]);
+            if (col + 1 < N) yr[col + 1] = __float2bfloat16_rn(sum[mt][nj][2 * h + 1]);
+        });
         return;
     }
     /* gate/up: warps 2-3 hand bf16(u) to warps 0-1 through shared memory (the stages are free),
@@ -536,33 +542,23 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
     __syncthreads(); /* every warp is done with the stages */
     float *const ex = reinterpret_cast<float *>(smem); /* [WP][WEX_LD] */
     if (warp >= 2)
-#pragma unroll
-        for (int mt = 0; mt < WMT; mt++)
-#pragma unroll
-            for (int nj = 0; nj < WNJ; nj++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    float *e = ex + (mt * 16 + g + 8 * h) * WEX_LD + (warp - 2) * 16 + nj * 8 + 2 * t;
-                    e[0] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h]));
-                    e[1] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + 1]));
-                }
+        wide_frag_halves([&](int mt, int nj, int h) {
+            float *e = ex + (mt * 16 + g + 8 * h) * WEX_LD + (warp - 2) * 16 + nj * 8 + 2 * t;
+            e[0] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h]));
+            e[1] = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + 1]));
+        });
     __syncthreads();
     if (warp < 2)
+        wide_frag_halves([&](int mt, int nj, int h) {
+            const int r = mt * 16 + g + 8 * h;
+            const float wt = r < np ? __ldg(wts + sdst[r]) : 0.0f;
+            float *e = ex + r * WEX_LD + warp * 16 + nj * 8 + 2 * t;
 #pragma unroll
-        for (int mt = 0; mt < WMT; mt++)
-#pragma unroll
-            for (int nj = 0; nj < WNJ; nj++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = mt * 16 + g + 8 * h;
-                    const float wt = r < np ? __ldg(wts + sdst[r]) : 0.0f;
-                    float *e = ex + r * WEX_LD + warp * 16 + nj * 8 + 2 * t;
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        const float gb = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + c]));
-                        e[c] = ds_bf16f(ds_bf16_rne(mo_swiglu(gb, e[c], limit, true, wt)));
-                    }
-                }
+            for (int c = 0; c < 2; c++) {
+                const float gb = __bfloat162float(__float2bfloat16_rn(sum[mt][nj][2 * h + c]));
+                e[c] = ds_bf16f(ds_bf16_rne(mo_swiglu(gb, e[c], limit, true, wt)));
+            }
+        });
     __syncthreads();
     const int tq = tid & 3;
 #pragma unroll
