@@ -61,6 +61,13 @@ enum { TOPK_P_N = 0, TOPK_P_VALID, TOPK_P_K, TOPK_P_VISIBLE, TOPK_P_COUNT };
 
 /* hc_mixes: length of the dot products' summation segments (see hc_mixes). */
 #define BE_HC_MIX_SEG 256
+/* The dense fp32 sums (linear on BF16 weights, linear_f32, grouped_linear, head): a dot product over
+ * k is cut into segments of BE_DOT_SEG consecutive k; each segment is summed in k order from +0,
+ * then the segment sums are added in segment order from +0. The reference's fp32 GEMMs run in
+ * MKL's order, which no backend reproduces; segments let a GPU walk one output's k with 32 lanes
+ * at once, where a single k-order chain (4 cycles an add, 5,120 adds) was the floor of a decode
+ * router gate. */
+#define BE_DOT_SEG 128
 
 struct backend_ops {
     const char *name;
@@ -98,17 +105,19 @@ struct backend_ops {
      * FP8/FP4 W: x is act_quant'ed per 32 along k (e4m3 + pow2 scale, MODEL.md §3.0); for each
      * 32-wide k block b the partial Σ q_x·q_w is accumulated in fp32 (over the 32 in k order), then
      * acc += (partial · s_x[b]) · s_w[b] in k-block order; y = bf16(acc).
-     * BF16 W: y = bf16(Σ_k x·w) accumulated in fp32 in k order, no activation quantization.
+     * BF16 W: y = bf16(Σ_k x·w) accumulated in fp32 in BE_DOT_SEG segments, no activation
+     * quantization.
      * F32 W: not allowed here (use linear_f32). */
     void (*linear)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
     /* y[T,n] fp32 = x[T,k] · Wᵀ in fp32 (x given as bf16 and widened exactly, W BF16 widened or F32):
-     * the gate (router) and the ratio-2 compressor, which the reference runs in fp32. k order. */
+     * the gate (router) and the ratio-2 compressor, which the reference runs in fp32. The sum in
+     * BE_DOT_SEG segments. */
     void (*linear_f32)(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
     /* Grouped bf16 projection (wo_a): x [T, G, kg] bf16, W [G*r, kg] (dequantized, no act quant),
      * y [T, G, r] bf16 with y[t,g,:] = bf16(x[t,g,:] · W[g*r:(g+1)*r, :]ᵀ), fp32 accumulation. */
     void (*grouped_linear)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
                            const struct qweight *W);
-    /* logits[T,n] fp32 = x[T,k] bf16 widened · W (BF16 widened to fp32)ᵀ, fp32, k order. */
+    /* logits[T,n] fp32 = x[T,k] bf16 widened · W (BF16 widened to fp32)ᵀ, fp32, BE_DOT_SEG segments. */
     void (*head)(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
 
     /* ---- elementwise / norms ---- */

@@ -3,8 +3,8 @@
  * linear of the router and the ratio-2 compressor, the grouped wo_a projection and the head.
  *
  * Every output element is one sequential fp32 sum in k order (per 32-wide block for the quantized
- * path), exactly as backend.h states, because this file is the oracle the GPU GEMMs are checked
- * against. Speed comes only from things that cannot move a rounding: activations are quantized
+ * path; per BE_DOT_SEG segment, the segment sums then added in order, for the dense ones), exactly
+ * as backend.h states, because this file is the oracle the GPU GEMMs are checked against. Speed comes only from things that cannot move a rounding: activations are quantized
  * once per row, weights are decoded through lookup tables into a k-major panel of CPU_LANES rows,
  * each lane (one output) keeps its own sum so the compiler may vectorize across outputs, and
  * panels are spread over OpenMP threads (each output is owned by one thread, so the thread count
@@ -116,13 +116,19 @@ static void dot_quant(const float *qx, const float *sx, const float *panel, cons
 }
 
 static void dot_dense(const float *x, const float *panel, int64_t k, float out[CPU_LANES]) {
-    float acc[CPU_LANES] = {0};
-    for (int64_t i = 0; i < k; i++) {
-        float xi = x[i];
+    float tot[CPU_LANES] = {0};
+    for (int64_t s0 = 0; s0 < k; s0 += BE_DOT_SEG) {
+        const int64_t s1 = min64(k, s0 + BE_DOT_SEG);
+        float acc[CPU_LANES] = {0};
+        for (int64_t i = s0; i < s1; i++) {
+            float xi = x[i];
 #pragma omp simd
-        for (int l = 0; l < CPU_LANES; l++) acc[l] += xi * panel[i * CPU_LANES + l];
+            for (int l = 0; l < CPU_LANES; l++) acc[l] += xi * panel[i * CPU_LANES + l];
+        }
+#pragma omp simd
+        for (int l = 0; l < CPU_LANES; l++) tot[l] += acc[l];
     }
-    memcpy(out, acc, sizeof acc);
+    memcpy(out, tot, sizeof tot);
 }
 
 /* ---------------------------------------------------------------------------------------------

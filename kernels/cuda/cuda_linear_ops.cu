@@ -5,23 +5,20 @@
  * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
  * The other BF16 (and F32) weights run here.
  *
- * Numerics of the kernels here: every output is one sequential fp32 sum over k in k order, starting from +0, with a
- * round-to-nearest product and a round-to-nearest add per term (no FMA: __fmul_rn/__fadd_rn), then
- * one rounding to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for fp32 outputs. That is
- * the CPU backend's order (kernels/cpu/cpu_linear.c), so every op here is bit-identical to it,
- * and batch invariant: an output never depends on T, on the other rows of the call or on the grid.
+ * Numerics of the kernels here: every output is the segmented fp32 sum of backend.h (segments of
+ * BE_DOT_SEG consecutive k, each a sequential sum in k order from +0, the segment sums added in
+ * order from +0), with a round-to-nearest product and a round-to-nearest add per term (no FMA:
+ * __fmul_rn/__fadd_rn), then one rounding to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for
+ * fp32 outputs. That is the CPU backend's order (kernels/cpu/cpu_linear.c), so every op here is
+ * bit-identical to it, and batch invariant: an output never depends on T, on the other rows of the
+ * call or on the grid.
  *
- * Parallelism therefore comes only from outputs, never from splitting a sum. BF16 kernel: a CTA
- * owns 32 weight rows (lane = row) and up to 8 token rows (its 4 warps split the tokens), and
- * walks k in stages of 128 through a 4-deep cp.async ring in shared memory (weights coalesced
- * from global, chunk-swizzled so each lane's 16-byte row reads are bank-conflict free; the 8
- * token rows are widened to fp32 once per stage so the inner loop is a broadcast read). Every
- * weight is read from memory once per call for up to 8 rows, which is what decode needs (the
- * head is the largest GEMV of the model); more rows go through more token groups in the same
- * launch, neighbouring in the grid so the re-reads hit L2. The floor of a small-n GEMV is the
- * dependent add chain (k adds per output, about 9 us at k = 4096), the price of exactness.
- * Shapes a 16-byte copy cannot serve (row strides not a multiple of 8 elements, F32 weights) take
- * a plain one-thread-per-output kernel with the same order. */
+ * Parallelism comes from outputs and from the segments of one output: up to 8 token rows a warp
+ * walks one weight row's segments with its 32 lanes; 9..256 rows a lane owns a weight row and the
+ * segments pass through a shared-memory ring; above, a CTA tiles 64 token rows x 32 weight rows and
+ * runs each output's chain through its segments in turn. Shapes a 16-byte load cannot serve (row
+ * strides not a multiple of 8 elements, F32 weights) take a plain one-thread-per-output kernel with
+ * the same order. */
 #include "cuda_internal.h"
 #include "cuda_linear.h"
 #include "linear_mma.h"
@@ -59,13 +56,117 @@ template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel */
+ * BF16 kernel for up to 8 token rows: a warp per weight row, a lane per BE_DOT_SEG segment of its
+ * k (lane l takes segments l, l + 32, ...), the TT chains of a lane independent. A lane copies its
+ * segment's 256 bytes of the row into shared memory with 16 cp.async at once (its memory
+ * parallelism: with one warp per row, 4 rows a CTA, a [384, 5120] router gate is 96 CTAs, each
+ * streaming 40 KB), and reads x through the read-only cache (the 4 warps of a CTA read the same
+ * x). Each round of 32 segments is folded into the running total in segment order by shuffles,
+ * every lane adding the same values in the same order, and lane t stores token t.
+ * The k-order GEMV it replaces (a lane per weight row, kept below for 9..256 rows) spent 30.9 µs
+ * per router gate at batch 1 on one 5,120-add chain per output in 12 CTAs; with this kernel the
+ * router op (gate and selection, 20 calls) went from 0.92 to 0.56 ms per step at batch 1 and from
+ * 1.29 to 0.86 at batch 8 (H200, bench_step --profile, ops serial).
+ * Grid: x = token group of 8 rows (dense_launch sends one), y = 4-row weight tile, z = group g of a
+ * grouped projection (element offsets y_gs, x_gs, w_gs per g). Needs k % 8 == 0 and 16-byte
+ * aligned rows (dense_launch). */
+#define DS_WARPS 4                 /* weight rows per CTA, one per warp */
+#define DS_TMAX 8                  /* token rows per CTA */
+#define DS_CH (BE_DOT_SEG / 8)     /* 16-byte chunks of a whole segment */
+static_assert(BE_DOT_SEG % 8 == 0, "segments of whole 16-byte chunks");
+
+static __device__ __forceinline__ void lo_widen8r(float *f, uint4 v) {
+    f[0] = __uint_as_float(v.x << 16), f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16), f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16), f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+/* acc[t] += x[t][kc + j] · w[j], j = 0..7 in order, each product and add rounded on its own; x
+ * through the read-only cache (the CTA's warps read the same x) */
+template <int TT>
+static __device__ __forceinline__ void seg_chunk(float (&acc)[TT], uint4 wv, const uint16_t *xb, int64_t ldx,
+                                                 int tcount, int64_t kc) {
+    float wf[8];
+    lo_widen8r(wf, wv);
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        float xf[8]; /* token rows past the call read row 0 of the group and are never stored */
+        lo_widen8r(xf, __ldg(reinterpret_cast<const uint4 *>(xb + (t < tcount ? t : 0) * ldx + kc)));
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[t] = __fadd_rn(acc[t], __fmul_rn(xf[j], wf[j]));
+    }
+}
+
+template <int TT, bool OUT_F32>
+__global__ void __launch_bounds__(DS_WARPS * 32, 1)
+    dense_seg_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
+                     int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
+                     int64_t k) {
+    /* each lane's segment of its warp's row, chunk c at c ^ (lane % 16): the 8 lanes of a
+     * quarter-warp phase hit distinct bank quads */
+    __shared__ __align__(16) uint16_t w_s[DS_WARPS][32][BE_DOT_SEG];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t row = (int64_t)blockIdx.y * DS_WARPS + warp, t0 = (int64_t)blockIdx.x * DS_TMAX, g = blockIdx.z;
+    if (row >= n) return; /* the whole warp; nothing below waits on another warp */
+    const int tcount = (int)(T - t0 < TT ? T - t0 : TT);
+    const uint16_t *wr = w + g * w_gs + row * ldw; /* [k] bf16 */
+    const uint16_t *xb = x + g * x_gs + t0 * ldx;   /* [TT, k] bf16, row stride ldx */
+    uint16_t *mine = &w_s[warp][lane][0];
+    const int sw = lane & 15;
+    const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG;
+    float tot[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++) tot[t] = 0.0f;
+    for (int64_t s0 = 0; s0 < nseg; s0 += 32) {
+        const int64_t kb = (s0 + lane) * BE_DOT_SEG;
+        const int nch = kb >= k ? 0 : (k - kb >= BE_DOT_SEG ? DS_CH : (int)((k - kb) / 8));
+        /* the segment's weights, every copy in flight at once (plain loads were sunk next to their
+         * uses by the compiler: two in flight, an L2 round trip per chunk); the lane reads only what
+         * it copied, so its own wait is the only synchronisation */
+        for (int c = 0; c < nch; c++) lo_cp16(mine + ((c ^ sw) * 8), wr + kb + 8 * c, 16);
+        lo_cp_commit();
+        lo_cp_wait<0>();
+        float acc[TT];
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+        if (nch == DS_CH) {
+#pragma unroll
+            for (int c = 0; c < DS_CH; c++)
+                seg_chunk<TT>(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, ldx, tcount,
+                              kb + 8 * c);
+        } else {
+            for (int c = 0; c < nch; c++)
+                seg_chunk<TT>(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, ldx, tcount,
+                              kb + 8 * c);
+        }
+        const int live = nseg - s0 < 32 ? (int)(nseg - s0) : 32;
+        for (int j = 0; j < live; j++)
+#pragma unroll
+            for (int t = 0; t < TT; t++) tot[t] = __fadd_rn(tot[t], __shfl_sync(0xffffffffu, acc[t], j));
+    }
+#pragma unroll
+    for (int t = 0; t < TT; t++)
+        if (lane == t && t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, tot[t]);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * BF16 kernel for 9..256 token rows (dense_seg_kernel above takes up to 8: at 64 rows its 8-row
+ * groups re-read every weight row from L2 in 8x the CTAs, and the router op, gate and selection,
+ * took 106 µs a call against 66 µs with this kernel; H200, bench_step --profile). A CTA owns 32
+ * weight rows (lane = row) and 8 token rows (its 4 warps split them), and walks k in stages of 128 = BE_DOT_SEG (one segment a stage, folded
+ * into the total at the stage's end) through a 4-deep cp.async ring in shared memory (weights
+ * coalesced from global, chunk-swizzled so each lane's 16-byte row reads are bank-conflict free;
+ * the 8 token rows are widened to fp32 once per stage so the inner loop is a broadcast read). More
+ * rows go through more token groups in the same launch, neighbouring in the grid so the re-reads
+ * hit L2. */
 
 #define DN_ROWS 32   /* weight rows per CTA: lane = row */
 #define DN_WARPS 4   /* warps per CTA; they share the rows and split the token rows */
 #define DN_TMAX 8    /* token rows per CTA */
 #define DN_KB 128    /* k values per pipeline stage (16 chunks of 8 bf16 per row) */
 #define DN_STAGES 4  /* ring depth: 3 stages in flight while one is computed */
+static_assert(DN_KB == BE_DOT_SEG, "a stage is one segment");
 
 /* Grid: x = token group (8 rows; fastest, so the groups of one weight tile run together and
  * share it through L2), y = 32-row weight tile, z = group g of a grouped projection (element
@@ -129,9 +230,9 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
         lo_cp_commit(); /* empty groups keep the group count uniform */
     }
 
-    float acc[TPW];
+    float acc[TPW], tot[TPW]; /* the stage's segment (DN_KB = BE_DOT_SEG), the segments before */
 #pragma unroll
-    for (int i = 0; i < TPW; i++) acc[i] = 0.0f;
+    for (int i = 0; i < TPW; i++) acc[i] = tot[i] = 0.0f;
 
     for (int s = 0; s < nst; s++) {
         const int slot = s % DN_STAGES;
@@ -195,6 +296,8 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
                         for (int j = 0; j < 8; j++) pr[i][j] = pn[i][j];
                 }
             }
+#pragma unroll
+            for (int i = 0; i < TPW; i++) tot[i] = __fadd_rn(tot[i], acc[i]), acc[i] = 0.0f; /* the segment ends */
         }
     }
     lo_cp_wait<0>(); /* nothing may be in flight into shared memory when the CTA exits */
@@ -204,22 +307,23 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
 #pragma unroll
         for (int i = 0; i < TPW; i++) {
             const int t = warp * TPW + i;
-            if (t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, acc[i]);
+            if (t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, tot[i]);
         }
     }
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same sequential k-order chain per output,
- * tiled for reuse. The GEMV kernel above reads each weight once per 8 token rows, so at T = 2048 a
+ * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same segmented sum per output, tiled for
+ * reuse. The GEMV kernel above reads each weight once per 8 token rows, so at T = 2048 a
  * [384, 5120] router gate streamed its weights 256 times through L2 and spent a CTA's issue slots
  * on widening them; here a CTA owns 64 token rows x 32 weight rows, both widened to fp32 in shared
  * memory once per stage of 32 k, and each thread runs 8 chains (token rows ty, ty + 32 x weight
  * rows tx + 8j), loading 4 k of each operand per float4, so a multiply-add pair costs ~2.2
- * instructions. Bits: every chain is acc = fadd(acc, fmul(x_k, w_k)) for k = 0.. in order from +0,
- * as dense_bf16_kernel and the CPU; zero-filled tails (rows, tokens, k) are never stored or add
- * 0·0. Stage s: wait for own copies, barrier (everyone is past stage s-1's compute), issue stage s +
- * 2, widen own chunks, barrier, compute. */
+ * instructions. Bits: within a segment (BE_DOT_SEG / DT_KB stages) every chain is acc = fadd(acc,
+ * fmul(x_k, w_k)) in k order from +0, and at the segment's end tot = fadd(tot, acc), as
+ * dense_seg_kernel and the CPU; zero-filled tails (rows, tokens, k) are never stored or add 0·0
+ * (acc is never -0, so + 0 leaves it). Stage s: wait for own copies, barrier (everyone is past
+ * stage s-1's compute), issue stage s + 2, widen own chunks, barrier, compute. */
 #define DT_MIN_T 256 /* calls of more rows take the tiled kernel */
 #define DT_BT 64     /* token rows per CTA */
 #define DT_BR 32     /* weight rows per CTA */
@@ -227,6 +331,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
 #define DT_LD (DT_KB + 4) /* widened rows, padded: the 8 weight rows a phase reads sit on distinct banks */
 #define DT_STAGES 3
 #define DT_THREADS 256
+static_assert(BE_DOT_SEG % DT_KB == 0, "segments of whole stages");
 
 template <bool OUT_F32>
 __global__ void __launch_bounds__(DT_THREADS)
@@ -257,11 +362,11 @@ __global__ void __launch_bounds__(DT_THREADS)
         if (s < nst) load_stage(s, s);
         lo_cp_commit();
     }
-    float acc[2][4];
+    float acc[2][4], tot[2][4]; /* the segment's chains, the totals of the segments before */
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < 4; j++) acc[i][j] = tot[i][j] = 0.0f;
     for (int s = 0; s < nst; s++) {
         const int slot = s % DT_STAGES;
         lo_cp_wait<DT_STAGES - 2>();
@@ -288,6 +393,12 @@ __global__ void __launch_bounds__(DT_THREADS)
                     for (int i = 0; i < 2; i++) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(xs[i][e], we));
                 }
         }
+        if ((s + 1) % (BE_DOT_SEG / DT_KB) == 0 || s + 1 == nst) { /* a segment ends: fold it in order */
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
+        }
     }
     lo_cp_wait<0>();
 #pragma unroll
@@ -297,13 +408,13 @@ __global__ void __launch_bounds__(DT_THREADS)
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int64_t row = r0 + tx + 8 * j;
-            if (row < n) lo_store(y, OUT_F32, t * ldy + g * y_gs + row, acc[i][j]);
+            if (row < n) lo_store(y, OUT_F32, t * ldy + g * y_gs + row, tot[i][j]);
         }
     }
 }
 
 /* Any shape, BF16 or F32 weights: one thread per output (grid x over rows, y over token rows,
- * z over groups), the same sequential k-order sum. Used where 16-byte copies are not possible. */
+ * z over groups), the same segmented sum. Used where 16-byte loads are not possible. */
 template <bool W_F32, bool OUT_F32>
 __global__ void dense_generic_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x,
                                      int64_t ldx, int64_t x_gs, const void *__restrict__ w, int64_t ldw, int64_t w_gs,
@@ -312,17 +423,19 @@ __global__ void dense_generic_kernel(void *__restrict__ y, int64_t ldy, int64_t 
     if (row >= n) return;
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
         const uint16_t *xr = x + g * x_gs + t * ldx;
-        float acc = 0.0f;
-        if (W_F32) {
-            const float *wr = (const float *)w + g * w_gs + row * ldw;
-            for (int64_t i = 0; i < k; i++) acc = __fadd_rn(acc, __fmul_rn(__uint_as_float((uint32_t)xr[i] << 16), wr[i]));
-        } else {
-            const uint16_t *wr = (const uint16_t *)w + g * w_gs + row * ldw;
-            for (int64_t i = 0; i < k; i++)
-                acc = __fadd_rn(acc, __fmul_rn(__uint_as_float((uint32_t)xr[i] << 16),
-                                               __uint_as_float((uint32_t)wr[i] << 16)));
+        float tot = 0.0f;
+        for (int64_t s0 = 0; s0 < k; s0 += BE_DOT_SEG) {
+            const int64_t s1 = k - s0 < BE_DOT_SEG ? k : s0 + BE_DOT_SEG;
+            float acc = 0.0f;
+            for (int64_t i = s0; i < s1; i++) {
+                float wv;
+                if constexpr (W_F32) wv = ((const float *)w)[g * w_gs + row * ldw + i];
+                else wv = __uint_as_float((uint32_t)((const uint16_t *)w)[g * w_gs + row * ldw + i] << 16);
+                acc = __fadd_rn(acc, __fmul_rn(__uint_as_float((uint32_t)xr[i] << 16), wv));
+            }
+            tot = __fadd_rn(tot, acc);
         }
-        lo_store(y, OUT_F32, t * ldy + g * y_gs + row, acc);
+        lo_store(y, OUT_F32, t * ldy + g * y_gs + row, tot);
     }
 }
 
@@ -334,8 +447,11 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
     if (T <= 0 || n <= 0 || G <= 0) return;
     if (G > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "dense", "more than 65535 groups");
     cudaStream_t st = cuda_be_stream(be);
+    const bool tiled = T > DT_MIN_T && (T + DT_BT - 1) / DT_BT <= 0x7fffffff;
+    /* up to 8 rows dense_seg_kernel (k % 8 == 0), 9..256 dense_bf16_kernel, more dense_tile_kernel */
     const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&
-                         w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (n + DN_ROWS - 1) / DN_ROWS <= 65535;
+                         w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (T > DS_TMAX || k % 8 == 0) &&
+                         (n + DN_ROWS - 1) / DN_ROWS <= 65535 && (n + DS_WARPS - 1) / DS_WARPS <= 65535;
     if (!aligned) {
         dim3 grid((unsigned)((n + 127) / 128), (unsigned)(T < 65535 ? T : 65535), (unsigned)G);
         if (fmt == WF_F32) {
@@ -353,7 +469,7 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         KERNEL_CHECK();
         return;
     }
-    if (T > DT_MIN_T && (T + DT_BT - 1) / DT_BT <= 0x7fffffff) {
+    if (tiled) {
         dim3 grid((unsigned)((T + DT_BT - 1) / DT_BT), (unsigned)((n + DT_BR - 1) / DT_BR), (unsigned)G);
         if (out_f32)
             dense_tile_kernel<true><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, (const uint16_t *)w, ldw,
@@ -364,21 +480,31 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         KERNEL_CHECK();
         return;
     }
-    const int TT = T < DN_TMAX ? (int)T : DN_TMAX;
-    const int pf = (double)G * n * k * 2 <= 16.0 * 1024 * 1024; /* fits L2 (40 MB on A100) many times */
-    dim3 grid((unsigned)((T + DN_TMAX - 1) / DN_TMAX), (unsigned)((n + DN_ROWS - 1) / DN_ROWS), (unsigned)G);
+    if (T > DS_TMAX) { /* 9..256 rows: a lane per weight row, 8 token rows a CTA */
+        const int pf = (double)G * n * k * 2 <= 16.0 * 1024 * 1024; /* fits L2 (40 MB on A100) many times */
+        dim3 grid((unsigned)((T + DN_TMAX - 1) / DN_TMAX), (unsigned)((n + DN_ROWS - 1) / DN_ROWS), (unsigned)G);
+        if (out_f32)
+            dense_bf16_kernel<DN_TMAX, true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
+                                                                            (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
+        else
+            dense_bf16_kernel<DN_TMAX, false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
+                                                                             (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
+        KERNEL_CHECK();
+        return;
+    }
+    dim3 grid(1u, (unsigned)((n + DS_WARPS - 1) / DS_WARPS), (unsigned)G);
     const uint16_t *wb = (const uint16_t *)w;
-#define DN_CASE(TTV)                                                                                               \
+#define DS_CASE(TTV)                                                                                               \
     case TTV:                                                                                                      \
         if (out_f32)                                                                                               \
-            dense_bf16_kernel<TTV, true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, \
-                                                                         n, k, pf);                                    \
+            dense_seg_kernel<TTV, true><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, \
+                                                                        n, k);                                         \
         else                                                                                                       \
-            dense_bf16_kernel<TTV, false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs,   \
-                                                                          T, n, k, pf);                                \
+            dense_seg_kernel<TTV, false><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs,   \
+                                                                         T, n, k);                                     \
         break;
-    switch (TT) { DN_CASE(1) DN_CASE(2) DN_CASE(3) DN_CASE(4) DN_CASE(5) DN_CASE(6) DN_CASE(7) DN_CASE(8) }
-#undef DN_CASE
+    switch (T) { DS_CASE(1) DS_CASE(2) DS_CASE(3) DS_CASE(4) DS_CASE(5) DS_CASE(6) DS_CASE(7) DS_CASE(8) }
+#undef DS_CASE
     KERNEL_CHECK();
 }
 

@@ -253,7 +253,7 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
     cudaStream_t st = cuda_be_stream(be);
     float *z = (float *)cuda_be_scratch_raw(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
-    cuda_op_linear_f32(be, z, x, T, gate); /* fp32, k order: the CPU's linear_f32 */
+    cuda_op_linear_f32(be, z, x, T, gate); /* fp32, BE_DOT_SEG segments: the CPU's linear_f32 */
     size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
     if (smem > 48 * 1024)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "too many experts for shared memory");

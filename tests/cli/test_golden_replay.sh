@@ -10,13 +10,14 @@ GOLDEN=${GOLDEN:-../shared/golden}
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 # spec prompt  prefill_max  decode_max  decode_median  argmax_agree  close_steps (leading steps within 1e-3)  (measured
-# 2026-12-01, after the mHC mixes' dot products went to segments of BE_HC_MIX_SEG: kernels/backend.h)
+# 2026-12-02, after the dense fp32 sums (router gate, compressor, head) went to segments of BE_DOT_SEG:
+# kernels/backend.h)
 PINS="small6 0 0.000001 0.534389 0.126523 38 14
 small6 1 0.000202 0.003983 0.000001 40 5
-small6 2 1.617362 1.619153 0.328390 33 0
-tp8pp2 0 0.000082 1.058817 0.204580 46 6
+small6 2 1.617362 1.572279 0.331931 28 0
+tp8pp2 0 0.000082 1.034161 0.189510 45 6
 tp8pp2 1 1.423871 1.347687 0.545401 31 0
-tp8pp2 2 1.387173 1.675565 0.503576 35 0"
+tp8pp2 2 1.392270 1.675565 0.506227 35 0"
 while read -r spec p pmax dmax dmed agree exact; do
   "$DSBATCH" replay --model "$GOLDEN/$spec" --fixture "$GOLDEN/$spec/prompt$p.safetensors" --force tokens \
     --out "$T/r.st" 2>"$T/err" || { echo "not ok - replay $spec prompt$p: $(cat "$T/err")"; continue; }

@@ -237,11 +237,43 @@ static void test_linear_bf16_and_f32(void **state) {
     struct qweight W01 = wq(WF_F32, 1, 2, 2, 0, w01, NULL);
     OPS->linear_f32(&be, &yf, x2, 1, &W01);
     assert_true(yf == 0.1f * 1.0f + 0.1f * 2.0f);
+
+    /* Segments of BE_DOT_SEG (backend.h): segment 0 holds 1 and 2^-8, segment 1 starts with 2^-24
+     * twice. Segment 1's sum 2^-23 is added as one term: 1 + 2^-8 + 2^-23, which bf16 rounds up to
+     * 1 + 2^-7. One k-order chain drops each 2^-24 (a tie to even) and gives 1 + 2^-8, which bf16
+     * rounds (a tie, to even) to 1. Every dense entry (linear, linear_f32, head) takes that order. */
+    enum { KS = BE_DOT_SEG + 2 };
+    bf16_t xk[KS], wk[KS], yb;
+    float wkf[KS];
+    for (int i = 0; i < KS; i++) xk[i] = B(0.0f), wk[i] = B(1.0f), wkf[i] = 1.0f;
+    xk[0] = B(1.0f), xk[1] = B(0x1p-8f), xk[BE_DOT_SEG] = B(0x1p-24f), xk[BE_DOT_SEG + 1] = B(0x1p-24f);
+    const float seg_sum = 1.0f + 0x1p-8f + 0x1p-23f;
+    struct qweight Wk = wq(WF_BF16, 1, KS, KS, 0, wk, NULL), Wkf = wq(WF_F32, 1, KS, KS, 0, wkf, NULL);
+    OPS->linear_f32(&be, &yf, xk, 1, &Wk);
+    assert_true(yf == seg_sum);
+    OPS->linear_f32(&be, &yf, xk, 1, &Wkf);
+    assert_true(yf == seg_sum);
+    OPS->head(&be, &yf, xk, 1, &Wk);
+    assert_true(yf == seg_sum);
+    OPS->linear(&be, &yb, xk, 1, &Wk);
+    assert_int_equal(yb, B(1.0f + 0x1p-7f));
+}
+
+/* The segmented order the CPU backend's dense sums follow (backend.h, BE_DOT_SEG). */
+static float seg_dot(const bf16_t *x, const bf16_t *wb, const float *wf, int64_t k) {
+    float tot = 0.0f;
+    for (int64_t s0 = 0; s0 < k; s0 += BE_DOT_SEG) {
+        float a = 0.0f;
+        for (int64_t i = s0; i < k && i < s0 + BE_DOT_SEG; i++) a += F(x[i]) * (wb ? F(wb[i]) : wf[i]);
+        tot += a;
+    }
+    return tot;
 }
 
 static void test_linear_dense_vs_port(void **state) {
-    /* T = 70 crosses the T chunk, 13 outputs end in a partial panel, and W is a K slice (ld 48). */
-    enum { T = 70, N = 13, K = 40, LD = 48 };
+    /* T = 70 crosses the T chunk, 13 outputs end in a partial panel, W is a K slice (ld LD), and K
+     * spans two whole BE_DOT_SEG segments and a partial one. */
+    enum { T = 70, N = 13, K = 2 * BE_DOT_SEG + 40, LD = K + 8 };
     static bf16_t x[T * K], w[N * LD], y[T * N];
     static float wf[N * LD], yf[T * N];
     fill_bf16(x, T * K, 3.0f);
@@ -250,18 +282,10 @@ static void test_linear_dense_vs_port(void **state) {
     struct qweight Wb = wq(WF_BF16, N, K, LD, 0, w + 8, NULL), Wf = wq(WF_F32, N, K, LD, 0, wf + 8, NULL);
     OPS->linear(&be, y, x, T, &Wb);
     for (int t = 0; t < T; t++)
-        for (int j = 0; j < N; j++) {
-            float a = 0.0f;
-            for (int i = 0; i < K; i++) a += F(x[t * K + i]) * F(w[j * LD + 8 + i]);
-            assert_int_equal(y[t * N + j], B(a));
-        }
+        for (int j = 0; j < N; j++) assert_int_equal(y[t * N + j], B(seg_dot(x + t * K, w + j * LD + 8, NULL, K)));
     OPS->linear_f32(&be, yf, x, T, &Wf);
     for (int t = 0; t < T; t++)
-        for (int j = 0; j < N; j++) {
-            float a = 0.0f;
-            for (int i = 0; i < K; i++) a += F(x[t * K + i]) * wf[j * LD + 8 + i];
-            assert_true(yf[t * N + j] == a);
-        }
+        for (int j = 0; j < N; j++) assert_true(yf[t * N + j] == seg_dot(x + t * K, NULL, wf + j * LD + 8, K));
 }
 
 static void test_grouped_linear(void **state) {
