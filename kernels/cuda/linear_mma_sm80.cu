@@ -382,12 +382,13 @@ constexpr int DW_MT = 4;
  * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
 constexpr int64_t MMA_DECODE_AUTO_T = 64;
-/* Tried and not kept: at up to 1, 2, 4 or 8 rows, each decode CTA quantizing its own k-chunk's
- * activations into shared memory (mma_quant8, the same bits) instead of the mma_act_quant_kernel
- * launch. Every CTA along n redoes the chunk's quantization (its divisions), and that cost more
- * than the launch it saved: H200 bench_step decode ms at batch 1 / 2 / 4 / 8, separate launch
- * 5.86 / 6.66 / 7.29 / 9.09, fused up to 1 row 5.99 / -, up to 2 rows 5.87 / 6.99, up to 4 rows
- * 5.96 / 7.07 / 8.26, up to 8 rows 5.96 / 7.03 / 8.20 / 11.33. */
+/* Tried and not kept, twice (at T <= 8 in e0a6b66's session: wq_a T = 8 10.9 -> 35.1 µs; and at
+ * the thresholds below): each decode CTA quantizing its own k-chunk's activations into shared
+ * memory (mma_quant8, the same bits) instead of the mma_act_quant_kernel launch. Every CTA along n
+ * redoes the chunk's quantization (its divisions), and that cost more than the launch it saved:
+ * H200 bench_step decode ms at batch 1 / 2 / 4 / 8, separate launch
+ * 5.86 / 6.66 / 7.29 / 9.09; fused up to 1 row 5.99 at batch 1, up to 2 rows 5.87 / 6.99, up to
+ * 4 rows 5.96 / 7.07 / 8.26, up to 8 rows 5.96 / 7.03 / 8.20 / 11.33. */
 /* A decode configuration: MR rows of the one m16 tile (8: rows 8..15 are zero registers) or MT m16
  * tiles per CTA (T > 16: MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once
  * per 16 — at T = 256 the one-tile form decoded every weight 16 times and was instruction bound —
