@@ -34,13 +34,20 @@ static __device__ __forceinline__ void lo_store(void *y, bool out_f32, int64_t i
         ((uint16_t *)y)[i] = ds_bf16_rne(v);
 }
 
+/* 8 bf16 (one 16-byte word) -> 8 fp32, exact widening. */
+static __device__ __forceinline__ void lo_widen8r(float *f, uint4 v) {
+    f[0] = __uint_as_float(v.x << 16), f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16), f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16), f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
 /* 8 bf16 (16 bytes, shared memory) -> 8 fp32 (exact widening), two float4 stores. */
 static __device__ __forceinline__ void lo_widen8(float *dst, const uint16_t *src) {
-    const uint4 v = *reinterpret_cast<const uint4 *>(src);
-    *reinterpret_cast<float4 *>(dst) = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                                                   __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-    *reinterpret_cast<float4 *>(dst + 4) = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                                                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+    float f[8];
+    lo_widen8r(f, *reinterpret_cast<const uint4 *>(src));
+    *reinterpret_cast<float4 *>(dst) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4 *>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -75,12 +82,6 @@ template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
 #define DS_CH (BE_DOT_SEG / 8)     /* 16-byte chunks of a whole segment */
 static_assert(BE_DOT_SEG % 8 == 0, "segments of whole 16-byte chunks");
 
-static __device__ __forceinline__ void lo_widen8r(float *f, uint4 v) {
-    f[0] = __uint_as_float(v.x << 16), f[1] = __uint_as_float(v.x & 0xffff0000u);
-    f[2] = __uint_as_float(v.y << 16), f[3] = __uint_as_float(v.y & 0xffff0000u);
-    f[4] = __uint_as_float(v.z << 16), f[5] = __uint_as_float(v.z & 0xffff0000u);
-    f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
-}
 
 /* acc[t] += x[t][kc + j] · w[j], j = 0..7 in order, each product and add rounded on its own; x
  * through the read-only cache (the CTA's warps read the same x) */
@@ -254,11 +255,8 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
              * a load or a multiply. The adds themselves stay in k order. */
             const uint16_t *wrow = &sm_w[slot][lane][0];
             auto products = [&](int c, float(&pr)[TPW][8]) {
-                const uint4 v = *reinterpret_cast<const uint4 *>(wrow + (c ^ (lane & 7)) * 8);
-                const float wf[8] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                                     __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u),
-                                     __uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                                     __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u)};
+                float wf[8];
+                lo_widen8r(wf, *reinterpret_cast<const uint4 *>(wrow + (c ^ (lane & 7)) * 8));
 #pragma unroll
                 for (int i = 0; i < TPW; i++) {
                     const int t = warp * TPW + i < TT ? warp * TPW + i : TT - 1; /* past TT: unused */
@@ -269,11 +267,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
                         xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
                         xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
                     } else {
-                        const uint4 u = *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]);
-                        xv[0] = __uint_as_float(u.x << 16), xv[1] = __uint_as_float(u.x & 0xffff0000u);
-                        xv[2] = __uint_as_float(u.y << 16), xv[3] = __uint_as_float(u.y & 0xffff0000u);
-                        xv[4] = __uint_as_float(u.z << 16), xv[5] = __uint_as_float(u.z & 0xffff0000u);
-                        xv[6] = __uint_as_float(u.w << 16), xv[7] = __uint_as_float(u.w & 0xffff0000u);
+                        lo_widen8r(xv, *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]));
                     }
 #pragma unroll
                     for (int j = 0; j < 8; j++) pr[i][j] = __fmul_rn(xv[j], wf[j]);
