@@ -4,7 +4,8 @@
  *
  * Every output element is one sequential fp32 sum in k order (per 32-wide block for the quantized
  * path; per BE_DOT_SEG segment, the segment sums then added in order, for the dense ones), exactly
- * as backend.h states, because this file is the oracle the GPU GEMMs are checked against. Speed comes only from things that cannot move a rounding: activations are quantized
+ * as backend.h states, because this file is the oracle the GPU GEMMs are checked against. Speed
+ * comes only from things that cannot move a rounding: activations are quantized
  * once per row, weights are decoded through lookup tables into a k-major panel of CPU_LANES rows,
  * each lane (one output) keeps its own sum so the compiler may vectorize across outputs, and
  * panels are spread over OpenMP threads (each output is owned by one thread, so the thread count
