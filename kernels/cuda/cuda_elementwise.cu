@@ -598,7 +598,12 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  *
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
  * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
- * (hc_split_sinkhorn_warp; HC * HC > 32: thread 0 with C in registers; HC is a template parameter). */
+ * (hc_split_sinkhorn_warp; HC * HC > 32: thread 0 with C in registers; HC is a template parameter).
+ * Tried and not kept, twice: the row's partials fetched by the whole CTA in one coalesced round
+ * and folded from shared memory, instead of NM threads walking theirs in global memory (the
+ * second time held in registers across the row statistic): the step unchanged (H200 bench_step,
+ * 6.02 / 9.19 / 18.91 -> 6.03 / 9.22 / 18.98 ms at batch 1 / 8 / 64, in one binary with a
+ * decode-linear pipeline change that did not gain either: linear_mma_sm80.cu). */
 
 #define HC_R 4     /* rows per CTA (small calls) */
 #define HC_R_BIG_T 64

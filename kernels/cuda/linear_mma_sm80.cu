@@ -14,6 +14,8 @@
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
  *  - mma_decode_kernel (T <= 64 by default, up to 256 when asked for): see its own comment below;
+ *    FP8 calls of up to 8 rows take mma_decode_split_kernel, the same tile and bits with a
+ *    chunk's block products spread over four warps per n8 tile;
  *  - mma_linear_kernel (T > 64), one launch for the full k-chunks (grid z) and one for a shorter
  *    last chunk: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
@@ -582,6 +584,155 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Up to 8 rows, FP8 (the linears of a decode step at batch <= 8): the decode kernel's arithmetic and tile
+ * (16 weight rows x one k-chunk per CTA, the MR = 8 fragments), with the chunk's blocks spread
+ * over four warps per n8 tile. The fold acc = fma(P'_b, s_w[b], acc) must run in block order,
+ * but the block products P'_b do not depend on each other: warp (tile j, quarter q) computes
+ * P'_b for the chunk's blocks 8q .. 8q + 7 from its own quarter of shared memory, leaves them
+ * in shared memory, and one warp per tile folds the 32 in order — the same P'_b, the same fold,
+ * so the same bits as mma_decode_kernel (test_linear_mma_kernels_agree). Every quarter's copies
+ * are issued before the first wait (one memory latency per CTA). Nsight Compute put the
+ * 2-warp form's time in each warp's own instruction stream — ~2,700 issued instructions per warp
+ * for wq_a at 3.3 cycles each, not the memory (DRAM 13 %): here a warp issues about a quarter
+ * of the block work. H200, bench_step decode ms at batch 1 / 8 / 64, the old and the new binary
+ * alternated in one run: 5.94, 5.88 / 9.19, 9.07 / 18.94, 18.89 -> 5.81, 5.82 / 9.10, 9.06 /
+ * 19.06, 18.89; wq_a's kernel 8.0 µs (Nsight Compute, clocks as they run). FP4 keeps the 2-warp
+ * form: split, bench_linear_cuda's FP4 [2304, 5120] took 12.8 -> 13.2 µs a call (graph, T = 1).
+ * (Tried and not kept, before: the 2-warp form issuing its fourth stage with the first three
+ * — a whole chunk fits its ring — instead of after the first landed: step unchanged, 6.02 / 9.19
+ * / 18.91 -> 6.03 / 9.22 / 18.98 ms.) */
+constexpr int SP_TILES = 2;                  /* n8 tiles per CTA (16 weight rows: one FP8 scale group) */
+constexpr int SP_Q = 4;                      /* warps per tile, a quarter of the chunk's blocks each */
+constexpr int SP_QB = KCH / SP_Q;            /* blocks per quarter */
+constexpr int SP_THREADS = 32 * SP_TILES * SP_Q;
+struct spcfg { /* FP8 only: the FP4 linears are the routed experts', which have their own kernels */
+    static constexpr int B_ROW = 32;                          /* weight bytes per row per block */
+    static constexpr int BN = 8 * SP_TILES;
+    static constexpr int B_LD = SP_QB * B_ROW + 32;           /* padded as dcfg */
+    static constexpr int A_LD = SP_QB * 64 + 16;
+    static constexpr int A_BYTES = 8 * A_LD, B_BYTES = BN * B_LD, Q_BYTES = A_BYTES + B_BYTES;
+    static constexpr int P_BYTES = SP_TILES * KCH * 32 * 16;  /* P'_b [tile][block][lane] float4 */
+    static constexpr int SMEM = SP_Q * Q_BYTES > P_BYTES ? SP_Q * Q_BYTES : P_BYTES;
+    static constexpr int S_ROWS = 1;                           /* the CTA's rows: one 32-row scale group */
+    static constexpr int A_CHUNKS = 8 * SP_QB * 4, B_CHUNKS = BN * SP_QB * B_ROW / 16; /* per quarter */
+    static_assert(A_CHUNKS == SP_THREADS && B_CHUNKS == SP_THREADS && SMEM + S_ROWS * KCH <= 48 * 1024 &&
+                      Q_BYTES % 16 == 0 && KCH % SP_Q == 0,
+                  "split decode tile");
+};
+
+__global__ void __launch_bounds__(SP_THREADS)
+    mma_decode_split_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
+                            const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n,
+                            int64_t k, int64_t ld_b, int64_t s_ld, int pair_store) {
+    using C = spcfg;
+    constexpr int B_ROW = C::B_ROW;
+    __shared__ __align__(16) uint8_t smem[C::SMEM]; /* quarters { A [8][A_LD], B [16][B_LD] }, then P'_b */
+    __shared__ uint8_t s_sm[C::S_ROWS * KCH];       /* raw e8m0 weight scales of the chunk */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = warp % SP_TILES, quarter = warp / SP_TILES;
+    const int64_t n0 = (int64_t)blockIdx.x * C::BN;
+    const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(k / 32);
+    const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH;
+    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+    const uint32_t sbase = smem_addr(smem);
+
+    /* every quarter's copies, one 16-byte chunk of A and one of B per thread per quarter; rows
+     * past T or n and blocks past nb are zero-filled */
+    {
+        const int ra = tid / (SP_QB * 4), ca = tid % (SP_QB * 4);
+        constexpr int BCH = SP_QB * B_ROW / 16; /* chunks per weight row per quarter */
+        const int rb = tid / BCH, cbk = tid % BCH;
+#pragma unroll
+        for (int qd = 0; qd < SP_Q; qd++) {
+            const uint32_t so = sbase + (uint32_t)(qd * C::Q_BYTES);
+            const int b0 = qd * SP_QB;
+            if (qd * SP_QB >= nb) break; /* CTA-uniform */
+            const bool va = ra < T && b0 + ca / 4 < nb;
+            cp_async16(so + (uint32_t)(ra * C::A_LD + ca * 16),
+                       va ? abase + ra * k * 2 + (int64_t)(kb0 + b0) * 64 + ca * 16 : abase, va);
+            const bool vb = n0 + rb < n && b0 + cbk * 16 / B_ROW < nb;
+            cp_async16(so + (uint32_t)(C::A_BYTES + rb * C::B_LD + cbk * 16),
+                       vb ? w + (n0 + rb) * ld_b + (int64_t)(kb0 + b0) * B_ROW + cbk * 16 : w, vb);
+        }
+        cp_async_commit();
+    }
+    if (tid < KCH) /* as mma_decode_kernel's load_scales */
+        s_sm[tid] = n0 < n && tid < nb ? __ldg(s + (n0 / 32) * s_ld + kb0 + tid) : (uint8_t)0;
+    cp_async_wait<0>();
+    __syncthreads();
+
+    /* the quarter's block products (blocks past nb multiply zeros and are never folded) */
+    float p[SP_QB][4];
+    const bool live = quarter * SP_QB < nb; /* warp-uniform */
+    if (live) {
+        const uint32_t so = sbase + (uint32_t)(quarter * C::Q_BYTES);
+        const uint32_t ldA = (uint32_t)((lane & 7) * C::A_LD + ((lane >> 3) & 1) * 16);
+        const uint8_t *const sb = smem + quarter * C::Q_BYTES + C::A_BYTES + (tile * 8 + g) * C::B_LD + t * (B_ROW / 4);
+#pragma unroll
+        for (int j = 0; j < SP_QB; j++) {
+            const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
+            const uint32_t b[4] = {e4m3x2_to_bf16x2(v.x, 0x1404u), e4m3x2_to_bf16x2(v.x, 0x3424u),
+                                   e4m3x2_to_bf16x2(v.y, 0x1404u), e4m3x2_to_bf16x2(v.y, 0x3424u)};
+            uint32_t a0[4], a1[4];
+            decode_a_frags<8>(so + ldA + (uint32_t)(j * 64), a0, a1);
+            mma_bf16(p[j], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+            mma_bf16(p[j], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[j][0], p[j][1], p[j][2], p[j][3]);
+        }
+    }
+    __syncthreads(); /* every quarter read: P'_b goes over them */
+    float4 *const P = reinterpret_cast<float4 *>(smem); /* [SP_TILES][KCH][32] */
+    if (live)
+#pragma unroll
+        for (int j = 0; j < SP_QB; j++)
+            P[(tile * KCH + quarter * SP_QB + j) * 32 + lane] = make_float4(p[j][0], p[j][1], p[j][2], p[j][3]);
+    __syncthreads();
+    if (quarter != 0) return;
+
+    /* warp `tile` folds the chunk's blocks in order (the lane's columns 2t, 2t+1; rows g, g + 8) */
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+    for (int b = 0; b < nb; b++) {
+        const float4 v = P[(tile * KCH + b) * 32 + lane];
+        const float q = e8m0f(s_sm[b]);
+        acc[0] = __fmaf_rn(v.x, q, acc[0]);
+        acc[1] = __fmaf_rn(v.y, q, acc[1]);
+        acc[2] = __fmaf_rn(v.z, q, acc[2]);
+        acc[3] = __fmaf_rn(v.w, q, acc[3]);
+    }
+
+    const int64_t col = n0 + tile * 8 + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int64_t row = g + 8 * h;
+        if (row >= T) continue;
+        const float v0 = acc[2 * h], v1 = acc[2 * h + 1];
+        if (part) {
+            float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
+            if (col < n) pr[col] = v0;
+            if (col + 1 < n) pr[col + 1] = v1;
+            continue;
+        }
+        __nv_bfloat16 *yr = y + row * n;
+        if (pair_store) {
+            if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
+        } else {
+            if (col < n) yr[col] = __float2bfloat16_rn(v0);
+            if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
+        }
+    }
+}
+
+void launch_decode_split(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
+                         const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+    const int64_t nt = (n + spcfg::BN - 1) / spcfg::BN, nch = (k / 32 + KCH - 1) / KCH;
+    if (nt > 0x7fffffff || nch > 65535 || T > 8)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
+    mma_decode_split_kernel<<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1)), SP_THREADS, 0, st>>>(
+        y, part, a, w, s, T, n, k, ld_b, s_ld, pair);
+}
+
 template <int F, int MR, int MT = 1>
 void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
                    const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
@@ -679,7 +830,7 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
             else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else if (fmt == WF_FP8) {
-            if (T <= 8) launch_decode<K_FP8, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else if (T <= 16) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else {
