@@ -390,17 +390,45 @@ __device__ __forceinline__ float row_rstd_block(const uint16_t *xr, int64_t n, f
  * pass each thread reads its elements before writing them. */
 
 #define RMS_WARPS 4
+/* output-pass iterations whose weights the 8-wide form loads before the sum (n <= 5120 whole):
+ * the weight row then arrives while the sum runs, not after it (x is re-read from L1). With
+ * hc_mix_finish's Sinkhorn parameters fetched first likewise, on the H200 (one eager batch-1 step,
+ * Nsight Compute, clocks as they run) the first four rmsnorm calls 8.83 / 7.04 / 5.82 / 8.74 ->
+ * 6.85 / 6.62 / 4.74 / 7.01 µs, the first two hc_mix_finish 17.47 / 15.68 -> 15.81 / 14.50 µs;
+ * bench_step decode, old and new alternated three times: batch 1 5.73 / 5.73 / 5.65 -> 5.62 /
+ * 5.57 / 5.56 ms, batch 8 8.82 / 8.81 / 8.70 -> 8.69 / 8.63 / 8.63 ms. (Holding x in registers
+ * too spilled under the SM90 compiler.) */
+#define RMS_PRE 5
 
 template <int VEC>
 __global__ void __launch_bounds__(RMS_WARPS * 32)
     rmsnorm_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t n, float eps) {
+    constexpr int STEP = RMS_WARPS * 32 * VEC, PRE = VEC == 8 ? RMS_PRE : 0;
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float r_s;
     const int64_t row = blockIdx.x;
     const uint16_t *xr = x + row * n; /* [n] bf16 */
     uint16_t *yr = y + row * n;       /* [n] bf16 */
+    uint4 wp[PRE > 0 ? PRE : 1];
+#pragma unroll
+    for (int p = 0; p < PRE; p++) {
+        const int64_t e = (int64_t)threadIdx.x * VEC + p * STEP;
+        if (e < n) wp[p] = __ldg(reinterpret_cast<const uint4 *>(w + e));
+    }
     const float r = row_rstd_block(xr, n, eps, l0, &r_s);
-    for (int64_t e = (int64_t)threadIdx.x * VEC; e < n; e += RMS_WARPS * 32 * VEC) {
+#pragma unroll
+    for (int p = 0; p < PRE; p++) { /* each thread reads its elements before writing them */
+        const int64_t e = (int64_t)threadIdx.x * VEC + p * STEP;
+        if (e < n) {
+            float xv[8], wv[8];
+            unpack8(*reinterpret_cast<const uint4 *>(xr + e), xv);
+            unpack8(wp[p], wv);
+#pragma unroll
+            for (int i = 0; i < 8; i++) xv[i] = __fmul_rn(wv[i], __fmul_rn(xv[i], r));
+            *reinterpret_cast<uint4 *>(yr + e) = pack8(xv);
+        }
+    }
+    for (int64_t e = (int64_t)threadIdx.x * VEC + PRE * STEP; e < n; e += STEP) {
         float xv[VEC], wv[VEC];
         load_bf<VEC>(xr + e, xv);
         load_bf<VEC>(w + e, wv);
@@ -843,12 +871,14 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
                          const float *__restrict__ scale, const float *__restrict__ base, int iters,
                          float norm_eps, float hc_eps) {
     constexpr int NM = hc_cfg<HC>::NM;
-    static_assert(NM <= HC_FIN_THREADS, "one thread per mix");
+    static_assert(3 + NM <= HC_FIN_THREADS, "one thread per mix (and per Sinkhorn parameter)");
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float m_s[NM];
+    __shared__ float prm_s[3 + NM]; /* scale [3], base [NM]: fetched first, so their latency hides under the row's */
     __shared__ float rn_s;
     const int64_t t = blockIdx.x, L = HC * D;
     const int tid = threadIdx.x;
+    if (tid < 3 + NM) prm_s[tid] = tid < 3 ? scale[tid] : base[tid - 3];
     if (tid < NM) {
         const float *pr = part + (t * NM + tid) * nseg; /* [nseg] */
         float acc = 0.0f;
@@ -860,10 +890,10 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     __syncthreads();
     if (HC * HC <= 32) {
         if (tid < 32)
-            hc_split_sinkhorn_warp<(HC * HC <= 32 ? HC : 1)>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC,
-                                                             comb + t * HC * HC);
+            hc_split_sinkhorn_warp<(HC * HC <= 32 ? HC : 1)>(m_s, prm_s, prm_s + 3, iters, hc_eps, pre + t * HC,
+                                                             post + t * HC, comb + t * HC * HC);
     } else if (tid == 0) {
-        hc_split_sinkhorn<HC>(m_s, scale, base, iters, hc_eps, pre + t * HC, post + t * HC, comb + t * HC * HC);
+        hc_split_sinkhorn<HC>(m_s, prm_s, prm_s + 3, iters, hc_eps, pre + t * HC, post + t * HC, comb + t * HC * HC);
     }
 }
 
