@@ -415,6 +415,25 @@ template <int F, int MR, int MT = 1> struct dcfg {
 };
 
 
+/* A decode kernel's outputs (row, col) and (row, col + 1): the k-chunk blockIdx.y's fp32 partials
+ * when part is given (mma_chunk_sum_kernel folds them), else bf16 into y; columns past n skipped. */
+__device__ __forceinline__ void decode_store(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, int64_t T,
+                                             int64_t n, int64_t row, int64_t col, float v0, float v1, int pair_store) {
+    if (part) {
+        float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
+        if (col < n) pr[col] = v0;
+        if (col + 1 < n) pr[col + 1] = v1;
+        return;
+    }
+    __nv_bfloat16 *yr = y + row * n;
+    if (pair_store) {
+        if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        if (col < n) yr[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
+    }
+}
+
 template <int F, int MR, int MT>
 __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
@@ -566,21 +585,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     for (int mh = 0; mh < 2 * MT; mh++) {
         const int mi = mh >> 1, h = mh & 1;
         const int64_t row = m0 + mi * 16 + g + 8 * h;
-        if (row >= T) continue;
-        const float v0 = acc[mi][2 * h], v1 = acc[mi][2 * h + 1];
-        if (part) {
-            float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
-            if (col < n) pr[col] = v0;
-            if (col + 1 < n) pr[col + 1] = v1;
-            continue;
-        }
-        __nv_bfloat16 *yr = y + row * n;
-        if (pair_store) {
-            if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
-        } else {
-            if (col < n) yr[col] = __float2bfloat16_rn(v0);
-            if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
-        }
+        if (row < T) decode_store(y, part, T, n, row, col, acc[mi][2 * h], acc[mi][2 * h + 1], pair_store);
     }
 }
 
@@ -706,21 +711,7 @@ __global__ void __launch_bounds__(SP_THREADS)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int64_t row = g + 8 * h;
-        if (row >= T) continue;
-        const float v0 = acc[2 * h], v1 = acc[2 * h + 1];
-        if (part) {
-            float *pr = part + ((int64_t)blockIdx.y * T + row) * n;
-            if (col < n) pr[col] = v0;
-            if (col + 1 < n) pr[col + 1] = v1;
-            continue;
-        }
-        __nv_bfloat16 *yr = y + row * n;
-        if (pair_store) {
-            if (col < n) *reinterpret_cast<__nv_bfloat162 *>(yr + col) = __floats2bfloat162_rn(v0, v1);
-        } else {
-            if (col < n) yr[col] = __float2bfloat16_rn(v0);
-            if (col + 1 < n) yr[col + 1] = __float2bfloat16_rn(v1);
-        }
+        if (row < T) decode_store(y, part, T, n, row, col, acc[2 * h], acc[2 * h + 1], pair_store);
     }
 }
 
