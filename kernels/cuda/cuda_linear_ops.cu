@@ -171,22 +171,22 @@ static_assert(DN_KB == BE_DOT_SEG, "a stage is one segment");
 
 /* Grid: x = token group (8 rows; fastest, so the groups of one weight tile run together and
  * share it through L2), y = 32-row weight tile, z = group g of a grouped projection (element
- * offsets y_gs, x_gs, w_gs per g). TT = token rows of a full group (T when T <= 8, else 8, the last
- * group masked). Shared memory: weights 4 x 32 x 128 bf16 = 32 KB, raw x 4 x TT x 128 bf16
- * (<= 8 KB), widened x TT x 128 fp32 (<= 4 KB, only for TT >= 5).
+ * offsets y_gs, x_gs, w_gs per g); the last token group is masked. It serves 9..256 rows (fewer go
+ * to dense_seg_kernel). Shared memory: weights 4 x 32 x 128 bf16 = 32 KB, raw x 4 x 8 x 128 bf16
+ * = 8 KB, widened x 8 x 128 fp32 = 4 KB.
  * Stage s: wait until its copies landed (group s), barrier (also: everyone finished stage s-1,
- * whose slot and the widened-x buffer are now free), issue stage s+3 into s-1's slot, (TT >= 5:
- * widen x, barrier,) then lane r of warp w runs row r over the 128 k of the stage for tokens
- * w*TPW.. (TPW = 2 rows per warp when TT >= 5, else warp w takes row w). */
-template <int TT, bool OUT_F32>
+ * whose slot and the widened-x buffer are now free), issue stage s+3 into s-1's slot, widen x,
+ * barrier, then lane r of warp w runs row r over the 128 k of the stage for tokens 2w, 2w + 1. */
+template <bool OUT_F32>
 __global__ void __launch_bounds__(DN_WARPS * 32)
     dense_bf16_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
                       int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
                       int64_t k, int prefetch) {
-    constexpr int TPW = (TT + DN_WARPS - 1) / DN_WARPS; /* token rows per warp */
+    constexpr int TT = DN_TMAX, TPW = TT / DN_WARPS; /* token rows per CTA, per warp */
+    static_assert(TPW * DN_WARPS == TT, "every warp takes token rows");
     __shared__ __align__(16) uint16_t sm_w[DN_STAGES][DN_ROWS][DN_KB];
     __shared__ __align__(16) uint16_t sm_x[DN_STAGES][TT][DN_KB];
-    __shared__ __align__(16) float sm_xf[TPW > 1 ? TT : 1][DN_KB]; /* widened x (>= 5 rows) */
+    __shared__ __align__(16) float sm_xf[TT][DN_KB]; /* widened x */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t t0 = (int64_t)blockIdx.x * DN_TMAX, r0 = (int64_t)blockIdx.y * DN_ROWS, g = blockIdx.z;
@@ -241,14 +241,15 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
         __syncthreads();
         if (s + DN_STAGES - 1 < nst) load_stage((s + DN_STAGES - 1) % DN_STAGES, s + DN_STAGES - 1);
         lo_cp_commit();
-        if (TPW > 1) { /* >= 5 token rows: widen x once per stage (the inner loop is compute bound) */
-            for (int i = tid; i < TT * (DN_KB / 8); i += DN_WARPS * 32) {
-                int t = i >> 4, c = i & 15;
-                lo_widen8(&sm_xf[t][c * 8], &sm_x[slot][t][c * 8]);
-            }
-            __syncthreads();
-        } /* <= 4 rows: one row per warp, widened where it is read: one barrier per stage */
-        if (warp * TPW < TT) { /* warps without token rows only helped load */
+        for (int i = tid; i < TT * (DN_KB / 8); i += DN_WARPS * 32) { /* x widened once per stage */
+            int t = i >> 4, c = i & 15;
+            lo_widen8(&sm_xf[t][c * 8], &sm_x[slot][t][c * 8]);
+        }
+        __syncthreads();
+        /* warp * TPW < TT always (4 warps of 2 rows), and t below never needs its clamp; both stay:
+         * without them the compiler, which cannot bound warp, allocates the kernel differently
+         * (98 -> 96 registers, other SASS), which is not measured */
+        if (warp * TPW < TT) {
             /* Software-pipelined: the 8 products of chunk c+1 (independent roundings) are formed
              * while chunk c's 8 adds run, so the one dependent add chain per output (4 cycles an
              * add; the whole cost at small n, where a CTA has a single busy warp) never waits for
@@ -259,16 +260,12 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
                 lo_widen8r(wf, *reinterpret_cast<const uint4 *>(wrow + (c ^ (lane & 7)) * 8));
 #pragma unroll
                 for (int i = 0; i < TPW; i++) {
-                    const int t = warp * TPW + i < TT ? warp * TPW + i : TT - 1; /* past TT: unused */
+                    const int t = warp * TPW + i < TT ? warp * TPW + i : TT - 1;
+                    const float4 xa = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8]);
+                    const float4 xb = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8 + 4]);
                     float xv[8];
-                    if (TPW > 1) {
-                        const float4 xa = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8]);
-                        const float4 xb = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8 + 4]);
-                        xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
-                        xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
-                    } else {
-                        lo_widen8r(xv, *reinterpret_cast<const uint4 *>(&sm_x[slot][t][c * 8]));
-                    }
+                    xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
+                    xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
 #pragma unroll
                     for (int j = 0; j < 8; j++) pr[i][j] = __fmul_rn(xv[j], wf[j]);
                 }
@@ -478,10 +475,10 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         const int pf = (double)G * n * k * 2 <= 16.0 * 1024 * 1024; /* fits L2 (40 MB on A100) many times */
         dim3 grid((unsigned)((T + DN_TMAX - 1) / DN_TMAX), (unsigned)((n + DN_ROWS - 1) / DN_ROWS), (unsigned)G);
         if (out_f32)
-            dense_bf16_kernel<DN_TMAX, true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
+            dense_bf16_kernel<true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
                                                                             (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
         else
-            dense_bf16_kernel<DN_TMAX, false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
+            dense_bf16_kernel<false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
                                                                              (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
         KERNEL_CHECK();
         return;
