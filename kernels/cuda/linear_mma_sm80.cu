@@ -240,11 +240,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
             if (F == K_BF16) {
                 ldmatrix_x4(b[j], so + ldB + (uint32_t)(j * 8 * B_ROW));
             } else if (F == K_FP8) {
-                const uint2 v = *reinterpret_cast<const uint2 *>(raw);
-                b[j][0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
-                b[j][1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
-                b[j][2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
-                b[j][3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
+                e4m3x8_to_bf16x2(*reinterpret_cast<const uint2 *>(raw), b[j]);
             } else {
                 e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(raw), b[j]);
             }
@@ -543,11 +539,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
             for (int j = 0; j < DKB; j++) {
                 uint32_t b[4]; /* decoded once, used by every m16 tile of the CTA */
                 if (F == K_FP8) {
-                    const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
-                    b[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
-                    b[1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
-                    b[2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
-                    b[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
+                    e4m3x8_to_bf16x2(*reinterpret_cast<const uint2 *>(sb + j * B_ROW), b);
                 } else {
                     e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + j * B_ROW), b);
                 }
@@ -619,9 +611,8 @@ struct spcfg { /* FP8 only: the FP4 linears are the routed experts', which have 
     static constexpr int A_BYTES = 8 * A_LD, B_BYTES = BN * B_LD, Q_BYTES = A_BYTES + B_BYTES;
     static constexpr int P_BYTES = SP_TILES * KCH * 32 * 16;  /* P'_b [tile][block][lane] float4 */
     static constexpr int SMEM = SP_Q * Q_BYTES > P_BYTES ? SP_Q * Q_BYTES : P_BYTES;
-    static constexpr int S_ROWS = 1;                           /* the CTA's rows: one 32-row scale group */
     static constexpr int A_CHUNKS = 8 * SP_QB * 4, B_CHUNKS = BN * SP_QB * B_ROW / 16; /* per quarter */
-    static_assert(A_CHUNKS == SP_THREADS && B_CHUNKS == SP_THREADS && SMEM + S_ROWS * KCH <= 48 * 1024 &&
+    static_assert(A_CHUNKS == SP_THREADS && B_CHUNKS == SP_THREADS && SMEM + KCH <= 48 * 1024 &&
                       Q_BYTES % 16 == 0 && KCH % SP_Q == 0,
                   "split decode tile");
 };
@@ -633,7 +624,7 @@ __global__ void __launch_bounds__(SP_THREADS)
     using C = spcfg;
     constexpr int B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[C::SMEM]; /* quarters { A [8][A_LD], B [16][B_LD] }, then P'_b */
-    __shared__ uint8_t s_sm[C::S_ROWS * KCH];       /* raw e8m0 weight scales of the chunk */
+    __shared__ uint8_t s_sm[KCH]; /* raw e8m0 weight scales of the chunk (its 16 rows: one 32-row group) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = warp % SP_TILES, quarter = warp / SP_TILES;
@@ -653,7 +644,7 @@ __global__ void __launch_bounds__(SP_THREADS)
         for (int qd = 0; qd < SP_Q; qd++) {
             const uint32_t so = sbase + (uint32_t)(qd * C::Q_BYTES);
             const int b0 = qd * SP_QB;
-            if (qd * SP_QB >= nb) break; /* CTA-uniform */
+            if (b0 >= nb) break; /* CTA-uniform */
             const bool va = ra < T && b0 + ca / 4 < nb;
             cp_async16(so + (uint32_t)(ra * C::A_LD + ca * 16),
                        va ? abase + ra * k * 2 + (int64_t)(kb0 + b0) * 64 + ca * 16 : abase, va);
@@ -677,9 +668,8 @@ __global__ void __launch_bounds__(SP_THREADS)
         const uint8_t *const sb = smem + quarter * C::Q_BYTES + C::A_BYTES + (tile * 8 + g) * C::B_LD + t * (B_ROW / 4);
 #pragma unroll
         for (int j = 0; j < SP_QB; j++) {
-            const uint2 v = *reinterpret_cast<const uint2 *>(sb + j * B_ROW);
-            const uint32_t b[4] = {e4m3x2_to_bf16x2(v.x, 0x1404u), e4m3x2_to_bf16x2(v.x, 0x3424u),
-                                   e4m3x2_to_bf16x2(v.y, 0x1404u), e4m3x2_to_bf16x2(v.y, 0x3424u)};
+            uint32_t b[4];
+            e4m3x8_to_bf16x2(*reinterpret_cast<const uint2 *>(sb + j * B_ROW), b);
             uint32_t a0[4], a1[4];
             decode_a_frags<8>(so + ldA + (uint32_t)(j * 64), a0, a1);
             mma_bf16(p[j], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);

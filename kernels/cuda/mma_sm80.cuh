@@ -78,6 +78,15 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t u, uint32_t sel) {
     return fma_bf16x2(r, 0x7B807B80u, 0x80008000u);
 }
 
+/* Eight e4m3 codes (a lane's 8 bytes of a k-block row) -> the four bf16x2 B-fragment registers:
+ * out[0..1] feed the block's first mma (bytes 0..3), out[2..3] its second (bytes 4..7). */
+__device__ __forceinline__ void e4m3x8_to_bf16x2(uint2 v, uint32_t (&out)[4]) {
+    out[0] = e4m3x2_to_bf16x2(v.x, 0x1404u);
+    out[1] = e4m3x2_to_bf16x2(v.x, 0x3424u);
+    out[2] = e4m3x2_to_bf16x2(v.y, 0x1404u);
+    out[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
+}
+
 /* Eight e2m1 codes (one 32-bit word, byte i = codes 2i (low nibble) and 2i+1 (high)) -> four
  * bf16x2 (code 2i in the low half of out[i]). Each code is put in the top nibble of its 16-bit
  * lane (sign at bit 15), the 3 magnitude bits move to bits 6..8 (exponent field = e, top mantissa
