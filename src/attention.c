@@ -259,25 +259,26 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
 /* [T, hd]: the arena's scratch rows (model_kv_reserve) */
 bf16_t *attention_kv_rows(struct model *m) { return m->kv + m->kv_cache_rows * m->cfg->head_dim; }
 
-void attention_project(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
+void attention_project_kv(struct model *m, int l, struct batch *b, const bf16_t *x) {
+    const struct model_config *c = m->cfg;
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim;
+    bf16_t *kv = attention_kv_rows(m);
+    OPS->linear(m->be, kv, x, T, &aw->wkv);
+    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, (float)c->norm_eps);
+    OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    OPS->qdq_fp8_32(m->be, kv, T * hd);
+}
+
+void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, ql = c->q_lora_rank;
     int64_t Hl = aw->wq_b.n / hd;
-    float eps = (float)c->norm_eps;
-    bf16_t *kv = attention_kv_rows(m);
-    /* the window K=V rows on a branch beside the query chain: both only read x */
-    model_branch_begin(m);
-    OPS->linear(m->be, kv, x, T, &aw->wkv);
-    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, eps);
-    OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
-    OPS->qdq_fp8_32(m->be, kv, T * hd);
-    model_branch_end(m);
     OPS->linear(m->be, qr, x, T, &aw->wq_a);
-    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, eps);
+    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, (float)c->norm_eps);
     OPS->linear(m->be, q, qr, T, &aw->wq_b);
     OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
-    model_branch_join(m);
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,

@@ -572,21 +572,23 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
 
 /* MoE (§3.10), first part: the shared expert into sh [T, D] bf16, and the router and this rank's
  * routed experts into their slots of ye [T, k, D] bf16 (idx [T, k] int32, wts [T, k] fp32). The
- * two chains only read x: the shared expert runs on a branch beside the routed path, where at
- * decode sizes each leaves most SMs idle (its own three linears cost as much as the router). */
-static void moe_route(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
-                      bf16_t *ye, bf16_t *sh) {
+ * two chains only read x; block_forward runs the shared expert on a branch beside the routed path,
+ * where at decode sizes each leaves most SMs idle (its own three linears cost as much as the
+ * router). */
+static void moe_shared(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *sh) {
+    const struct ffn_weights *fw = &m->w->layers[l].ffn;
+    OPS->shared_expert(m->be, sh, x, b->T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)m->cfg->swiglu_limit);
+}
+
+static void moe_routed(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
+                       bf16_t *ye) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
     int64_t T = b->T, k = c->role[l].n_active;
-    model_branch_begin(m);
-    OPS->shared_expert(m->be, sh, x, T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)c->swiglu_limit);
-    model_branch_end(m);
     OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
                 (float)c->route_scale);
     OPS->moe_experts(m->be, ye, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
                      (float)c->swiglu_limit);
-    model_branch_join(m);
 }
 
 /* MoE, second part: every rank's slot outputs (all [P, T, k, D], P = TP size, gathered) summed per
@@ -626,11 +628,23 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     const void *ka_p[] = {X, P, apre, post, comb, y, qr, q, kvr, b->pos};
     for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
     if (model_graph_begin(m, b, &ka)) {
-        OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
-                      c->hc_sinkhorn_iters, eps, hc_eps);
+        /* delayed mHC: the collapse takes the previous block's pre, so this block's mixes (read
+         * by the FFN's collapse and by the expands) are off the critical path: they run with the
+         * window K=V rows, beside the query chain on the branch. H200, bench_step decode ms at
+         * batch 1 / 8 / 64, three runs alternated: mixes before the collapse (no overlap) 5.68,
+         * 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8, 18.9, 18.8; mixes and K=V rows on the branch 5.51,
+         * 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the branch (the
+         * longer chain keeps the main lane's priority) 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 / 18.0,
+         * 18.2, 18.0 (the FFN's mixes beside the routed experts in all but the first). */
         OPS->hc_collapse(m->be, y, X, P, T, hc, D);
         OPS->rmsnorm(m->be, y, y, lw->attn_norm, T, D, eps);
-        attention_project(m, l, b, y, qr, q);
+        model_branch_begin(m);
+        attention_project_q(m, l, b, y, qr, q);
+        model_branch_end(m);
+        OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
+                      c->hc_sinkhorn_iters, eps, hc_eps);
+        attention_project_kv(m, l, b, y);
+        model_branch_join(m);
         model_graph_end(m);
     }
     int rc = attention_forward(m, l, b, y, qr, q, o, hooks);
@@ -651,11 +665,17 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
             OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
-            OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
-                          c->hc_sinkhorn_iters, eps, hc_eps);
             OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
             OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
-            moe_route(m, l, b, y, idx, wts, ye, sh);
+            /* the FFN's mixes (P for the next block, post and comb for the expand below) beside
+             * the routed path too, with the shared expert */
+            model_branch_begin(m);
+            OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
+                          c->hc_sinkhorn_iters, eps, hc_eps);
+            moe_shared(m, l, b, y, sh);
+            model_branch_end(m);
+            moe_routed(m, l, b, y, idx, wts, ye);
+            model_branch_join(m);
         }
         if (!one) {
             if (issue) model_graph_end(m);

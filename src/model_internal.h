@@ -140,11 +140,13 @@ void seg_push(struct seg_list *l, void *dst, const void *src, size_t bytes);
 void seg_flush(struct model *m, struct seg_list *l);
 void seg_free(struct seg_list *l);
 
-/* attention.c, in two parts so the first can join the block's graph segment: the projections
- * (x [T, D] normed input -> qr [T, q_lora] normed, q [T, Hl, hd] post-RoPE, and the chunk's K=V rows
- * [T, hd] at attention_kv_rows), then the rest -> out [T, D] (after the TP gathers). */
+/* attention.c, in parts so the projections can join the block's graph segment: the chunk's K=V
+ * rows (x [T, D] normed input -> [T, hd] at attention_kv_rows) and the query chain (x -> qr
+ * [T, q_lora] normed, q [T, Hl, hd] post-RoPE), two independent chains that only read x (the block
+ * runs them on a branch), then the rest -> out [T, D] (after the TP gathers). */
 bf16_t *attention_kv_rows(struct model *m);
-void attention_project(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q);
+void attention_project_kv(struct model *m, int layer, struct batch *b, const bf16_t *x);
+void attention_project_q(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q);
 int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks);
 
