@@ -51,6 +51,42 @@ __device__ __forceinline__ float ds_e4m3(uint32_t b) {
     return __int_as_float((int)(sign | (uint32_t)__float_as_int((float)m * 0.001953125f)));
 }
 
+/* 1 / sc for a power-of-two scale sc (mantissa zero), exact: 2^-e is a float for every scale the
+ * quantizers form (2^-22 ... 2^120); sc = inf gives 0, so v · (1 / sc) equals the reference's v / sc
+ * there too (±0 for finite v, NaN for infinite v). v · 2^-e and v / 2^e are the same real number,
+ * so the correctly rounded product is the correctly rounded quotient, and one multiply replaces an
+ * IEEE division per value. */
+__device__ __forceinline__ float ds_pow2_inv(float sc) {
+    const uint32_t e = (__float_as_uint(sc) >> 23) & 0xffu;
+    if (e == 0xffu) return 0.0f;
+    if (e == 0xfeu) return __uint_as_float(0x00400000u); /* 2^-127 */
+    return __uint_as_float((0xfeu - e) << 23);
+}
+
+/* The value of e4m3_from_f32(r) (src/formats.c) as a float, for |r| <= 448 or NaN (a clamped
+ * quotient): the normal range keeps 3 mantissa bits, half to even, by an integer add (a carry bumps
+ * the exponent, the correct next value); below 2^-6 the value is rint(|r| · 2^9) · 2^-9 (exact
+ * scalings, rint half to even); NaN gives the NaN of code 0x7F (ds_e4m3). The sign is kept, -0
+ * included. No code is formed: the quantizers only need q, and the software conversion of SM80
+ * (no e4m3 cvt before SM89) cost more than the rest of the quantization. */
+__device__ __forceinline__ float ds_e4m3_val(float r) {
+    const uint32_t u = __float_as_uint(r), a = u & 0x7fffffffu, sign = u & 0x80000000u;
+    if (a > 0x7f800000u) return __int_as_float(0x7fc00000);
+    const uint32_t nrm = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
+    const float sub = __fmul_rn(rintf(__fmul_rn(__uint_as_float(a), 512.0f)), 0x1p-9f);
+    return __uint_as_float(sign | (a >= 0x3c800000u ? nrm : __float_as_uint(sub)));
+}
+
+/* The reference's FP8 activation quantization of one value, as the e4m3 value q: clamp(v / sc,
+ * ±448) with `v < lo ? lo : (v > hi ? hi : v)` (a NaN passes, as formats.c's clampf) rounded to
+ * e4m3; rsc = ds_pow2_inv(sc). q · sc is the dequantized value (exact in fp32 for the scales in
+ * use, and in bf16: q has at most 4 significant bits). */
+__device__ __forceinline__ float ds_fp8_q(float v, float rsc) {
+    float r = __fmul_rn(v, rsc);
+    r = r < -448.0f ? -448.0f : (r > 448.0f ? 448.0f : r);
+    return ds_e4m3_val(r);
+}
+
 /* e2m1 code -> float: magnitude = 2^(e-1) * (1 + m/2) for e > 0, m/2 for e == 0 (arithmetic, so
  * no table lands in local memory). */
 __device__ __forceinline__ float ds_e2m1(uint32_t code) {

@@ -565,12 +565,9 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
     if (!active) return;
     if (MODE == QDQ_FP8_32) {
         amax = amax < 1e-4f ? 1e-4f : amax;
-        const float sc = ds_scale_pow2(amax, (float)(1.0 / 448.0));
+        const float sc = ds_scale_pow2(amax, (float)(1.0 / 448.0)), rsc = ds_pow2_inv(sc);
 #pragma unroll
-        for (int i = 0; i < EPT; i++) {
-            const uint32_t c = ds_e4m3_from_f32(clampf(__fdiv_rn(v[i], sc), -448.0f, 448.0f));
-            v[i] = __fmul_rn(ds_e4m3(c), sc);
-        }
+        for (int i = 0; i < EPT; i++) v[i] = __fmul_rn(ds_fp8_q(v[i], rsc), sc);
     } else {
         float sc;
         if (MODE == QDQ_FP4_32) {
@@ -580,9 +577,13 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
             amax = amax < 6.0f * 0x1p-9f ? 6.0f * 0x1p-9f : amax;
             sc = ds_e4m3(ds_e4m3_from_f32(__fdiv_rn(amax, 6.0f)));
         }
+        /* the power-of-two scale's quotient is a product (ds_pow2_inv); the e4m3 one is divided */
+        const float rsc = MODE == QDQ_FP4_32 ? ds_pow2_inv(sc) : 0.0f;
 #pragma unroll
-        for (int i = 0; i < EPT; i++)
-            v[i] = __fmul_rn(ds_e2m1(ds_e2m1_from_f32(clampf(__fdiv_rn(v[i], sc), -6.0f, 6.0f))), sc);
+        for (int i = 0; i < EPT; i++) {
+            const float r = MODE == QDQ_FP4_32 ? __fmul_rn(v[i], rsc) : __fdiv_rn(v[i], sc);
+            v[i] = __fmul_rn(ds_e2m1(ds_e2m1_from_f32(clampf(r, -6.0f, 6.0f))), sc);
+        }
     }
     store_bf<EPT>(x + e0, v);
 }

@@ -33,9 +33,7 @@ __global__ void act_quant_kernel(const __nv_bfloat16 *__restrict__ x, float *__r
     int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
     float sc = __int_as_float((e + 127) << 23);
     if (lane == 0) s[g] = sc;
-    float r = fminf(fmaxf(__fdiv_rn(v, sc), -448.0f), 448.0f);
-    __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3);
-    q[g * 32 + lane] = ds_e4m3((uint8_t)c);
+    q[g * 32 + lane] = ds_fp8_q(v, ds_pow2_inv(sc));
 }
 
 /* Per round of 32 k-blocks (1024 k values) the CTA stages the quantized activations of the round

@@ -5,6 +5,9 @@
  * of sparse_attn and index_scores. Memory, weights, the dense ops and MoE are in test_cuda_ops.c;
  * the harness, the rounding model and how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
+#ifdef DS_HAVE_CUDA
+#include "cuda/linear_mma.h"
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Models of the fused ops: what either backend may produce, given backend.h's rounding points and
@@ -488,14 +491,29 @@ static void qdq_fill(bf16_t *x, int64_t n, int64_t B, int fp4) {
     }
 }
 
-static void qdq_case(int which, int64_t n, const char *what) {
+/* Every bf16 bit pattern twice (n = 2^17): in order, so a block of B consecutive codes is quantized
+ * under a scale near its own magnitude; then again with each block's first value replaced by an
+ * outlier 2^4 .. 2^19 times the block's last (largest) magnitude, so the others land in the
+ * formats' subnormals or round to zero (and past the bf16 range the outlier is infinite). */
+static void qdq_fill_all(bf16_t *x, int64_t B) {
+    for (int64_t i = 0; i < 65536; i++) x[i] = x[65536 + i] = (bf16_t)i;
+    for (int64_t i = 0; i < 65536; i += B) {
+        float top = bf16_to_f32((bf16_t)(i + B - 1));
+        if (top == top) x[65536 + i] = bf16_from_f32(ldexpf(top, 4 + (int)((i / B) % 16)));
+    }
+}
+
+static void qdq_run(int which, int64_t n, const char *what, bool every) {
     static const char *names[] = {"qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16"};
     int64_t B = which == 2 ? 16 : 32;
     char tag[128];
     snprintf(tag, sizeof tag, "%s %s n=%lld", names[which], what, (long long)n);
     seed_tag(tag);
     bf16_t *x = NEW(bf16_t, n), *xg = NEW(bf16_t, n);
-    qdq_fill(x, n, B, which != 0);
+    if (every)
+        qdq_fill_all(x, B); /* n = 2^17 */
+    else
+        qdq_fill(x, n, B, which != 0);
     bf16_t *dx = g_in(x, (size_t)n * 2);
     void (*cf[])(struct backend *, bf16_t *, int64_t) = {CPU->qdq_fp8_32, CPU->qdq_fp4_32, CPU->qdq_fp4_16};
     void (*gf[])(struct backend *, bf16_t *, int64_t) = {GPU->qdq_fp8_32, GPU->qdq_fp4_32, GPU->qdq_fp4_16};
@@ -511,6 +529,47 @@ static void qdq_case(int which, int64_t n, const char *what) {
     free(xg);
 }
 
+static void qdq_case(int which, int64_t n, const char *what) { qdq_run(which, n, what, false); }
+
+/* The tensor-core linears' activation quantization (cuda_linear_mma_act_quant: 4 threads per
+ * 32-group, mma_quant8, the quantizer the routed-expert and shared-expert epilogues share in its
+ * 2-per-thread form) on every bf16 pattern, against the CPU's act_quant_fp8_32: each stored value
+ * is bf16(e4m3 value · scale) at its k-permuted place (position 8c + 2t + e of a group holds
+ * k = 8t + 2c + e), bit for bit (a NaN only as a NaN: its payload feeds nothing but the mma). */
+static void test_mma_act_quant(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* a CUDA kernel called directly: no CPU stand-in */
+    const int64_t n = 131072, k = 4096, T = n / k;
+    bf16_t *x = NEW(bf16_t, n), *xg = NEW(bf16_t, n), *xr = NEW(bf16_t, n);
+    uint8_t *q = NEW(uint8_t, n);
+    float *s = NEW(float, n / 32);
+    qdq_fill_all(x, 32);
+    act_quant_fp8_32(x, (size_t)n, q, s);
+    for (int64_t g = 0; g < n / 32; g++)
+        for (int p = 0; p < 32; p++) {
+            const int c = p / 8, t = (p % 8) / 2, e = p % 2;
+            xr[g * 32 + p] = bf16_from_f32(e4m3_to_f32(q[g * 32 + 8 * t + 2 * c + e]) * s[g]);
+        }
+    void *dx = g_in(x, (size_t)n * 2), *dq = g_out((size_t)n * 2, PZ_16);
+    cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+    g_get(xg, dq, (size_t)n * 2);
+    struct cmp c;
+    cmp_begin(&c, "mma act quant", "every bf16 pattern, n=%lld", (long long)n);
+    for (int64_t i = 0; i < n; i++) {
+        const float a = bf16_to_f32(xg[i]), b = bf16_to_f32(xr[i]);
+        if (a != a && b != b) continue;
+        cmp_bits(&c, i, xg[i], xr[i], a, b);
+    }
+    cmp_end(&c);
+    g_free(dx);
+    g_free(dq);
+    free(x), free(xg), free(xr), free(q), free(s);
+#endif
+}
+
 static void test_qdq(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) {
@@ -520,6 +579,7 @@ static void test_qdq(void **st) {
     }
     qdq_case(0, 64 * HD, "window kv rows");
     qdq_case(1, 2048 * IDX_HD, "index keys");
+    for (int w = 0; w < 3; w++) qdq_run(w, 131072, "every bf16 pattern", true);
     const int64_t odd[] = {1, 3, 33, 37, 129};
     for (int i = 0; i < 5; i++) {
         qdq_case(0, 32 * odd[i], "odd");
@@ -1305,7 +1365,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
-        cmocka_unit_test(test_qdq),
+        cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant),
         cmocka_unit_test(test_hc_mixes),
         cmocka_unit_test(test_hc_collapse_expand_init),
         cmocka_unit_test(test_embed),
