@@ -581,7 +581,8 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
         const float rsc = MODE == QDQ_FP4_32 ? ds_pow2_inv(sc) : 0.0f;
 #pragma unroll
         for (int i = 0; i < EPT; i++) {
-            const float r = MODE == QDQ_FP4_32 ? __fmul_rn(v[i], rsc) : __fdiv_rn(v[i], sc);
+            /* a NaN keeps its sign, as the quotient's would (e2m1 keeps the sign bit of a NaN) */
+            const float r = MODE == QDQ_FP4_32 ? (v[i] != v[i] ? v[i] : __fmul_rn(v[i], rsc)) : __fdiv_rn(v[i], sc);
             v[i] = __fmul_rn(ds_e2m1(ds_e2m1_from_f32(clampf(r, -6.0f, 6.0f))), sc);
         }
     }

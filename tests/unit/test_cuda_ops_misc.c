@@ -494,12 +494,19 @@ static void qdq_fill(bf16_t *x, int64_t n, int64_t B, int fp4) {
 /* Every bf16 bit pattern twice (n = 2^17): in order, so a block of B consecutive codes is quantized
  * under a scale near its own magnitude; then again with each block's first value replaced by an
  * outlier 2^4 .. 2^19 times the block's last (largest) magnitude, so the others land in the
- * formats' subnormals or round to zero (and past the bf16 range the outlier is infinite). */
-static void qdq_fill_all(bf16_t *x, int64_t B) {
-    for (int64_t i = 0; i < 65536; i++) x[i] = x[65536 + i] = (bf16_t)i;
+ * formats' subnormals or round to zero (and past the bf16 range the outlier is infinite). finite:
+ * the infinities and NaNs of the patterns are zeros instead — the e2m1 quantizers keep a NaN
+ * quotient's sign bit as a signed zero, and inf / inf is the host's default NaN (negative on
+ * x86-64) on the CPU but the positive canonical NaN on the GPU. */
+static void qdq_fill_all(bf16_t *x, int64_t B, bool finite) {
+    for (int64_t i = 0; i < 65536; i++) {
+        const bool nonfinite = (i & 0x7f80) == 0x7f80;
+        x[i] = x[65536 + i] = finite && nonfinite ? (bf16_t)0 : (bf16_t)i;
+    }
     for (int64_t i = 0; i < 65536; i += B) {
-        float top = bf16_to_f32((bf16_t)(i + B - 1));
-        if (top == top) x[65536 + i] = bf16_from_f32(ldexpf(top, 4 + (int)((i / B) % 16)));
+        const float top = bf16_to_f32(x[i + B - 1]), out = ldexpf(top, 4 + (int)((i / B) % 16));
+        const bf16_t ob = bf16_from_f32(out);
+        if (top == top && (!finite || isfinite(bf16_to_f32(ob)))) x[65536 + i] = ob;
     }
 }
 
@@ -511,7 +518,7 @@ static void qdq_run(int which, int64_t n, const char *what, bool every) {
     seed_tag(tag);
     bf16_t *x = NEW(bf16_t, n), *xg = NEW(bf16_t, n);
     if (every)
-        qdq_fill_all(x, B); /* n = 2^17 */
+        qdq_fill_all(x, B, which != 0); /* n = 2^17 */
     else
         qdq_fill(x, n, B, which != 0);
     bf16_t *dx = g_in(x, (size_t)n * 2);
@@ -546,7 +553,7 @@ static void test_mma_act_quant(void **st) {
     bf16_t *x = NEW(bf16_t, n), *xg = NEW(bf16_t, n), *xr = NEW(bf16_t, n);
     uint8_t *q = NEW(uint8_t, n);
     float *s = NEW(float, n / 32);
-    qdq_fill_all(x, 32);
+    qdq_fill_all(x, 32, false);
     act_quant_fp8_32(x, (size_t)n, q, s);
     for (int64_t g = 0; g < n / 32; g++)
         for (int p = 0; p < 32; p++) {
