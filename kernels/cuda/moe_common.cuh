@@ -36,13 +36,13 @@ __device__ __forceinline__ float mo_swiglu(float g, float u, float limit, bool h
  * [n_local + 1] (first list entry of each expert; off[n_local] = the local pairs), list [M] (flat
  * pair ids t*k + slot, grouped by expert). Tiles hold at most P pairs of one expert; with `tiles`
  * (else NULL) the kernel also writes each tile's entry {le | np << 16, first list entry}, so that a
- * CTA finds its tile with one load instead of a binary search (moe_tiles_max entries, moe_mma.h). One CTA:
- * count per expert, prefix sums on thread 0 (n_local <= 1024 adds), then scatter. The order of
+ * CTA finds its tile with one load instead of a binary search (moe_tiles_max entries, moe_mma.h). One CTA
+ * of 1024 threads: count per expert, prefix sums by one warp, then scatter. (Thread 0's serial
+ * prefix over the experts was a ~48-step chain of shared-memory round trips.) The order of
  * pairs inside an expert's group comes from shared-memory atomics and is not deterministic; the
  * users compute each pair the same way whatever its place. */
-__global__ void __launch_bounds__(1024)
-    moe_plan_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
-                    int64_t e0, int n_local, int P) {
+__device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *__restrict__ tiles,
+                                              const int32_t *__restrict__ idx, int64_t M, int64_t e0, int n_local, int P) {
     __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL], tst[MOE_MAX_LOCAL];
     int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
@@ -55,9 +55,19 @@ __global__ void __launch_bounds__(1024)
         if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int o = 0, ts = 0;
-        for (int e = 0; e < n_local; e++) {
+    if (threadIdx.x < 32) { /* prefix sums by warp 0: a lane's run of experts, a shuffle scan of the runs */
+        const int lane = threadIdx.x, m = (n_local + 31) / 32, ea = lane * m < n_local ? lane * m : n_local,
+                  eb = ea + m < n_local ? ea + m : n_local;
+        int so = 0, st = 0;
+        for (int e = ea; e < eb; e++) so += cnt[e], st += (cnt[e] + P - 1) / P;
+        int io = so, it = st; /* inclusive over lanes 0..lane */
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, io, d), b = __shfl_up_sync(0xffffffffu, it, d);
+            if (lane >= d) io += a, it += b;
+        }
+        int o = io - so, ts = it - st;
+        for (int e = ea; e < eb; e++) {
             offs[e] = o;
             off[e] = o;
             tst[e] = ts;
@@ -65,8 +75,10 @@ __global__ void __launch_bounds__(1024)
             o += cnt[e];
             ts += (cnt[e] + P - 1) / P;
         }
-        off[n_local] = o;
-        tstart[n_local] = ts;
+        if (lane == 31) {
+            off[n_local] = io;
+            tstart[n_local] = it;
+        }
     }
     __syncthreads();
     for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
@@ -79,6 +91,12 @@ __global__ void __launch_bounds__(1024)
                 const int first = offs[e] + t * P, np = cnt[e] - t * P < P ? cnt[e] - t * P : P;
                 tiles[tst[e] + t] = make_int2(e | (np << 16), first);
             }
+}
+
+__global__ void __launch_bounds__(1024)
+    moe_plan_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
+                    int64_t e0, int n_local, int P) {
+    moe_plan_body(plan, tiles, idx, M, e0, n_local, P);
 }
 
 /* Tile j of the plan (j < tstart[c0 + cn]), looked up among the experts [c0, c0 + cn): its
