@@ -51,6 +51,20 @@ __device__ __forceinline__ float ds_e4m3(uint32_t b) {
     return __int_as_float((int)(sign | (uint32_t)__float_as_int((float)m * 0.001953125f)));
 }
 
+/* 2^ceil(log2(amax · max_inv)) from the exponent bits (ds_round_scale_pow2). */
+__device__ __forceinline__ float ds_scale_pow2(float amax, float max_inv) {
+    const uint32_t u = __float_as_uint(__fmul_rn(amax, max_inv));
+    const int32_t e = (int32_t)((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+
+/* The FP8 activation scale of a group's amax: the amax floored at 1e-4 by fmaxf (so a NaN amax,
+ * a group of NaNs only, takes the floor, as formats.c's amax of `if (a > m)` from 0 never becomes
+ * NaN), then 2^ceil(log2(amax / 448)) (act_quant_fp8_32). */
+__device__ __forceinline__ float ds_fp8_scale(float amax) {
+    return ds_scale_pow2(fmaxf(amax, 1e-4f), (float)(1.0 / 448.0));
+}
+
 /* 1 / sc for a power-of-two scale sc (mantissa zero), exact: 2^-e is a float for every scale the
  * quantizers form (2^-22 ... 2^120); sc = inf gives 0, so v · (1 / sc) equals the reference's v / sc
  * there too (±0 for finite v, NaN for infinite v). v · 2^-e and v / 2^e are the same real number,

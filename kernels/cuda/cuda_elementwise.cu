@@ -530,12 +530,6 @@ __device__ __forceinline__ uint32_t ds_e2m1_from_f32(float f) {
     return code | ((__float_as_uint(f) >> 31) << 3);
 }
 
-/* 2^ceil(log2(amax · max_inv)) from the exponent bits (ds_round_scale_pow2). */
-__device__ __forceinline__ float ds_scale_pow2(float amax, float max_inv) {
-    const uint32_t u = __float_as_uint(__fmul_rn(amax, max_inv));
-    const int32_t e = (int32_t)((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0);
-    return __uint_as_float((uint32_t)(e + 127) << 23);
-}
 
 __device__ __forceinline__ float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
@@ -564,8 +558,7 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
     }
     if (!active) return;
     if (MODE == QDQ_FP8_32) {
-        amax = amax < 1e-4f ? 1e-4f : amax;
-        const float sc = ds_scale_pow2(amax, (float)(1.0 / 448.0)), rsc = ds_pow2_inv(sc);
+        const float sc = ds_fp8_scale(amax), rsc = ds_pow2_inv(sc);
 #pragma unroll
         for (int i = 0; i < EPT; i++) v[i] = __fmul_rn(ds_fp8_q(v[i], rsc), sc);
     } else {

@@ -56,10 +56,7 @@ static __device__ __forceinline__ float mo_quant32(float v, float *scale) {
     a = a > 0.0f ? a : 0.0f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    if (a < 1e-4f) a = 1e-4f;
-    uint32_t tb = __float_as_uint(__fmul_rn(a, (float)(1.0 / 448.0)));
-    int32_t e = (int32_t)((tb >> 23) & 0xffu) - 127 + ((tb & 0x7fffffu) != 0);
-    float sc = __uint_as_float((uint32_t)(e + 127) << 23);
+    const float sc = ds_fp8_scale(a);
     *scale = sc;
     return ds_fp8_q(v, ds_pow2_inv(sc));
 }

@@ -27,11 +27,7 @@ __global__ void act_quant_kernel(const __nv_bfloat16 *__restrict__ x, float *__r
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    amax = fmaxf(amax, 1e-4f);
-    /* 2^ceil(log2(amax / 448)) by the exponent bits, as the reference's fast_round_scale */
-    float t = __fmul_rn(amax, 1.0f / 448.0f);
-    int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
-    float sc = __int_as_float((e + 127) << 23);
+    const float sc = ds_fp8_scale(amax); /* as the reference's fast_round_scale */
     if (lane == 0) s[g] = sc;
     q[g * 32 + lane] = ds_fp8_q(v, ds_pow2_inv(sc));
 }

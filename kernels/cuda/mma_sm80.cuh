@@ -142,10 +142,7 @@ __device__ __forceinline__ void mma_quant8(const float (&v)[8], uint32_t (&o)[4]
     for (int j = 1; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, 1e-4f);
-    float t = __fmul_rn(amax, 1.0f / 448.0f);
-    int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
-    float sc = __int_as_float((e + 127) << 23), rsc = ds_pow2_inv(sc);
+    const float sc = ds_fp8_scale(amax), rsc = ds_pow2_inv(sc);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
         uint32_t hh[2];
@@ -174,10 +171,7 @@ __device__ __forceinline__ uint32_t mma_quant2(float v0, float v1) {
     float amax = fmaxf(fabsf(v0), fabsf(v1));
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    amax = fmaxf(amax, 1e-4f);
-    const float t = __fmul_rn(amax, 1.0f / 448.0f);
-    const int bits = __float_as_int(t), e = ((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
-    const float sc = __int_as_float((e + 127) << 23), rsc = ds_pow2_inv(sc);
+    const float sc = ds_fp8_scale(amax), rsc = ds_pow2_inv(sc);
     const uint32_t h0 = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(ds_fp8_q(v0, rsc), sc)));
     const uint32_t h1 = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(ds_fp8_q(v1, rsc), sc)));
     return h0 | (h1 << 16);
