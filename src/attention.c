@@ -335,8 +335,10 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
         nw[i] = ref_prefill ? i64min(s->len, W) : W;
         n_idx = i64max(n_idx, nw[i] + kc);
     }
-    int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 1));
-    int32_t *at = ds_malloc(sizeof(int32_t) * (size_t)(2 * T + 1));
+    /* [T, n_idx] index rows, then [T, 2] (where the compressed part starts, its source rows'
+     * base) for idx_remap: one host block, so one upload carries both */
+    int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 2 * T + 1));
+    int32_t *at = idx + T * n_idx;
     struct layer_cache *lc = &m->lc[l];
     const struct layer_cache *sc = src >= 0 ? &m->lc[src] : NULL;
     struct seg_list ring = {0};
@@ -368,15 +370,9 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
             seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, (size_t)hd * 2);
         }
     }
-    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 1));
-    OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx));
-    if (kc) {
-        int32_t *at_d = model_tmp(m, sizeof(int32_t) * (size_t)(2 * T));
-        OPS->upload(m->be, at_d, at, sizeof(int32_t) * (size_t)(2 * T));
-        OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, at_d, T, kc);
-        model_tfree(m, at_d);
-    }
-    free(at);
+    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 2 * T + 1));
+    OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx + (kc ? 2 * T : 0)));
+    if (kc) OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, idx_d + T * n_idx, T, kc);
     bf16_t *o = model_tmp(m, (size_t)T * Hl * hd * 2);
     float scale = (float)pow((double)hd, -0.5);
     OPS->sparse_attn(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);

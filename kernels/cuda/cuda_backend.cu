@@ -340,28 +340,50 @@ static void cu_branch_join(struct backend *be) {
 }
 
 /* n device copies in one launch: the host list is cut into pieces of at most COPY_PIECE bytes (so a
- * long cache range spreads over many blocks), sent in one upload, and each block copies pieces, in
- * 16-byte words where the piece is aligned to them. */
+ * long cache range spreads over many blocks) and each block copies pieces, in 16-byte words where
+ * the piece is aligned to them. Up to COPY_INLINE pieces (a decode step's ring rows and TP
+ * gathers) travel in the kernel's parameters; more go up in one upload first. The parameters save
+ * that host-to-device copy ahead of the kernel, ~90 of them a decode step. */
 #define COPY_PIECE (64 * 1024)
+#define COPY_INLINE 64 /* 64 x 24 bytes: within the classic 4 KB of kernel parameters */
 struct copy_piece {
     uint8_t *dst;
     const uint8_t *src;
     uint64_t bytes;
 };
+struct copy_inline {
+    struct copy_piece pc[COPY_INLINE];
+};
 
 static void cu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes);
 
-__global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
-    for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-        struct copy_piece c = pc[i];
-        if ((((uintptr_t)c.dst | (uintptr_t)c.src | (uintptr_t)c.bytes) & 15) == 0) {
-            uint4 *d = (uint4 *)c.dst;
-            const uint4 *s = (const uint4 *)c.src;
-            for (uint64_t j = threadIdx.x; j < c.bytes / 16; j += blockDim.x) d[j] = s[j];
-        } else {
-            for (uint64_t j = threadIdx.x; j < c.bytes; j += blockDim.x) c.dst[j] = c.src[j];
+/* one piece by the block's threads; four 16-byte words in flight a thread (a loop of single
+ * words left one load in flight: the compiler cannot tell dst from src) */
+static __device__ __forceinline__ void copy_piece_block(struct copy_piece c) {
+    if ((((uintptr_t)c.dst | (uintptr_t)c.src | (uintptr_t)c.bytes) & 15) == 0) {
+        uint4 *d = (uint4 *)c.dst;
+        const uint4 *s = (const uint4 *)c.src;
+        const uint64_t nw = c.bytes / 16;
+        uint64_t j = threadIdx.x;
+        for (; j + 3 * blockDim.x < nw; j += 4 * blockDim.x) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = s[j + u * blockDim.x];
+#pragma unroll
+            for (int u = 0; u < 4; u++) d[j + u * blockDim.x] = v[u];
         }
+        for (; j < nw; j += blockDim.x) d[j] = s[j];
+    } else {
+        for (uint64_t j = threadIdx.x; j < c.bytes; j += blockDim.x) c.dst[j] = c.src[j];
     }
+}
+
+__global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
+    for (int64_t i = blockIdx.x; i < n; i += gridDim.x) copy_piece_block(pc[i]);
+}
+
+__global__ void copy_segs_inline_kernel(const struct copy_inline p, int n) {
+    for (int i = blockIdx.x; i < n; i += gridDim.x) copy_piece_block(p.pc[i]);
 }
 
 static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
@@ -369,12 +391,18 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
     int64_t np = 0;
     for (int64_t i = 0; i < n; i++) np += (int64_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
     if (!np) return;
-    struct copy_piece *h = (struct copy_piece *)ds_malloc(sizeof *h * (size_t)np);
+    struct copy_inline in;
+    struct copy_piece *h = np <= COPY_INLINE ? in.pc : (struct copy_piece *)ds_malloc(sizeof *h * (size_t)np);
     int64_t at = 0;
     for (int64_t i = 0; i < n; i++)
         for (size_t o = 0; o < segs[i].bytes; o += COPY_PIECE)
             h[at++] = (struct copy_piece){(uint8_t *)segs[i].dst + o, (const uint8_t *)segs[i].src + o,
                                           segs[i].bytes - o < COPY_PIECE ? segs[i].bytes - o : COPY_PIECE};
+    if (np <= COPY_INLINE) {
+        copy_segs_inline_kernel<<<(unsigned)np, 256, 0, cb(be)->stream>>>(in, (int)np);
+        KERNEL_CHECK();
+        return;
+    }
     struct copy_piece *d = (struct copy_piece *)cuda_be_scratch_raw(be, sizeof *h * (size_t)np);
     cu_upload(be, d, h, sizeof *h * (size_t)np);
     free(h);

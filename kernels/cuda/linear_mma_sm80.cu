@@ -598,7 +598,12 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
  * form: split, bench_linear_cuda's FP4 [2304, 5120] took 12.8 -> 13.2 µs a call (graph, T = 1).
  * (Tried and not kept, before: the 2-warp form issuing its fourth stage with the first three
  * — a whole chunk fits its ring — instead of after the first landed: step unchanged, 6.02 / 9.19
- * / 18.91 -> 6.03 / 9.22 / 18.98 ms.) */
+ * / 18.91 -> 6.03 / 9.22 / 18.98 ms. And this kernel quantizing its own A tile from x — each
+ * thread loading its 8 values into registers and running mma_quant8 before the shared store, so
+ * no mma_act_quant_kernel launch ahead of it (and none in the shared expert): the same bits
+ * (test_linear_mma_kernels_agree, GPU golden verify), but bench_step decode ms at batch 1 / 8 /
+ * 64, three runs alternated on the H200, 4.79 4.78 4.79 / 7.68 7.70 7.70 / 17.08 17.13 17.13
+ * without it -> 5.26 5.31 5.33 / 8.02 8.06 8.06 / 17.04 17.06 17.13 with it.) */
 constexpr int SP_TILES = 2;                  /* n8 tiles per CTA (16 weight rows: one FP8 scale group) */
 constexpr int SP_Q = 4;                      /* warps per tile, a quarter of the chunk's blocks each */
 constexpr int SP_QB = KCH / SP_Q;            /* blocks per quarter */

@@ -539,6 +539,14 @@ static void test_copy_segs(void **st) {
     b1[0] = 1;
     b1[1] = 300;
     copy_segs_case("64 segments of 1..300 bytes, odd offsets", b1, a1, 64);
+    /* 64 pieces go in the kernel's parameters, 65 through an upload: both sides of the bound */
+    size_t b65[65];
+    bool a65[65];
+    for (int i = 0; i < 65; i++) {
+        b65[i] = 16 * (1 + (size_t)irand(64));
+        a65[i] = i % 3 != 0;
+    }
+    copy_segs_case("65 segments of 16..1024 bytes, aligned and odd", b65, a65, 65);
     /* cache rows and ranges: whole 64 KB pieces, a piece of 1 byte, 16-byte words or bytes */
     const size_t big[] = {0, 1, 15, 16, 17, 1024, 2048, 65536, 65537, 300000};
     size_t b2[40];
