@@ -530,7 +530,6 @@ __device__ __forceinline__ uint32_t ds_e2m1_from_f32(float f) {
     return code | ((__float_as_uint(f) >> 31) << 3);
 }
 
-
 __device__ __forceinline__ float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 template <int MODE, int EPT>
