@@ -10,6 +10,8 @@
  * the one source of last-bit differences in P, the rescale factor, the denominator and the sink
  * term). Nothing depends on T, the grid or the other rows (batch invariance): the launch shapes
  * chosen below for occupancy never change a single operation of any (row, head) result.
+ * With the mma switch on (the default; --exact-linears turns it off) sparse_attn takes the tensor-core
+ * kernels of attention_mma_sm80.cu where the shapes fit; these are the exact path.
  *
  * sparse_attn runs as two kernels so both halves get the parallelism they need at decode (T = 1 per
  * sequence) and at prefill (T in the thousands):
@@ -390,6 +392,7 @@ void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const b
         CUDA_CHECK(cudaMemsetAsync(o, 0, (size_t)(T * H * hd) * sizeof(bf16_t), st));
         return;
     }
+    if (cuda_be_mma(be) && cuda_sparse_attn_mma(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale)) return;
     if (H > 65535 * 8 || hd > (1 << 20) || n_idx > (1 << 30))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda sparse_attn", "unsupported shape");
     const int sms = cuda_be_sms(be), target = 2 * sms;

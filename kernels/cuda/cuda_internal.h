@@ -27,7 +27,8 @@ void *cuda_be_scratch_raw(struct backend *be, size_t bytes);
 void cuda_be_scratch_free(struct backend *be, void *p);
 /* Multiprocessors of the backend's device (for grid sizing). */
 int cuda_be_sms(struct backend *be);
-/* Whether FP8/FP4 linears take the tensor-core path (backend_cuda_set_mma; on unless --exact-linears). */
+/* Whether FP8/FP4 linears and sparse attention's q·k and P·V take the tensor-core path
+ * (backend_cuda_set_mma; on unless --exact-linears). */
 bool cuda_be_mma(struct backend *be);
 
 /* ---- cuda_graph.cu: graph segments (backend.h's graph_begin / graph_end) ---- */
@@ -108,5 +109,11 @@ void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64
 void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                           int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);
+
+/* ---- attention_mma_sm80.cu: sparse_attn on the tensor cores (cuda_op_sparse_attn calls it when the
+ * mma switch is on); false, with nothing launched, where the shape or alignment does not fit it
+ * (hd % 64, 16-byte aligned q, kv and o): the exact kernels then run ---- */
+bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
 
 #endif /* DS_CUDA_INTERNAL_H */

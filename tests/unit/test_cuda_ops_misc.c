@@ -1055,8 +1055,7 @@ static void free_attn(struct attn_in *a) {
     free(a->sink);
 }
 
-static void sparse_attn_case(const char *name, int64_t T, int64_t H, int64_t n_idx, int64_t nkv) {
-    const int64_t hd = HD;
+static void sparse_attn_case(const char *name, int64_t T, int64_t H, int64_t hd, int64_t n_idx, int64_t nkv) {
     char tag[160];
     snprintf(tag, sizeof tag, "sparse_attn %s T=%lld", name, (long long)T);
     struct attn_in a = make_attn(tag, T, H, hd, n_idx, nkv);
@@ -1087,18 +1086,31 @@ static void sparse_attn_case(const char *name, int64_t T, int64_t H, int64_t n_i
     free_attn(&a);
 }
 
+/* Both paths: the exact kernels (mma switch off) and the tensor-core kernels (on; its column slices
+ * of 16, 32 and 64 channels are chosen by grid size, so T = 1, 17 and 64 reach all three). hd = 96
+ * does not fit the tensor-core kernels (hd % 64): with the switch on it must take the exact ones. */
 static void test_sparse_attn(void **st) {
     NEED_GPU(st);
-    for (int i = 0; i < NT_REAL; i++)
-        sparse_attn_case("8 heads, window 128 + top-512 of 2048", T_REAL[i], H_LOCAL, WINDOW + INDEX_TOPK, WINDOW + 2048);
-    const int64_t odd_n[] = {1, 37, 100, 129};
-    for (int i = 0; i < 4; i++) {
-        char nm[64];
-        snprintf(nm, sizeof nm, "odd n_idx=%lld 3 heads", (long long)odd_n[i]);
-        sparse_attn_case(nm, i & 1 ? 17 : 3, 3, odd_n[i], 300);
-        snprintf(nm, sizeof nm, "odd n_idx=%lld 1 head", (long long)odd_n[i]);
-        sparse_attn_case(nm, 5, 1, odd_n[i], 33);
+    for (int mma = 0; mma < 2; mma++) {
+        mma_switch(mma);
+        const char *p = mma ? "mma " : "";
+        char nm[96];
+        snprintf(nm, sizeof nm, "%s8 heads, window 128 + top-512 of 2048", p);
+        for (int i = 0; i < NT_REAL; i++) sparse_attn_case(nm, T_REAL[i], H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
+        if (mma) sparse_attn_case(nm, 64, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
+        const int64_t odd_n[] = {1, 37, 100, 129};
+        for (int i = 0; i < 4; i++) {
+            snprintf(nm, sizeof nm, "%sodd n_idx=%lld 3 heads", p, (long long)odd_n[i]);
+            sparse_attn_case(nm, i & 1 ? 17 : 3, 3, HD, odd_n[i], 300);
+            snprintf(nm, sizeof nm, "%sodd n_idx=%lld 1 head", p, (long long)odd_n[i]);
+            sparse_attn_case(nm, 5, 1, HD, odd_n[i], 33);
+        }
+        snprintf(nm, sizeof nm, "%s12 heads hd=64", p);
+        sparse_attn_case(nm, 9, 12, 64, 200, 150);
+        snprintf(nm, sizeof nm, "%s4 heads hd=96", p);
+        sparse_attn_case(nm, 6, 4, 96, 130, 150);
     }
+    mma_switch(false);
 }
 
 static void compress_pool_case(int64_t G, int64_t r, int64_t n) {
@@ -1331,8 +1343,12 @@ static void test_batch_invariance_sparse_attn(void **st) {
     struct attn_in a = make_attn("bi sparse_attn", 64, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
     struct attn_ctx c = {&a, g_in(a.q, (size_t)(64 * H_LOCAL * HD) * 2), g_in(a.kv, (size_t)(a.nkv * HD) * 2),
                          g_in(a.idx, (size_t)(64 * a.n_idx) * 4), g_tensor(a.sink, H_LOCAL * 4, false)};
-    batch_invariance("sparse_attn", "8 heads, window 128 + top-512", attn_rows, &c, (size_t)(H_LOCAL * HD) * 2, BI_T, 2,
-                     BI_PROBES, 4);
+    for (int mma = 0; mma < 2; mma++) {
+        mma_switch(mma);
+        batch_invariance("sparse_attn", mma ? "mma 8 heads, window 128 + top-512" : "8 heads, window 128 + top-512",
+                         attn_rows, &c, (size_t)(H_LOCAL * HD) * 2, BI_T, 2, BI_PROBES, 4);
+    }
+    mma_switch(false);
     g_free((void *)c.dq);
     g_free((void *)c.dkv);
     g_free((void *)c.di);

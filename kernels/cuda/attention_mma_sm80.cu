@@ -1,0 +1,333 @@
+/* sparse_attn on the tensor cores (the mma switch: on unless --exact-linears; cuda_op_sparse_attn
+ * calls cuda_sparse_attn_mma when the switch is on and the shapes fit). The exact kernels of
+ * cuda_attention.cu run every q·k and P·V dot as one thread's sequential fp32 chain, which at the
+ * real shapes (8 heads × hd 512 × 640 entries a row) is ~1.4 ms a layer of a 2 K-token prefill on
+ * CUDA cores; here both products are mma.sync m16n8k16 bf16 with fp32 accumulation. Everything
+ * else is the CPU's arithmetic in the CPU's order: the block-64 online softmax (exact max, the
+ * glibc expf port, the bf16 rounding of P, l = l·alpha + lsum and acc = acc·alpha + pv with pv a
+ * block's P·V from zero, the sink term, the final divide). What changes is the order (and, inside
+ * an MMA, the truncating adder) of three sums: the hd-term q·k, the 64-term P·V of a block and the
+ * 64-term Σ p of a block: the sum bounds of src/tolerances.h (TOL_GPU_SUM_U_PER_TERM), which the
+ * sparse_attn test's interval model already carries. Which rows share a launch, the grid and the
+ * column slice width never change an operation of any (row, head, channel): the MMA's k positions
+ * of every product are fixed by the entry's place in its block and the d's place in hd, and the
+ * partial q·k sums are combined in a fixed order, so the results are batch invariant.
+ *
+ * Neither kernel stages kv in shared memory: lanes load their fragments straight from the cache
+ * rows (16 contiguous bytes a lane for q·k; 4·TL for P·V), which the mma layouts allow because a
+ * dot product may take its terms in any order as long as both operands agree (q·k: lane (g, t)
+ * holds d = 8t..8t+7 of a 32-wide k-block and both operands use that k permutation; P·V: a lane's
+ * output rows are 2·TL consecutive channels, so one row load feeds TL tiles). */
+#include "cuda_internal.h"
+#include "cuda_libm.cuh"
+#include "mma_sm80.cuh"
+
+#define AM_BLOCK 64            /* idx entries per online-softmax block (backend.h) */
+#define AM_HG 8                /* heads per CTA: the mma's n = 8 */
+#define AM_QK_EG 2             /* 16-entry groups per q·k CTA (q fragments reused across them) */
+#define AM_W 4                 /* warps per CTA */
+#define AM_SCRATCH (64 << 20)  /* bytes of logits scratch per slice of rows */
+
+/* ---------------------------------------------------------------------------------------------
+ * Logits: sc[t, h, e] = (q·k)·scale for every valid entry (idx >= 0), into scratch [T][H][n_idx].
+ *
+ * Grid: x = row t · ncta + group of 32 entries, y = group of 8 heads. Block: 4 warps; warp w sums
+ * the k-blocks [w·nkb/4, (w+1)·nkb/4) of hd (nkb = hd/32) of all 32 entries × 8 heads as one MMA
+ * chain per 16 entries (A = kv rows: entries × d; B = q rows: d × heads); the four partial sums are
+ * then added in warp order, ((p0 + p1) + p2) + p3, and multiplied by scale (the CPU's `s * scale`).
+ * Lane (g, t) loads d = 32·kb + 8t .. +7 of entry rows g and g + 8 and of head row g (16 bytes
+ * each): registers .x/.y feed the k-block's first mma (as k = 2t, 2t+1 and 2t+8, 2t+9), .z/.w its
+ * second. Heads past H and invalid entries load zeros and are not stored. */
+__global__ void __launch_bounds__(128)
+    attn_qk_mma_kernel(float *__restrict__ sc, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
+                       const int32_t *__restrict__ idx, int H, int hd, int n_idx, int ncta, float scale) {
+    __shared__ float part[AM_W - 1][AM_QK_EG * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t t = blockIdx.x / ncta;
+    const int e0 = (int)(blockIdx.x % ncta) * (16 * AM_QK_EG);
+    const int h0 = blockIdx.y * AM_HG;
+    const int nkb = hd >> 5, kb0 = warp * nkb / AM_W, kb1 = (warp + 1) * nkb / AM_W;
+    const int32_t *ir = idx + t * n_idx;
+    int id[AM_QK_EG][2];
+#pragma unroll
+    for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int e = e0 + 16 * eg + g + 8 * r;
+            id[eg][r] = e < n_idx ? ir[e] : -1;
+        }
+    const bool hok = h0 + g < H;
+    const uint4 *qr = reinterpret_cast<const uint4 *>(q + (t * H + (hok ? h0 + g : 0)) * (int64_t)hd) + tq;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float d[AM_QK_EG][4];
+#pragma unroll
+    for (int eg = 0; eg < AM_QK_EG; eg++) d[eg][0] = d[eg][1] = d[eg][2] = d[eg][3] = 0.0f;
+    for (int kb = kb0; kb < kb1; kb += 4) {
+        uint4 qf[4], af[AM_QK_EG][2][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const bool in = kb + u < kb1;
+            qf[u] = in && hok ? __ldg(qr + (kb + u) * 4) : zero;
+#pragma unroll
+            for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    af[eg][r][u] = in && id[eg][r] >= 0
+                                       ? __ldg(reinterpret_cast<const uint4 *>(kv + (int64_t)id[eg][r] * hd) +
+                                               (kb + u) * 4 + tq)
+                                       : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (kb + u >= kb1) break; /* warp-uniform */
+#pragma unroll
+            for (int eg = 0; eg < AM_QK_EG; eg++) {
+                float *c = d[eg];
+                mma_bf16(d[eg], af[eg][0][u].x, af[eg][1][u].x, af[eg][0][u].y, af[eg][1][u].y, qf[u].x, qf[u].y,
+                         c[0], c[1], c[2], c[3]);
+                mma_bf16(d[eg], af[eg][0][u].z, af[eg][1][u].z, af[eg][0][u].w, af[eg][1][u].w, qf[u].z, qf[u].w,
+                         c[0], c[1], c[2], c[3]);
+            }
+        }
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) part[warp - 1][eg * 4 + r][lane] = d[eg][r];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            /* D fragment: r = 0, 1 -> entry row g, heads 2t, 2t+1; r = 2, 3 -> entry row g + 8 */
+            float s = d[eg][r];
+#pragma unroll
+            for (int w = 0; w < AM_W - 1; w++) s = __fadd_rn(s, part[w][eg * 4 + r][lane]);
+            const int e = e0 + 16 * eg + g + 8 * (r >> 1), h = h0 + 2 * tq + (r & 1);
+            if (h < H && id[eg][r >> 1] >= 0) sc[(t * H + h) * (int64_t)n_idx + e] = __fmul_rn(s, scale);
+        }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Online softmax and P·V.
+ *
+ * Grid: x = row t, y = group of 8 heads, z = slice of DS = 16·TL channels. Block: 4 warps. The
+ * blocks of 64 entries go in rounds of four, warp w taking block 4r + w:
+ *   1. its ids (shared within the warp), then its P·V operand rows: lane (g, t) loads channels
+ *      2TL·g .. 2TL·g + 2TL − 1 of the slice from the rows of entries 16ks + {2t, 2t+1, 2t+8, 2t+9}
+ *      (ks = 0..3), zeros for invalid entries (P is 0 there, and 0 · NaN is not 0);
+ *   2. its logits (lane: head g, entries 16t .. 16t + 15) and their max per head -> shared;
+ *   barrier; the running max before and after the block, m_prev and m_new, is the CPU's sequential
+ *      `x > m ? x : m` over the previous rounds' result and the earlier blocks of this round;
+ *      alpha = expf(m_prev − m_new), p = expf(s − m_new), bf16(p) -> the warp's P tile, lsum = Σ p;
+ *   3. pv = P·V of the block, one MMA chain from zero over the 4 k-steps per tile of 16 channels
+ *      (A = V^T: channels × entries, assembled from the loaded rows by byte permutes; B = P^T:
+ *      entries × heads); tile j's row g is channel 2TL·g + 2j, row g + 8 the next one;
+ *   barrier; every thread folds the round's blocks in order into its TL accumulators,
+ *      acc = acc·alpha + pv, and threads 0..7 fold l = l·alpha + lsum and m for their head.
+ * After the last round l += expf(sink − m) where the row has a valid entry, o = bf16(acc / l),
+ * staged in shared memory for 16-byte stores; a row without a valid entry gives zeros. */
+template <int TL> /* 4 CTAs an SM's worth of registers: without the cap TL = 2 spills */
+__global__ void __launch_bounds__(128, 4)
+    attn_pv_mma_kernel(uint16_t *__restrict__ o, const float *__restrict__ sc, const uint16_t *__restrict__ kv,
+                       const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
+                       int vecs) {
+    constexpr int DS = 16 * TL; /* channels of the slice */
+    constexpr int NE = 4 * TL;  /* pv fragment registers per lane */
+    __shared__ __align__(16) uint16_t ps[AM_W][AM_HG][AM_BLOCK + 8]; /* bf16(p) per warp's block */
+    __shared__ float pvs[AM_W][NE][32];                               /* the round's pv, by fragment */
+    __shared__ int ids[AM_W][AM_BLOCK];
+    __shared__ float bm[2][AM_W][AM_HG], al[AM_W][AM_HG], lsm[AM_W][AM_HG], mrow[AM_HG], lrow[AM_HG];
+    __shared__ __align__(16) uint16_t os[AM_HG][DS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t t = blockIdx.x;
+    const int h0 = blockIdx.y * AM_HG, c0 = blockIdx.z * DS;
+    const int32_t *ir = idx + t * n_idx;
+    const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
+    const bool shok = h0 + g < H; /* softmax layout: head g, entries 16 tq + i */
+    const float *srow = sc + (t * H + (shok ? h0 + g : 0)) * (int64_t)n_idx;
+    const uint16_t *kvd = kv + c0 + 2 * TL * g;
+    if (tid < AM_HG) mrow[tid] = -1e30f, lrow[tid] = 0.0f;
+    float acc[TL];
+#pragma unroll
+    for (int i = 0; i < TL; i++) acc[i] = 0.0f;
+    bool any = false;
+    __syncthreads();
+    for (int r0 = 0, par = 0; r0 < nb; r0 += AM_W, par ^= 1) {
+        const int b = r0 + warp;
+        const bool bact = b < nb; /* warp-uniform */
+        uint32_t vw[4][4][TL];    /* [k-step][entry 2t, 2t+1, 2t+8, 2t+9][word] */
+        float s[16];
+        unsigned vm = 0u;
+        if (bact) {
+            for (int k = lane; k < AM_BLOCK; k += 32) ids[warp][k] = b * AM_BLOCK + k < n_idx ? ir[b * AM_BLOCK + k] : -1;
+            __syncwarp();
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int id = ids[warp][16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)];
+                    const uint16_t *src = kvd + (int64_t)(id >= 0 ? id : 0) * hd;
+                    if constexpr (TL == 4) {
+                        const uint4 v = id >= 0 ? __ldg(reinterpret_cast<const uint4 *>(src)) : make_uint4(0u, 0u, 0u, 0u);
+                        vw[ks][u][0] = v.x, vw[ks][u][1] = v.y, vw[ks][u][2] = v.z, vw[ks][u][3] = v.w;
+                    } else if constexpr (TL == 2) {
+                        const uint2 v = id >= 0 ? __ldg(reinterpret_cast<const uint2 *>(src)) : make_uint2(0u, 0u);
+                        vw[ks][u][0] = v.x, vw[ks][u][1] = v.y;
+                    } else {
+                        vw[ks][u][0] = id >= 0 ? __ldg(reinterpret_cast<const uint32_t *>(src)) : 0u;
+                    }
+                }
+            const float *sb = srow + b * AM_BLOCK + 16 * tq;
+            if (vecs) {
+#pragma unroll
+                for (int i = 0; i < 16; i += 4) { /* n_idx % 4 == 0: a float4 is wholly inside or past the row */
+                    const float4 v = b * AM_BLOCK + 16 * tq + i < n_idx ? __ldg(reinterpret_cast<const float4 *>(sb + i))
+                                                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; i++) s[i] = b * AM_BLOCK + 16 * tq + i < n_idx ? __ldg(sb + i) : 0.0f;
+            }
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const bool valid = ids[warp][16 * tq + i] >= 0;
+                any |= valid;
+                if (valid && shok) {
+                    vm |= 1u << i;
+                    mx = s[i] > mx ? s[i] : mx;
+                }
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                const float y = __shfl_xor_sync(0xffffffffu, mx, off);
+                mx = y > mx ? y : mx;
+            }
+            if (tq == 0) bm[par][warp][g] = mx;
+        }
+        __syncthreads();
+        if (bact) {
+            float mp = mrow[g];
+            for (int w = 0; w < warp; w++) {
+                const float x = bm[par][w][g];
+                mp = x > mp ? x : mp;
+            }
+            const float x = bm[par][warp][g], mn = x > mp ? x : mp;
+            const float alpha = ds_expf(__fsub_rn(mp, mn));
+            float lsum = 0.0f;
+            uint32_t pw[8];
+#pragma unroll
+            for (int i = 0; i < 16; i += 2) {
+                const float p0 = vm >> i & 1u ? ds_expf(__fsub_rn(s[i], mn)) : 0.0f;
+                const float p1 = vm >> (i + 1) & 1u ? ds_expf(__fsub_rn(s[i + 1], mn)) : 0.0f;
+                lsum = __fadd_rn(__fadd_rn(lsum, p0), p1);
+                pw[i / 2] = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+            uint4 *pd = reinterpret_cast<uint4 *>(&ps[warp][g][16 * tq]);
+            pd[0] = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+            pd[1] = make_uint4(pw[4], pw[5], pw[6], pw[7]);
+            if (tq == 0) al[warp][g] = alpha, lsm[warp][g] = lsum;
+            __syncwarp();
+            float pv[TL][4];
+#pragma unroll
+            for (int j = 0; j < TL; j++) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq]);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq + 8]);
+#pragma unroll
+                for (int j = 0; j < TL; j++) {
+                    const uint32_t a0 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x5410u);
+                    const uint32_t a1 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x7632u);
+                    const uint32_t a2 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x5410u);
+                    const uint32_t a3 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x7632u);
+                    float *c = pv[j];
+                    mma_bf16(pv[j], a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TL; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) pvs[warp][4 * j + r][lane] = pv[j][r];
+        }
+        __syncthreads();
+        const int nw = min(AM_W, nb - r0);
+#pragma unroll
+        for (int i = 0; i < TL; i++) {
+            const int qe = warp + 4 * i, hh = 2 * tq + (qe & 1); /* fragment register qe = 4j + r */
+            for (int w = 0; w < nw; w++) acc[i] = __fadd_rn(__fmul_rn(acc[i], al[w][hh]), pvs[w][qe][lane]);
+        }
+        if (tid < AM_HG) {
+            float l = lrow[tid], m = mrow[tid];
+            for (int w = 0; w < nw; w++) {
+                l = __fadd_rn(__fmul_rn(l, al[w][tid]), lsm[w][tid]);
+                const float x = bm[par][w][tid];
+                m = x > m ? x : m;
+            }
+            lrow[tid] = l, mrow[tid] = m;
+        }
+    }
+    any = __syncthreads_or(any);
+    if (tid < AM_HG && any && sink && h0 + tid < H) lrow[tid] = __fadd_rn(lrow[tid], ds_expf(__fsub_rn(sink[h0 + tid], mrow[tid])));
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TL; i++) {
+        const int qe = warp + 4 * i, hh = 2 * tq + (qe & 1);
+        const int ch = 2 * TL * g + 2 * (qe >> 2) + ((qe >> 1) & 1);
+        os[hh][ch] = any ? ds_bf16_rne(__fdiv_rn(acc[i], lrow[hh])) : (uint16_t)0;
+    }
+    __syncthreads();
+    for (int c = tid; c < AM_HG * DS / 8; c += blockDim.x) {
+        const int hh = c / (DS / 8), s8 = c % (DS / 8);
+        if (h0 + hh < H)
+            *reinterpret_cast<uint4 *>(o + (t * H + h0 + hh) * (int64_t)hd + c0 + 8 * s8) =
+                *reinterpret_cast<const uint4 *>(&os[hh][8 * s8]);
+    }
+}
+
+bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
+    if (hd % 64 || hd > 4096 || n_idx <= 0 || n_idx > (1 << 30) || H > 65535LL * AM_HG || T <= 0 ||
+        (((uintptr_t)q | (uintptr_t)kv | (uintptr_t)o) & 15))
+        return false;
+    cudaStream_t st = cuda_be_stream(be);
+    const int64_t target = 2LL * cuda_be_sms(be), hgs = (H + AM_HG - 1) / AM_HG;
+    const int ncta = (int)((n_idx + 16 * AM_QK_EG - 1) / (16 * AM_QK_EG));
+    const int64_t row_bytes = H * n_idx * (int64_t)sizeof(float);
+    int64_t rs = AM_SCRATCH / row_bytes;
+    if (rs < 1) rs = 1;
+    if (rs > T) rs = T;
+    float *sc = (float *)cuda_be_scratch_raw(be, (size_t)(rs * row_bytes));
+    const uint16_t *q16 = (const uint16_t *)q, *kv16 = (const uint16_t *)kv;
+    uint16_t *o16 = (uint16_t *)o;
+    const int vecs = n_idx % 4 == 0;
+    for (int64_t t0 = 0; t0 < T; t0 += rs) {
+        const int64_t tn = T - t0 < rs ? T - t0 : rs;
+        const int32_t *it = idx + t0 * n_idx;
+        attn_qk_mma_kernel<<<dim3((unsigned)(tn * ncta), (unsigned)hgs), 128, 0, st>>>(
+            sc, q16 + t0 * H * hd, kv16, it, (int)H, (int)hd, (int)n_idx, ncta, scale);
+        KERNEL_CHECK();
+        /* the widest slices that still give ~2 CTAs per SM (the softmax is recomputed per slice) */
+        uint16_t *ot = o16 + t0 * H * hd;
+        if (tn * hgs * (hd / 64) >= target) {
+            attn_pv_mma_kernel<4><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 64)), 128, 0, st>>>(
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+        } else if (tn * hgs * (hd / 32) >= target) {
+            attn_pv_mma_kernel<2><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 32)), 128, 0, st>>>(
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+        } else {
+            attn_pv_mma_kernel<1><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 16)), 128, 0, st>>>(
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+        }
+        KERNEL_CHECK();
+    }
+    cuda_be_scratch_free(be, sc);
+    return true;
+}
