@@ -11,7 +11,8 @@
  * term). Nothing depends on T, the grid or the other rows (batch invariance): the launch shapes
  * chosen below for occupancy never change a single operation of any (row, head) result.
  * With the mma switch on (the default; --exact-linears turns it off) sparse_attn takes the tensor-core
- * kernels of attention_mma_sm80.cu where the shapes fit; these are the exact path.
+ * kernels of attention_mma_sm80.cu where the shapes fit; the kernels in this file are the exact
+ * path, run with the switch off and for the shapes those do not take.
  *
  * sparse_attn runs as two kernels so both halves get the parallelism they need at decode (T = 1 per
  * sequence) and at prefill (T in the thousands):
