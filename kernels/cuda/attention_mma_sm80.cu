@@ -11,7 +11,10 @@
  * sparse_attn test's interval model already carries. Which rows share a launch, the grid and the
  * column slice width never change an operation of any (row, head, channel): the MMA's k positions
  * of every product are fixed by the entry's place in its block and the d's place in hd, and the
- * partial q·k sums are combined in a fixed order, so the results are batch invariant.
+ * partial q·k sums are combined in a fixed order, so the results are batch invariant. Calls of
+ * AM_SPLIT_MIN_T rows and more run the softmax once per (row, head group) in its own launch and P·V
+ * as one warp per channel slice (attn_softmax_mma_kernel, attn_pv_split_kernel): the same
+ * operations per element in the same order, so a row's bits do not depend on which path took it.
  *
  * Neither kernel stages kv in shared memory: lanes load their fragments straight from the cache
  * rows (16 contiguous bytes a lane for q·k; 4·TL for P·V), which the mma layouts allow because a
@@ -26,7 +29,10 @@
 #define AM_HG 8                /* heads per CTA: the mma's n = 8 */
 #define AM_QK_EG 2             /* 16-entry groups per q·k CTA (q fragments reused across them) */
 #define AM_W 4                 /* warps per CTA */
-#define AM_SCRATCH (64 << 20)  /* bytes of logits scratch per slice of rows */
+/* calls of this many rows and more compute the softmax once (attn_softmax_mma_kernel) and P·V
+ * without barriers (attn_pv_split_kernel); fewer take attn_pv_mma_kernel, which needs no second
+ * launch and spreads a decode step's few rows over the channel slices */
+#define AM_SPLIT_MIN_T 128
 
 /* ---------------------------------------------------------------------------------------------
  * Logits: sc[t, h, e] = (q·k)·scale for every valid entry (idx >= 0), into scratch [T][H][n_idx].
@@ -292,6 +298,182 @@ __global__ void __launch_bounds__(128, 4)
     }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Prefill-sized calls (AM_SPLIT_MIN_T rows and more): the same arithmetic as attn_pv_mma_kernel in
+ * two launches, so that the softmax is not recomputed for every channel slice (8 times at hd 512)
+ * and P·V needs no barrier.
+ *
+ * attn_softmax_mma_kernel: a warp per (row, 8 heads), lane (g, t) = head g, entries 16t .. 16t + 15
+ * of each block, the blocks in order: the block's max per head (the same comparisons in the same
+ * order as attn_pv_mma_kernel), m_new = the CPU's `x > m ? x : m`, alpha = expf(m − m_new),
+ * p = expf(s − m_new) as bf16 into P [rows][H][nb·64] (zeros past n_idx and for invalid
+ * entries), lsum (the lane's 16 in order, then the xor tree over the 4 lanes of a head),
+ * l = l·alpha + lsum; alpha into AL [rows][H][nb]; at the end l (+ expf(sink − m)) into L [rows][H],
+ * or −1 when the row has no valid entry (l is never negative otherwise). */
+/* (128, 4): with the block size alone ptxas chose 48 registers and spilled 8 bytes */
+__global__ void __launch_bounds__(128, 4)
+    attn_softmax_mma_kernel(uint16_t *__restrict__ P, float *__restrict__ AL, float *__restrict__ L,
+                            const float *__restrict__ sc, const int32_t *__restrict__ idx, int64_t tn, int H,
+                            int n_idx, const float *__restrict__ sink, int vecs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t t = (int64_t)blockIdx.x * AM_W + warp;
+    if (t >= tn) return; /* the whole warp */
+    const int h = blockIdx.y * AM_HG + g;
+    const bool shok = h < H;
+    const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK, npad = nb * AM_BLOCK;
+    const int32_t *ir = idx + t * n_idx;
+    const float *srow = sc + (t * H + (shok ? h : 0)) * (int64_t)n_idx;
+    uint16_t *prow = P + (t * H + (shok ? h : 0)) * (int64_t)npad;
+    float m = -1e30f, l = 0.0f;
+    bool any = false;
+    for (int b = 0; b < nb; b++) {
+        const int e0 = b * AM_BLOCK;
+        const bool va = e0 + lane < n_idx && ir[e0 + lane] >= 0;
+        const bool vb = e0 + 32 + lane < n_idx && ir[e0 + 32 + lane] >= 0;
+        const uint64_t vmask = (uint64_t)__ballot_sync(0xffffffffu, va) | (uint64_t)__ballot_sync(0xffffffffu, vb) << 32;
+        any |= vmask != 0;
+        const unsigned vm = shok ? (unsigned)(vmask >> (16 * tq)) & 0xffffu : 0u;
+        float s[16];
+        const float *sb = srow + e0 + 16 * tq;
+        if (vecs) {
+#pragma unroll
+            for (int i = 0; i < 16; i += 4) {
+                const float4 v = e0 + 16 * tq + i < n_idx ? __ldg(reinterpret_cast<const float4 *>(sb + i))
+                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) s[i] = e0 + 16 * tq + i < n_idx ? __ldg(sb + i) : 0.0f;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (vm >> i & 1u) mx = s[i] > mx ? s[i] : mx;
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            const float y = __shfl_xor_sync(0xffffffffu, mx, off);
+            mx = y > mx ? y : mx;
+        }
+        const float mn = mx > m ? mx : m;
+        const float alpha = ds_expf(__fsub_rn(m, mn));
+        float lsum = 0.0f;
+        uint32_t pw[8];
+#pragma unroll
+        for (int i = 0; i < 16; i += 2) {
+            const float p0 = vm >> i & 1u ? ds_expf(__fsub_rn(s[i], mn)) : 0.0f;
+            const float p1 = vm >> (i + 1) & 1u ? ds_expf(__fsub_rn(s[i + 1], mn)) : 0.0f;
+            lsum = __fadd_rn(__fadd_rn(lsum, p0), p1);
+            pw[i / 2] = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+        l = __fadd_rn(__fmul_rn(l, alpha), lsum);
+        m = mn;
+        if (shok) {
+            uint4 *pd = reinterpret_cast<uint4 *>(prow + e0 + 16 * tq);
+            pd[0] = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+            pd[1] = make_uint4(pw[4], pw[5], pw[6], pw[7]);
+            if (tq == 0) AL[(t * H + h) * (int64_t)nb + b] = alpha;
+        }
+    }
+    if (shok && tq == 0)
+        L[t * H + h] = !any ? -1.0f : sink ? __fadd_rn(l, ds_expf(__fsub_rn(sink[h], m))) : l;
+}
+
+/* attn_pv_split_kernel: a warp per (row, 8 heads, slice of 16·TL channels), 4 slices a CTA (x = row,
+ * y = head group, z = group of 4 slices), the blocks in order with no barrier: the block's V
+ * fragments as attn_pv_mma_kernel loads them, B = P^T from P, pv = the block's MMA chain from zero,
+ * then acc = acc·alpha + pv in the fragment registers; o = bf16(acc / l), or 0 when l < 0. The
+ * operations on every element are attn_pv_mma_kernel's, in its order, so rows give the same bits
+ * through either path (test_batch_invariance_sparse_attn runs both in one comparison). */
+template <int TL>
+__global__ void __launch_bounds__(128)
+    attn_pv_split_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ P, const float *__restrict__ AL,
+                         const float *__restrict__ L, const uint16_t *__restrict__ kv, const int32_t *__restrict__ idx,
+                         int H, int hd, int n_idx) {
+    constexpr int DS = 16 * TL;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int slice = blockIdx.z * AM_W + warp;
+    if (slice * DS >= hd) return; /* the whole warp */
+    const int64_t t = blockIdx.x;
+    const int h0 = blockIdx.y * AM_HG, c0 = slice * DS;
+    const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK, npad = nb * AM_BLOCK;
+    const int32_t *ir = idx + t * n_idx;
+    const bool pok = h0 + g < H, aok0 = h0 + 2 * tq < H, aok1 = h0 + 2 * tq + 1 < H;
+    const uint16_t *prow = P + (t * H + (pok ? h0 + g : 0)) * (int64_t)npad;
+    const float *al0 = AL + (t * H + (aok0 ? h0 + 2 * tq : 0)) * (int64_t)nb;
+    const float *al1 = AL + (t * H + (aok1 ? h0 + 2 * tq + 1 : 0)) * (int64_t)nb;
+    const uint16_t *kvd = kv + c0 + 2 * TL * g;
+    float acc[TL][4];
+#pragma unroll
+    for (int j = 0; j < TL; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const int e0 = b * AM_BLOCK;
+        const int ia = e0 + lane < n_idx ? ir[e0 + lane] : -1, ib = e0 + 32 + lane < n_idx ? ir[e0 + 32 + lane] : -1;
+        uint32_t vw[4][4][TL]; /* [k-step][entry 2t, 2t+1, 2t+8, 2t+9][word] */
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int id = __shfl_sync(0xffffffffu, ks < 2 ? ia : ib, (16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)) & 31);
+                const uint16_t *src = kvd + (int64_t)(id >= 0 ? id : 0) * hd;
+                if constexpr (TL == 4) {
+                    const uint4 v = id >= 0 ? __ldg(reinterpret_cast<const uint4 *>(src)) : make_uint4(0u, 0u, 0u, 0u);
+                    vw[ks][u][0] = v.x, vw[ks][u][1] = v.y, vw[ks][u][2] = v.z, vw[ks][u][3] = v.w;
+                } else if constexpr (TL == 2) {
+                    const uint2 v = id >= 0 ? __ldg(reinterpret_cast<const uint2 *>(src)) : make_uint2(0u, 0u);
+                    vw[ks][u][0] = v.x, vw[ks][u][1] = v.y;
+                } else {
+                    vw[ks][u][0] = id >= 0 ? __ldg(reinterpret_cast<const uint32_t *>(src)) : 0u;
+                }
+            }
+        uint32_t pb[4][2];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            pb[ks][0] = pok ? __ldg(reinterpret_cast<const uint32_t *>(prow + e0 + 16 * ks + 2 * tq)) : 0u;
+            pb[ks][1] = pok ? __ldg(reinterpret_cast<const uint32_t *>(prow + e0 + 16 * ks + 2 * tq + 8)) : 0u;
+        }
+        const float a0 = aok0 ? __ldg(al0 + b) : 0.0f, a1 = aok1 ? __ldg(al1 + b) : 0.0f;
+        float pv[TL][4];
+#pragma unroll
+        for (int j = 0; j < TL; j++) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int j = 0; j < TL; j++) {
+                const uint32_t x0 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x5410u);
+                const uint32_t x1 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x7632u);
+                const uint32_t x2 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x5410u);
+                const uint32_t x3 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x7632u);
+                float *c = pv[j];
+                mma_bf16(pv[j], x0, x1, x2, x3, pb[ks][0], pb[ks][1], c[0], c[1], c[2], c[3]);
+            }
+#pragma unroll
+        for (int j = 0; j < TL; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
+    }
+    /* lane: heads 2t, 2t+1 (r & 1), channels 2TL·g + 2j + (r >> 1): 2TL consecutive bf16 a head */
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int h = h0 + 2 * tq + hh;
+        if (h >= H) continue;
+        const float l = L[t * H + h];
+        uint32_t wd[TL];
+#pragma unroll
+        for (int j = 0; j < TL; j++) {
+            const uint16_t lo = l < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][hh], l));
+            const uint16_t hi = l < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][2 + hh], l));
+            wd[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+        uint16_t *dst = o + (t * H + h) * (int64_t)hd + c0 + 2 * TL * g;
+        if constexpr (TL == 4) *reinterpret_cast<uint4 *>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        else if constexpr (TL == 2) *reinterpret_cast<uint2 *>(dst) = make_uint2(wd[0], wd[1]);
+        else *reinterpret_cast<uint32_t *>(dst) = wd[0];
+    }
+}
+
 bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
                           int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
     if (hd % 64 || hd > 4096 || n_idx <= 0 || n_idx > (1 << 30) || H > 65535LL * AM_HG || T <= 0 ||
@@ -300,11 +482,17 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
     cudaStream_t st = cuda_be_stream(be);
     const int64_t target = 2LL * cuda_be_sms(be), hgs = (H + AM_HG - 1) / AM_HG;
     const int ncta = (int)((n_idx + 16 * AM_QK_EG - 1) / (16 * AM_QK_EG));
-    const int64_t row_bytes = H * n_idx * (int64_t)sizeof(float);
-    int64_t rs = AM_SCRATCH / row_bytes;
-    if (rs < 1) rs = 1;
-    if (rs > T) rs = T;
-    float *sc = (float *)cuda_be_scratch_raw(be, (size_t)(rs * row_bytes));
+    const int64_t nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
+    /* per row: the logits [H][n_idx] f32; split calls also P [H][nb·64] bf16, AL [H][nb], L [H] */
+    const int64_t sc_bytes = H * n_idx * (int64_t)sizeof(float), p_bytes = H * nb * AM_BLOCK * 2,
+                  al_bytes = H * nb * (int64_t)sizeof(float), l_bytes = H * (int64_t)sizeof(float);
+    const bool split = T >= AM_SPLIT_MIN_T;
+    const int64_t rs = cuda_attn_slice_rows(T, split ? sc_bytes + p_bytes + al_bytes + l_bytes : sc_bytes);
+    uint8_t *scratch = (uint8_t *)cuda_be_scratch_raw(
+        be, (size_t)(split ? ((rs * sc_bytes + 15) & ~15LL) + rs * (p_bytes + al_bytes + l_bytes) : rs * sc_bytes));
+    float *sc = (float *)scratch;
+    uint16_t *Pb = (uint16_t *)(scratch + ((rs * sc_bytes + 15) & ~15LL)); /* p_bytes is a multiple of 128 */
+    float *ALb = (float *)((uint8_t *)Pb + rs * p_bytes), *Lb = ALb + rs * H * nb;
     const uint16_t *q16 = (const uint16_t *)q, *kv16 = (const uint16_t *)kv;
     uint16_t *o16 = (uint16_t *)o;
     const int vecs = n_idx % 4 == 0;
@@ -314,8 +502,26 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
         attn_qk_mma_kernel<<<dim3((unsigned)(tn * ncta), (unsigned)hgs), 128, 0, st>>>(
             sc, q16 + t0 * H * hd, kv16, it, (int)H, (int)hd, (int)n_idx, ncta, scale);
         KERNEL_CHECK();
-        /* the widest slices that still give ~2 CTAs per SM (the softmax is recomputed per slice) */
         uint16_t *ot = o16 + t0 * H * hd;
+        if (split) {
+            attn_softmax_mma_kernel<<<dim3((unsigned)((tn + AM_W - 1) / AM_W), (unsigned)hgs), 128, 0, st>>>(
+                Pb, ALb, Lb, sc, it, tn, (int)H, (int)n_idx, sink, vecs);
+            KERNEL_CHECK();
+            /* the widest slices that still give ~16 warps per SM */
+            const int64_t wt = 8 * target;
+            if (tn * hgs * (hd / 64) >= wt)
+                attn_pv_split_kernel<4><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 64 + AM_W - 1) / AM_W)), 128, 0, st>>>(
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+            else if (tn * hgs * (hd / 32) >= wt)
+                attn_pv_split_kernel<2><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 32 + AM_W - 1) / AM_W)), 128, 0, st>>>(
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+            else
+                attn_pv_split_kernel<1><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 16 + AM_W - 1) / AM_W)), 128, 0, st>>>(
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+            KERNEL_CHECK();
+            continue;
+        }
+        /* the widest slices that still give ~2 CTAs per SM (the softmax is recomputed per slice) */
         if (tn * hgs * (hd / 64) >= target) {
             attn_pv_mma_kernel<4><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 64)), 128, 0, st>>>(
                 ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
@@ -328,6 +534,6 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
         }
         KERNEL_CHECK();
     }
-    cuda_be_scratch_free(be, sc);
+    cuda_be_scratch_free(be, scratch);
     return true;
 }

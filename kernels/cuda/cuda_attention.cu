@@ -31,7 +31,6 @@
 
 #define ATTN_BLOCK 64          /* idx entries per online-softmax block (backend.h) */
 #define SMEM_LIMIT 49152       /* per CTA, static + dynamic: no opt-in to larger carve-outs */
-#define SCRATCH_CAP (64 << 20) /* bytes of logits scratch per sparse_attn slice of rows */
 
 /* ---------------------------------------------------------------------------------------------
  * Exact number helpers (src/formats.c semantics) and cp.async */
@@ -407,9 +406,7 @@ void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const b
 
     /* Logits scratch [rows][H][n_idx] fp32, reused slice after slice of rows (stream order). */
     const int64_t row_bytes = H * n_idx * (int64_t)sizeof(float);
-    int64_t rs = SCRATCH_CAP / row_bytes;
-    if (rs < 1) rs = 1;
-    if (rs > T) rs = T;
+    const int64_t rs = cuda_attn_slice_rows(T, row_bytes);
     float *sc = (float *)cuda_be_scratch(be, (size_t)(rs * row_bytes));
 
     const uint16_t *q16 = (const uint16_t *)q, *kv16 = (const uint16_t *)kv;

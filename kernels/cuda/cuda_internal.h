@@ -25,6 +25,14 @@ void *cuda_be_scratch(struct backend *be, size_t bytes);
 /* The same without the zero fill (the scratch op; for buffers a kernel writes before reading). */
 void *cuda_be_scratch_raw(struct backend *be, size_t bytes);
 void cuda_be_scratch_free(struct backend *be, void *p);
+/* sparse_attn's per-call scratch (the logits, and the tensor-core path's P and rescales) holds at
+ * most CUDA_ATTN_SCRATCH_CAP bytes: the rows of a call go through it in slices of this many rows
+ * (at least one, at most T) of row_bytes each. */
+#define CUDA_ATTN_SCRATCH_CAP ((int64_t)64 << 20)
+static inline int64_t cuda_attn_slice_rows(int64_t T, int64_t row_bytes) {
+    int64_t rs = CUDA_ATTN_SCRATCH_CAP / row_bytes;
+    return rs < 1 ? 1 : (rs > T ? T : rs);
+}
 /* Multiprocessors of the backend's device (for grid sizing). */
 int cuda_be_sms(struct backend *be);
 /* Whether FP8/FP4 linears and sparse attention's q·k and P·V take the tensor-core path

@@ -1087,7 +1087,8 @@ static void sparse_attn_case(const char *name, int64_t T, int64_t H, int64_t hd,
 }
 
 /* Both paths: the exact kernels (mma switch off) and the tensor-core kernels (on; its column slices
- * of 16, 32 and 64 channels are chosen by grid size, so T = 1, 17 and 64 reach all three). hd = 96
+ * of 16, 32 and 64 channels are chosen by grid size, so T = 1, 17 and 64 reach all three, and from
+ * 128 rows the softmax and P·V split into two launches, T = 128 and the odd 3-head case at 129). hd = 96
  * does not fit the tensor-core kernels (hd % 64): with the switch on it must take the exact ones. */
 static void test_sparse_attn(void **st) {
     NEED_GPU(st);
@@ -1098,10 +1099,11 @@ static void test_sparse_attn(void **st) {
         snprintf(nm, sizeof nm, "%s8 heads, window 128 + top-512 of 2048", p);
         for (int i = 0; i < NT_REAL; i++) sparse_attn_case(nm, T_REAL[i], H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
         if (mma) sparse_attn_case(nm, 64, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
+        if (mma) sparse_attn_case(nm, 128, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048); /* the split kernels */
         const int64_t odd_n[] = {1, 37, 100, 129};
         for (int i = 0; i < 4; i++) {
             snprintf(nm, sizeof nm, "%sodd n_idx=%lld 3 heads", p, (long long)odd_n[i]);
-            sparse_attn_case(nm, i & 1 ? 17 : 3, 3, HD, odd_n[i], 300);
+            sparse_attn_case(nm, i & 1 ? 17 : (i == 2 && mma ? 129 : 3), 3, HD, odd_n[i], 300);
             snprintf(nm, sizeof nm, "%sodd n_idx=%lld 1 head", p, (long long)odd_n[i]);
             sparse_attn_case(nm, 5, 1, HD, odd_n[i], 33);
         }
@@ -1340,13 +1342,17 @@ static void attn_rows(void *vc, int64_t r0, int64_t T, void *out) {
 
 static void test_batch_invariance_sparse_attn(void **st) {
     NEED_GPU(st);
-    struct attn_in a = make_attn("bi sparse_attn", 64, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
-    struct attn_ctx c = {&a, g_in(a.q, (size_t)(64 * H_LOCAL * HD) * 2), g_in(a.kv, (size_t)(a.nkv * HD) * 2),
-                         g_in(a.idx, (size_t)(64 * a.n_idx) * 4), g_tensor(a.sink, H_LOCAL * 4, false)};
+    /* 128 rows: with the switch on, T = 1, 8 and 64 take the one-launch tensor-core kernel and
+     * T = 128 the split softmax + P·V, which must give every row the same bits */
+    enum { BI_ROWS = 128 };
+    const int64_t bi_t[] = {8, 64, BI_ROWS}, bi_probes[] = {0, 5, 7, 63, BI_ROWS - 1};
+    struct attn_in a = make_attn("bi sparse_attn", BI_ROWS, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
+    struct attn_ctx c = {&a, g_in(a.q, (size_t)(BI_ROWS * H_LOCAL * HD) * 2), g_in(a.kv, (size_t)(a.nkv * HD) * 2),
+                         g_in(a.idx, (size_t)(BI_ROWS * a.n_idx) * 4), g_tensor(a.sink, H_LOCAL * 4, false)};
     for (int mma = 0; mma < 2; mma++) {
         mma_switch(mma);
         batch_invariance("sparse_attn", mma ? "mma 8 heads, window 128 + top-512" : "8 heads, window 128 + top-512",
-                         attn_rows, &c, (size_t)(H_LOCAL * HD) * 2, BI_T, 2, BI_PROBES, 4);
+                         attn_rows, &c, (size_t)(H_LOCAL * HD) * 2, bi_t, 3, bi_probes, 5);
     }
     mma_switch(false);
     g_free((void *)c.dq);
