@@ -118,6 +118,92 @@ __global__ void __launch_bounds__(128)
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The pieces of a block of the online softmax and its P·V that both P·V kernels run, so that
+ * their operations (and hence a row's bits) are the same whichever path a call takes. Softmax
+ * layout: lane (g, t) holds head g, entries 16t .. 16t + 15 of the block. */
+
+/* the lane's 16 logits from sb (entry e of the row first); zeros past n_idx */
+static __device__ __forceinline__ void am_load_s(float (&s)[16], const float *sb, int e, int n_idx, int vecs) {
+    if (vecs) {
+#pragma unroll
+        for (int i = 0; i < 16; i += 4) { /* n_idx % 4 == 0: a float4 is wholly inside or past the row */
+            const float4 v = e + i < n_idx ? __ldg(reinterpret_cast<const float4 *>(sb + i)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) s[i] = e + i < n_idx ? __ldg(sb + i) : 0.0f;
+    }
+}
+
+/* the head's block max over the entries in vm: the lane's in order, then across its 4 lanes */
+static __device__ __forceinline__ float am_block_max(const float (&s)[16], unsigned vm) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        if (vm >> i & 1u) mx = s[i] > mx ? s[i] : mx;
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, mx, off);
+        mx = y > mx ? y : mx;
+    }
+    return mx;
+}
+
+/* p = expf(s − mn) (0 outside vm) as bf16 pairs into pw; returns the head's Σ p (the lane's 16 in
+ * order, then the xor tree over its 4 lanes) */
+static __device__ __forceinline__ float am_block_p(const float (&s)[16], unsigned vm, float mn, uint32_t (&pw)[8]) {
+    float lsum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+        const float p0 = vm >> i & 1u ? ds_expf(__fsub_rn(s[i], mn)) : 0.0f;
+        const float p1 = vm >> (i + 1) & 1u ? ds_expf(__fsub_rn(s[i + 1], mn)) : 0.0f;
+        lsum = __fadd_rn(__fadd_rn(lsum, p0), p1);
+        pw[i / 2] = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+    return lsum;
+}
+
+/* the lane's 2·TL channels of kv row id (kvd: the slice's first channel of the lane), zeros for
+ * an invalid entry (P is 0 there, and 0 · NaN is not 0) */
+template <int TL>
+static __device__ __forceinline__ void am_load_v(uint32_t (&v)[TL], const uint16_t *kvd, int hd, int id) {
+    const uint16_t *src = kvd + (int64_t)(id >= 0 ? id : 0) * hd;
+    if constexpr (TL == 4) {
+        const uint4 u = id >= 0 ? __ldg(reinterpret_cast<const uint4 *>(src)) : make_uint4(0u, 0u, 0u, 0u);
+        v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+    } else if constexpr (TL == 2) {
+        const uint2 u = id >= 0 ? __ldg(reinterpret_cast<const uint2 *>(src)) : make_uint2(0u, 0u);
+        v[0] = u.x, v[1] = u.y;
+    } else {
+        v[0] = id >= 0 ? __ldg(reinterpret_cast<const uint32_t *>(src)) : 0u;
+    }
+}
+
+/* pv = the block's P·V from zero: per 16-channel tile j one MMA chain over the 4 k-steps, A = V^T
+ * assembled from the rows of entries 16ks + {2t, 2t+1, 2t+8, 2t+9} by byte permutes, B = P^T
+ * (pb[ks]: entries 16ks + 2t, 2t+1 and 2t+8, 2t+9 of head g) */
+template <int TL>
+static __device__ __forceinline__ void am_block_pv(float (&pv)[TL][4], const uint32_t (&vw)[4][4][TL],
+                                                   const uint32_t (&pb)[4][2]) {
+#pragma unroll
+    for (int j = 0; j < TL; j++) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int j = 0; j < TL; j++) {
+            const uint32_t a0 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x5410u);
+            const uint32_t a1 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x7632u);
+            const uint32_t a2 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x5410u);
+            const uint32_t a3 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x7632u);
+            float *c = pv[j];
+            mma_bf16(pv[j], a0, a1, a2, a3, pb[ks][0], pb[ks][1], c[0], c[1], c[2], c[3]);
+        }
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Online softmax and P·V.
  *
  * Grid: x = row t, y = group of 8 heads, z = slice of DS = 16·TL channels. Block: 4 warps. The
@@ -174,46 +260,15 @@ __global__ void __launch_bounds__(128, 4)
 #pragma unroll
             for (int ks = 0; ks < 4; ks++)
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int id = ids[warp][16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)];
-                    const uint16_t *src = kvd + (int64_t)(id >= 0 ? id : 0) * hd;
-                    if constexpr (TL == 4) {
-                        const uint4 v = id >= 0 ? __ldg(reinterpret_cast<const uint4 *>(src)) : make_uint4(0u, 0u, 0u, 0u);
-                        vw[ks][u][0] = v.x, vw[ks][u][1] = v.y, vw[ks][u][2] = v.z, vw[ks][u][3] = v.w;
-                    } else if constexpr (TL == 2) {
-                        const uint2 v = id >= 0 ? __ldg(reinterpret_cast<const uint2 *>(src)) : make_uint2(0u, 0u);
-                        vw[ks][u][0] = v.x, vw[ks][u][1] = v.y;
-                    } else {
-                        vw[ks][u][0] = id >= 0 ? __ldg(reinterpret_cast<const uint32_t *>(src)) : 0u;
-                    }
-                }
-            const float *sb = srow + b * AM_BLOCK + 16 * tq;
-            if (vecs) {
-#pragma unroll
-                for (int i = 0; i < 16; i += 4) { /* n_idx % 4 == 0: a float4 is wholly inside or past the row */
-                    const float4 v = b * AM_BLOCK + 16 * tq + i < n_idx ? __ldg(reinterpret_cast<const float4 *>(sb + i))
-                                                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 16; i++) s[i] = b * AM_BLOCK + 16 * tq + i < n_idx ? __ldg(sb + i) : 0.0f;
-            }
-            float mx = -INFINITY;
+                for (int u = 0; u < 4; u++) am_load_v<TL>(vw[ks][u], kvd, hd, ids[warp][16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)]);
+            am_load_s(s, srow + b * AM_BLOCK + 16 * tq, b * AM_BLOCK + 16 * tq, n_idx, vecs);
 #pragma unroll
             for (int i = 0; i < 16; i++) {
                 const bool valid = ids[warp][16 * tq + i] >= 0;
                 any |= valid;
-                if (valid && shok) {
-                    vm |= 1u << i;
-                    mx = s[i] > mx ? s[i] : mx;
-                }
+                if (valid && shok) vm |= 1u << i;
             }
-#pragma unroll
-            for (int off = 1; off < 4; off <<= 1) {
-                const float y = __shfl_xor_sync(0xffffffffu, mx, off);
-                mx = y > mx ? y : mx;
-            }
+            const float mx = am_block_max(s, vm);
             if (tq == 0) bm[par][warp][g] = mx;
         }
         __syncthreads();
@@ -225,39 +280,21 @@ __global__ void __launch_bounds__(128, 4)
             }
             const float x = bm[par][warp][g], mn = x > mp ? x : mp;
             const float alpha = ds_expf(__fsub_rn(mp, mn));
-            float lsum = 0.0f;
             uint32_t pw[8];
-#pragma unroll
-            for (int i = 0; i < 16; i += 2) {
-                const float p0 = vm >> i & 1u ? ds_expf(__fsub_rn(s[i], mn)) : 0.0f;
-                const float p1 = vm >> (i + 1) & 1u ? ds_expf(__fsub_rn(s[i + 1], mn)) : 0.0f;
-                lsum = __fadd_rn(__fadd_rn(lsum, p0), p1);
-                pw[i / 2] = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
-            }
-#pragma unroll
-            for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+            const float lsum = am_block_p(s, vm, mn, pw);
             uint4 *pd = reinterpret_cast<uint4 *>(&ps[warp][g][16 * tq]);
             pd[0] = make_uint4(pw[0], pw[1], pw[2], pw[3]);
             pd[1] = make_uint4(pw[4], pw[5], pw[6], pw[7]);
             if (tq == 0) al[warp][g] = alpha, lsm[warp][g] = lsum;
             __syncwarp();
-            float pv[TL][4];
-#pragma unroll
-            for (int j = 0; j < TL; j++) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
+            uint32_t pb[4][2];
 #pragma unroll
             for (int ks = 0; ks < 4; ks++) {
-                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq]);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq + 8]);
-#pragma unroll
-                for (int j = 0; j < TL; j++) {
-                    const uint32_t a0 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x5410u);
-                    const uint32_t a1 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x7632u);
-                    const uint32_t a2 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x5410u);
-                    const uint32_t a3 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x7632u);
-                    float *c = pv[j];
-                    mma_bf16(pv[j], a0, a1, a2, a3, b0, b1, c[0], c[1], c[2], c[3]);
-                }
+                pb[ks][0] = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq]);
+                pb[ks][1] = *reinterpret_cast<const uint32_t *>(&ps[warp][g][16 * ks + 2 * tq + 8]);
             }
+            float pv[TL][4];
+            am_block_pv<TL>(pv, vw, pb);
 #pragma unroll
             for (int j = 0; j < TL; j++)
 #pragma unroll
@@ -334,40 +371,12 @@ __global__ void __launch_bounds__(128, 4)
         any |= vmask != 0;
         const unsigned vm = shok ? (unsigned)(vmask >> (16 * tq)) & 0xffffu : 0u;
         float s[16];
-        const float *sb = srow + e0 + 16 * tq;
-        if (vecs) {
-#pragma unroll
-            for (int i = 0; i < 16; i += 4) {
-                const float4 v = e0 + 16 * tq + i < n_idx ? __ldg(reinterpret_cast<const float4 *>(sb + i))
-                                                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; i++) s[i] = e0 + 16 * tq + i < n_idx ? __ldg(sb + i) : 0.0f;
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-            if (vm >> i & 1u) mx = s[i] > mx ? s[i] : mx;
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            const float y = __shfl_xor_sync(0xffffffffu, mx, off);
-            mx = y > mx ? y : mx;
-        }
+        am_load_s(s, srow + e0 + 16 * tq, e0 + 16 * tq, n_idx, vecs);
+        const float mx = am_block_max(s, vm);
         const float mn = mx > m ? mx : m;
         const float alpha = ds_expf(__fsub_rn(m, mn));
-        float lsum = 0.0f;
         uint32_t pw[8];
-#pragma unroll
-        for (int i = 0; i < 16; i += 2) {
-            const float p0 = vm >> i & 1u ? ds_expf(__fsub_rn(s[i], mn)) : 0.0f;
-            const float p1 = vm >> (i + 1) & 1u ? ds_expf(__fsub_rn(s[i + 1], mn)) : 0.0f;
-            lsum = __fadd_rn(__fadd_rn(lsum, p0), p1);
-            pw[i / 2] = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
-        }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+        const float lsum = am_block_p(s, vm, mn, pw);
         l = __fadd_rn(__fmul_rn(l, alpha), lsum);
         m = mn;
         if (shok) {
@@ -415,19 +424,9 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int ks = 0; ks < 4; ks++)
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int id = __shfl_sync(0xffffffffu, ks < 2 ? ia : ib, (16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)) & 31);
-                const uint16_t *src = kvd + (int64_t)(id >= 0 ? id : 0) * hd;
-                if constexpr (TL == 4) {
-                    const uint4 v = id >= 0 ? __ldg(reinterpret_cast<const uint4 *>(src)) : make_uint4(0u, 0u, 0u, 0u);
-                    vw[ks][u][0] = v.x, vw[ks][u][1] = v.y, vw[ks][u][2] = v.z, vw[ks][u][3] = v.w;
-                } else if constexpr (TL == 2) {
-                    const uint2 v = id >= 0 ? __ldg(reinterpret_cast<const uint2 *>(src)) : make_uint2(0u, 0u);
-                    vw[ks][u][0] = v.x, vw[ks][u][1] = v.y;
-                } else {
-                    vw[ks][u][0] = id >= 0 ? __ldg(reinterpret_cast<const uint32_t *>(src)) : 0u;
-                }
-            }
+            for (int u = 0; u < 4; u++)
+                am_load_v<TL>(vw[ks][u], kvd, hd,
+                              __shfl_sync(0xffffffffu, ks < 2 ? ia : ib, (16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)) & 31));
         uint32_t pb[4][2];
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
@@ -436,19 +435,7 @@ __global__ void __launch_bounds__(128)
         }
         const float a0 = aok0 ? __ldg(al0 + b) : 0.0f, a1 = aok1 ? __ldg(al1 + b) : 0.0f;
         float pv[TL][4];
-#pragma unroll
-        for (int j = 0; j < TL; j++) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-            for (int j = 0; j < TL; j++) {
-                const uint32_t x0 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x5410u);
-                const uint32_t x1 = __byte_perm(vw[ks][0][j], vw[ks][1][j], 0x7632u);
-                const uint32_t x2 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x5410u);
-                const uint32_t x3 = __byte_perm(vw[ks][2][j], vw[ks][3][j], 0x7632u);
-                float *c = pv[j];
-                mma_bf16(pv[j], x0, x1, x2, x3, pb[ks][0], pb[ks][1], c[0], c[1], c[2], c[3]);
-            }
+        am_block_pv<TL>(pv, vw, pb);
 #pragma unroll
         for (int j = 0; j < TL; j++)
 #pragma unroll

@@ -14,9 +14,11 @@
  * call or on the grid.
  *
  * Parallelism comes from outputs and from the segments of one output: up to 8 token rows a warp
- * walks one weight row's segments with its 32 lanes; 9..256 rows a lane owns a weight row and the
- * segments pass through a shared-memory ring; above, a CTA tiles 64 token rows x 32 weight rows and
- * runs each output's chain through its segments in turn. Shapes a 16-byte load cannot serve (row
+ * walks one weight row's segments with its 32 lanes; 2..256 rows every segment of every output is
+ * a warp's work and a second launch adds the segment sums in order; above, a CTA tiles 64 token
+ * rows x 32 weight rows and runs each output's chain through its segments in turn. Where both
+ * factors of every product are in range the kernels of 2 rows and up fuse the product and the add
+ * (lo_madd: the same bits). Shapes a 16-byte load cannot serve (row
  * strides not a multiple of 8 elements, F32 weights) take a plain one-thread-per-output kernel with
  * the same order. */
 #include "cuda_internal.h"
@@ -51,6 +53,32 @@ static __device__ __forceinline__ void lo_widen8(float *dst, const uint16_t *src
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * One multiply-add of the segmented sum. bf16 x bf16 has at most 16 significant bits, so while the
+ * product is a normal fp32 number it is exact and fma(x, w, acc) rounds the same value as
+ * fadd(acc, fmul(x, w)): the same bits in one instruction. That holds when every nonzero factor
+ * lies in [2^-63, 2^64) (a product of two of them is >= 2^-126 and < 2^128); zeros are exact
+ * anyway. lo_bad8 flags 8 bf16 values of which one is outside (subnormals, large values, Inf,
+ * NaN), and a tile that holds one runs the separately rounded form. */
+template <bool FMA> static __device__ __forceinline__ float lo_madd(float acc, float x, float w) {
+    return FMA ? __fmaf_rn(x, w, acc) : __fadd_rn(acc, __fmul_rn(x, w));
+}
+
+/* Nonzero in the sign bits 0x80008000 when one of the 8 bf16 values of v is nonzero with a biased
+ * exponent outside [64, 190]: per 16-bit half h = |value| bits, h + 0x2080 reaches bit 15 when
+ * h >= 0x5f80 (exponent 191 and up), h + 0x6000 stays below it when h < 0x2000 (exponent 63 and
+ * below), h + 0x7fff reaches it when h != 0; no half carries into the next. */
+static __device__ __forceinline__ uint32_t lo_bad8(uint4 v) {
+    uint32_t bad = 0;
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t a = u[i] & 0x7fff7fffu;
+        bad |= (a + 0x20802080u) | (~(a + 0x60006000u) & (a + 0x7fff7fffu));
+    }
+    return bad & 0x80008000u;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * cp.async (SM80): 16-byte global -> shared copies, bytes beyond `src_bytes` zero-filled. */
 
 static __device__ __forceinline__ void lo_cp16(void *dst, const void *src, int src_bytes) {
@@ -63,18 +91,19 @@ template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel for up to 8 token rows: a warp per weight row, a lane per BE_DOT_SEG segment of its
+ * BF16 kernel for one token row (up to 8 in the template; dense_launch sends 1, the
+ * segment-parallel kernel below takes 2..256): a warp per weight row, a lane per BE_DOT_SEG segment of its
  * k (lane l takes segments l, l + 32, ...), the TT chains of a lane independent. A lane copies its
  * segment's 256 bytes of the row into shared memory with 16 cp.async at once (its memory
  * parallelism: with one warp per row, 4 rows a CTA, a [384, 5120] router gate is 96 CTAs, each
  * streaming 40 KB), and reads x through the read-only cache (the 4 warps of a CTA read the same
  * x). Each round of 32 segments is folded into the running total in segment order by shuffles,
  * every lane adding the same values in the same order, and lane t stores token t.
- * The k-order GEMV it replaces (a lane per weight row, kept below for 9..256 rows) spent 30.9 µs
+ * The k-order GEMV it replaces (a lane per weight row over all of k) spent 30.9 µs
  * per router gate at batch 1 on one 5,120-add chain per output in 12 CTAs; with this kernel the
  * router op (gate and selection, 20 calls) went from 0.92 to 0.56 ms per step at batch 1 and from
  * 1.29 to 0.86 at batch 8 (H200, bench_step --profile, ops serial).
- * Grid: x = token group of 8 rows (dense_launch sends one), y = 4-row weight tile, z = group g of a
+ * Grid: x = token group of TT rows (dense_launch sends one), y = 4-row weight tile, z = group g of a
  * grouped projection (element offsets y_gs, x_gs, w_gs per g). Needs k % 8 == 0 and 16-byte
  * aligned rows (dense_launch). */
 #define DS_WARPS 4                 /* weight rows per CTA, one per warp */
@@ -152,154 +181,129 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel for 9..256 token rows (dense_seg_kernel above takes up to 8: at 64 rows its 8-row
- * groups re-read every weight row from L2 in 8x the CTAs, and the router op, gate and selection,
- * took 106 µs a call against 66 µs with this kernel; H200, bench_step --profile). A CTA owns 32
- * weight rows (lane = row) and 8 token rows (its 4 warps split them), and walks k in stages of 128 = BE_DOT_SEG (one segment a stage, folded
- * into the total at the stage's end) through a 4-deep cp.async ring in shared memory (weights
- * coalesced from global, chunk-swizzled so each lane's 16-byte row reads are bank-conflict free;
- * the 8 token rows are widened to fp32 once per stage so the inner loop is a broadcast read). More
- * rows go through more token groups in the same launch, neighbouring in the grid so the re-reads
- * hit L2. */
+ * BF16 kernel for 2..256 token rows (dense_seg_kernel takes one, dense_tile_kernel more than 256),
+ * parallel over the segments of the outputs: a warp sums one segment (BE_DOT_SEG k) of 32 weight
+ * rows (lane = row) x TT token rows, each chain from +0 in k order, and stores the segment sums;
+ * dense_fold_kernel then adds an output's segment sums in order from the first. So the bits are
+ * dense_seg_kernel's and the CPU's, an output's dependent chain is one segment plus the fold, and
+ * every warp of the grid is busy at once (a [384, 5120] router gate at 64 rows: 16 x 12 x 10 CTAs of
+ * 4 warps). The warp stages its 32 x 128 weights in shared memory with coalesced cp.async (two
+ * rows a copy instruction, chunk c of row r at c ^ (r % 16): each lane then reads its row
+ * conflict-free) and widens its TT token rows to fp32 there (broadcast reads). Measured on the H200
+ * (Nsight, kernel_times.sh): the k-order kernel it replaced at 9..256 rows (a lane per weight row
+ * over all 40 segments of k one after another, 8 token rows a CTA) took 43 µs a router gate at 64
+ * rows, and dense_seg_kernel at 8 rows (each lane reading its own segment and the x rows with
+ * 16-byte loads, 32 cache lines an instruction) 20.5 µs; this one takes 22.6 µs and a 4.5 µs fold
+ * at 64 rows, 6.4 + 4.2 at 8. Grid: x = token group of TT rows, y = 32-row weight tile, z = group g x
+ * segment group of DF_WARPS. Needs 16-byte aligned rows (dense_launch); a k tail short of 8 values
+ * is read element by element. Tried and not kept: a CTA staging its segment once for 4 groups of
+ * token rows (16 rows a CTA from 32 rows on, a quarter of the weights' L2 reads): the router gate at
+ * 64 rows stayed at 23 µs a call (22.6 -> 23.0, Nsight), so the L2 traffic is not what it waits on. */
+#define DF_WARPS 4 /* warps per CTA, a segment each */
 
-#define DN_ROWS 32   /* weight rows per CTA: lane = row */
-#define DN_WARPS 4   /* warps per CTA; they share the rows and split the token rows */
-#define DN_TMAX 8    /* token rows per CTA */
-#define DN_KB 128    /* k values per pipeline stage (16 chunks of 8 bf16 per row) */
-#define DN_STAGES 4  /* ring depth: 3 stages in flight while one is computed */
-static_assert(DN_KB == BE_DOT_SEG, "a stage is one segment");
+/* 8 bf16 of row p from k0 (k0 % 8 == 0, p 16-byte aligned at k0), zeros at and past k */
+static __device__ __forceinline__ uint4 df_load8(const uint16_t *p, int64_t k0, int64_t k) {
+    if (k0 + 8 <= k) return __ldg(reinterpret_cast<const uint4 *>(p + k0));
+    uint32_t u[8]; /* constant indices only: registers, not a stack array */
+#pragma unroll
+    for (int j = 0; j < 8; j++) u[j] = k0 + j < k ? (uint32_t)__ldg(p + k0 + j) : 0u;
+    return make_uint4(u[0] | u[1] << 16, u[2] | u[3] << 16, u[4] | u[5] << 16, u[6] | u[7] << 16);
+}
 
-/* Grid: x = token group (8 rows; fastest, so the groups of one weight tile run together and
- * share it through L2), y = 32-row weight tile, z = group g of a grouped projection (element
- * offsets y_gs, x_gs, w_gs per g); the last token group is masked. It serves 9..256 rows (fewer go
- * to dense_seg_kernel). Shared memory: weights 4 x 32 x 128 bf16 = 32 KB, raw x 4 x 8 x 128 bf16
- * = 8 KB, widened x 8 x 128 fp32 = 4 KB.
- * Stage s: wait until its copies landed (group s), barrier (also: everyone finished stage s-1,
- * whose slot and the widened-x buffer are now free), issue stage s+3 into s-1's slot, widen x,
- * barrier, then lane r of warp w runs row r over the 128 k of the stage for tokens 2w, 2w + 1. */
-template <bool OUT_F32>
-__global__ void __launch_bounds__(DN_WARPS * 32)
-    dense_bf16_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
-                      int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
-                      int64_t k, int prefetch) {
-    constexpr int TT = DN_TMAX, TPW = TT / DN_WARPS; /* token rows per CTA, per warp */
-    static_assert(TPW * DN_WARPS == TT, "every warp takes token rows");
-    __shared__ __align__(16) uint16_t sm_w[DN_STAGES][DN_ROWS][DN_KB];
-    __shared__ __align__(16) uint16_t sm_x[DN_STAGES][TT][DN_KB];
-    __shared__ __align__(16) float sm_xf[TT][DN_KB]; /* widened x */
+/* a lane's TT chains over one segment: wr its row's 16 chunks, xf [TT][128] fp32 */
+template <int TT, bool FMA>
+static __device__ __forceinline__ void df_segment(float (&acc)[TT], const uint4 (&wr)[BE_DOT_SEG / 8],
+                                                  const float *xf) {
+#pragma unroll
+    for (int c = 0; c < BE_DOT_SEG / 8; c++) {
+        float wf[8];
+        lo_widen8r(wf, wr[c]);
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            const float4 xa = *reinterpret_cast<const float4 *>(xf + t * BE_DOT_SEG + c * 8);
+            const float4 xb = *reinterpret_cast<const float4 *>(xf + t * BE_DOT_SEG + c * 8 + 4);
+            acc[t] = lo_madd<FMA>(acc[t], xa.x, wf[0]);
+            acc[t] = lo_madd<FMA>(acc[t], xa.y, wf[1]);
+            acc[t] = lo_madd<FMA>(acc[t], xa.z, wf[2]);
+            acc[t] = lo_madd<FMA>(acc[t], xa.w, wf[3]);
+            acc[t] = lo_madd<FMA>(acc[t], xb.x, wf[4]);
+            acc[t] = lo_madd<FMA>(acc[t], xb.y, wf[5]);
+            acc[t] = lo_madd<FMA>(acc[t], xb.z, wf[6]);
+            acc[t] = lo_madd<FMA>(acc[t], xb.w, wf[7]);
+        }
+    }
+}
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t t0 = (int64_t)blockIdx.x * DN_TMAX, r0 = (int64_t)blockIdx.y * DN_ROWS, g = blockIdx.z;
+/* part: [G][nseg][T][n] fp32 segment sums */
+template <int TT>
+__global__ void __launch_bounds__(DF_WARPS * 32)
+    dense_segsum_kernel(float *__restrict__ part, const uint16_t *__restrict__ x, int64_t ldx, int64_t x_gs,
+                        const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n, int64_t k,
+                        int nsg) {
+    constexpr int SEG = BE_DOT_SEG, CH = SEG / 8;
+    static_assert(CH == 16 && (TT * CH) % 32 == 0, "copy assignments");
+    __shared__ __align__(16) uint16_t w_s[DF_WARPS][32][SEG]; /* the warp's segment of 32 rows */
+    __shared__ __align__(16) float xf_s[DF_WARPS][TT * SEG];  /* its TT token rows, widened */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t g = blockIdx.z / nsg, t0 = (int64_t)blockIdx.x * TT, r0 = (int64_t)blockIdx.y * 32;
+    const int nseg = (int)((k + SEG - 1) / SEG), seg = (int)(blockIdx.z % nsg) * DF_WARPS + warp;
+    if (seg >= nseg) return; /* the whole warp; no CTA barrier below */
     const int tcount = (int)(T - t0 < TT ? T - t0 : TT);
-    const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
-    const int nst = (int)((k + DN_KB - 1) / DN_KB);
-
-    /* one stage: 32 rows x 16 chunks of weights (4 per thread, 16 consecutive threads per row:
-     * coalesced) stored at chunk c ^ (row & 7), and TT x 16 chunks of x; rows past n, token rows
-     * past the call and k past the end are zero-filled, and zeros add exactly nothing */
-    auto load_stage = [&](int slot, int s) {
-        const int64_t kb = (int64_t)s * DN_KB;
+    const int64_t kb = (int64_t)seg * SEG;
+    const uint16_t *wg = w + g * w_gs, *xg = x + g * x_gs + t0 * ldx;
+    uint16_t(*ws)[SEG] = w_s[warp];
 #pragma unroll
-        for (int j = 0; j < (DN_ROWS * DN_KB / 8) / (DN_WARPS * 32); j++) {
-            int q = tid + j * DN_WARPS * 32, row = q >> 4, c = q & 15;
-            int64_t gk = kb + c * 8, gr = r0 + row;
-            int bytes = (gr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-            const uint16_t *src = bytes ? wg + gr * ldw + gk : wg;
-            lo_cp16(&sm_w[slot][row][(c ^ (row & 7)) * 8], src, bytes);
-        }
-        if (tid < TT * (DN_KB / 8)) {
-            int t = tid >> 4, c = tid & 15;
-            int64_t gk = kb + c * 8;
-            int bytes = (t < tcount && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-            const uint16_t *src = bytes ? xg + (t0 + t) * ldx + gk : xg;
-            lo_cp16(&sm_x[slot][t][c * 8], src, bytes);
-        }
-    };
-
-    /* small weights: the whole 32-row slab is requested into L2 up front, so the ring below waits
-     * for L2, not for DRAM, and the sum chain (latency bound at these sizes) is what remains */
-    if (prefetch) {
-        const int64_t lpr = (k + 63) / 64; /* 128-byte lines per row */
-        for (int64_t i = tid; i < DN_ROWS * lpr; i += DN_WARPS * 32) {
-            int64_t row = r0 + i / lpr;
-            if (row < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(wg + row * ldw + (i % lpr) * 64));
-        }
+    for (int i = 0; i < 16; i++) { /* rows 2i, 2i + 1: lane / 16 picks the row, lane % 16 the chunk */
+        const int r = 2 * i + (lane >> 4), c = lane & 15;
+        const int64_t gk = kb + 8 * c;
+        const int bytes = r0 + r < n && gk < k ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+        lo_cp16(&ws[r][(c ^ (r & 15)) * 8], bytes ? wg + (r0 + r) * ldw + gk : wg, bytes);
     }
+    lo_cp_commit();
+    float *xf = xf_s[warp];
+    uint32_t bad = 0;
 #pragma unroll
-    for (int s = 0; s < DN_STAGES - 1; s++) {
-        if (s < nst) load_stage(s, s);
-        lo_cp_commit(); /* empty groups keep the group count uniform */
+    for (int i = 0; i < TT * CH / 32; i++) { /* x chunk q: token q / 16, chunk q % 16 */
+        const int q = lane + 32 * i, t = q >> 4, c = q & 15;
+        const uint4 v = t < tcount ? df_load8(xg + t * ldx, kb + 8 * c, k) : make_uint4(0, 0, 0, 0);
+        bad |= lo_bad8(v);
+        float f[8];
+        lo_widen8r(f, v);
+        *reinterpret_cast<float4 *>(xf + t * SEG + c * 8) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4 *>(xf + t * SEG + c * 8 + 4) = make_float4(f[4], f[5], f[6], f[7]);
     }
-
-    float acc[TPW], tot[TPW]; /* the stage's segment (DN_KB = BE_DOT_SEG), the segments before */
+    lo_cp_wait<0>();
+    __syncwarp();
+    uint4 wr[CH];
 #pragma unroll
-    for (int i = 0; i < TPW; i++) acc[i] = tot[i] = 0.0f;
-
-    for (int s = 0; s < nst; s++) {
-        const int slot = s % DN_STAGES;
-        lo_cp_wait<DN_STAGES - 2>();
-        __syncthreads();
-        if (s + DN_STAGES - 1 < nst) load_stage((s + DN_STAGES - 1) % DN_STAGES, s + DN_STAGES - 1);
-        lo_cp_commit();
-        for (int i = tid; i < TT * (DN_KB / 8); i += DN_WARPS * 32) { /* x widened once per stage */
-            int t = i >> 4, c = i & 15;
-            lo_widen8(&sm_xf[t][c * 8], &sm_x[slot][t][c * 8]);
-        }
-        __syncthreads();
-        /* warp * TPW < TT always (4 warps of 2 rows), and t below never needs its clamp; both stay:
-         * without them the compiler, which cannot bound warp, allocates the kernel differently
-         * (98 -> 96 registers, other SASS), which is not measured */
-        if (warp * TPW < TT) {
-            /* Software-pipelined: the 8 products of chunk c+1 (independent roundings) are formed
-             * while chunk c's 8 adds run, so the one dependent add chain per output (4 cycles an
-             * add; the whole cost at small n, where a CTA has a single busy warp) never waits for
-             * a load or a multiply. The adds themselves stay in k order. */
-            const uint16_t *wrow = &sm_w[slot][lane][0];
-            auto products = [&](int c, float(&pr)[TPW][8]) {
-                float wf[8];
-                lo_widen8r(wf, *reinterpret_cast<const uint4 *>(wrow + (c ^ (lane & 7)) * 8));
-#pragma unroll
-                for (int i = 0; i < TPW; i++) {
-                    const int t = warp * TPW + i < TT ? warp * TPW + i : TT - 1;
-                    const float4 xa = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8]);
-                    const float4 xb = *reinterpret_cast<const float4 *>(&sm_xf[t][c * 8 + 4]);
-                    float xv[8];
-                    xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
-                    xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
-#pragma unroll
-                    for (int j = 0; j < 8; j++) pr[i][j] = __fmul_rn(xv[j], wf[j]);
-                }
-            };
-            float pr[TPW][8];
-            products(0, pr);
-#pragma unroll
-            for (int c = 0; c < DN_KB / 8; c++) {
-                float pn[TPW][8];
-                if (c + 1 < DN_KB / 8) products(c + 1, pn);
-#pragma unroll
-                for (int i = 0; i < TPW; i++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[i] = __fadd_rn(acc[i], pr[i][j]);
-                if (c + 1 < DN_KB / 8) {
-#pragma unroll
-                    for (int i = 0; i < TPW; i++)
-#pragma unroll
-                        for (int j = 0; j < 8; j++) pr[i][j] = pn[i][j];
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < TPW; i++) tot[i] = __fadd_rn(tot[i], acc[i]), acc[i] = 0.0f; /* the segment ends */
-        }
+    for (int c = 0; c < CH; c++) {
+        wr[c] = *reinterpret_cast<const uint4 *>(&ws[lane][(c ^ (lane & 15)) * 8]);
+        bad |= lo_bad8(wr[c]);
     }
-    lo_cp_wait<0>(); /* nothing may be in flight into shared memory when the CTA exits */
-
-    const int64_t row = r0 + lane;
-    if (row < n) {
+    float acc[TT];
 #pragma unroll
-        for (int i = 0; i < TPW; i++) {
-            const int t = warp * TPW + i;
-            if (t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, tot[i]);
-        }
+    for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+    if (__any_sync(0xffffffffu, bad != 0)) df_segment<TT, false>(acc, wr, xf);
+    else df_segment<TT, true>(acc, wr, xf);
+    if (r0 + lane < n) {
+        float *pp = part + ((g * nseg + seg) * T + t0) * n + r0 + lane;
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+            if (t < tcount) pp[t * n] = acc[t];
+    }
+}
+
+/* y (+ g*y_gs) [T, ldy] = the segment sums of part [G][nseg][T][n] added in order (from the first:
+ * a chain from +0 is never -0, so +0 + s_0 = s_0) */
+template <bool OUT_F32>
+__global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const float *__restrict__ part,
+                                  int64_t T, int64_t n, int nseg, int64_t total) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t g = i / (T * n), tr = i % (T * n), t = tr / n, r = tr % n;
+        const float *pp = part + g * nseg * T * n + tr;
+        float v = pp[0];
+        for (int s = 1; s < nseg; s++) v = __fadd_rn(v, pp[(int64_t)s * T * n]);
+        lo_store(y, OUT_F32, t * ldy + g * y_gs + r, v);
     }
 }
 
@@ -307,22 +311,50 @@ __global__ void __launch_bounds__(DN_WARPS * 32)
  * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same segmented sum per output, tiled for
  * reuse. The GEMV kernel above reads each weight once per 8 token rows, so at T = 2048 a
  * [384, 5120] router gate streamed its weights 256 times through L2 and spent a CTA's issue slots
- * on widening them; here a CTA owns 64 token rows x 32 weight rows, both widened to fp32 in shared
- * memory once per stage of 32 k, and each thread runs 8 chains (token rows ty, ty + 32 x weight
- * rows tx + 8j), loading 4 k of each operand per float4, so a multiply-add pair costs ~2.2
- * instructions. Bits: within a segment (BE_DOT_SEG / DT_KB stages) every chain is acc = fadd(acc,
+ * on widening them; here a CTA owns 64 token rows x 64 weight rows, both widened to fp32 in shared
+ * memory once per stage of 32 k, and each thread runs 32 chains (token rows ty + 16i x weight rows
+ * tx + 8j), loading 4 k of each operand per float4: 12 shared loads per 128 multiply-adds. The
+ * tile of 64 x 32 with 8 chains a thread it replaces was bound by those loads (6 per 32), not by
+ * its arithmetic: fusing its multiply-adds took the 26 calls of a 2,048-token prefill from 457 to
+ * 448 µs on average (H200, Nsight). Bits: within a segment (BE_DOT_SEG / DT_KB stages) every chain is acc = fadd(acc,
  * fmul(x_k, w_k)) in k order from +0, and at the segment's end tot = fadd(tot, acc), as
  * dense_seg_kernel and the CPU; zero-filled tails (rows, tokens, k) are never stored or add 0·0
  * (acc is never -0, so + 0 leaves it). Stage s: wait for own copies, barrier (everyone is past
  * stage s-1's compute), issue stage s + 2, widen own chunks, barrier, compute. */
 #define DT_MIN_T 256 /* calls of more rows take the tiled kernel */
 #define DT_BT 64     /* token rows per CTA */
-#define DT_BR 32     /* weight rows per CTA */
+#define DT_BR 64     /* weight rows per CTA */
 #define DT_KB 32     /* k per stage */
 #define DT_LD (DT_KB + 4) /* widened rows, padded: the 8 weight rows a phase reads sit on distinct banks */
 #define DT_STAGES 3
-#define DT_THREADS 256
+#define DT_THREADS 128
+#define DT_TI 4 /* token rows per thread: ty + 16i */
+#define DT_TJ 8 /* weight rows per thread: tx + 8j */
 static_assert(BE_DOT_SEG % DT_KB == 0, "segments of whole stages");
+static_assert(DT_TI * 16 == DT_BT && DT_TJ * 8 == DT_BR && DT_THREADS == 128, "thread tile");
+
+/* One stage of a dense_tile_kernel thread's DT_TI x DT_TJ chains over DT_KB k in order. */
+template <bool FMA>
+static __device__ __forceinline__ void dt_stage(float (&acc)[DT_TI][DT_TJ], const float (*xf)[DT_LD],
+                                                const float (*wf)[DT_LD], int tx, int ty) {
+#pragma unroll
+    for (int kk = 0; kk < DT_KB; kk += 4) {
+        float4 xv[DT_TI], wv[DT_TJ];
+#pragma unroll
+        for (int i = 0; i < DT_TI; i++) xv[i] = *reinterpret_cast<const float4 *>(&xf[ty + 16 * i][kk]);
+#pragma unroll
+        for (int j = 0; j < DT_TJ; j++) wv[j] = *reinterpret_cast<const float4 *>(&wf[tx + 8 * j][kk]);
+#pragma unroll
+        for (int i = 0; i < DT_TI; i++)
+#pragma unroll
+            for (int j = 0; j < DT_TJ; j++) {
+                acc[i][j] = lo_madd<FMA>(acc[i][j], xv[i].x, wv[j].x);
+                acc[i][j] = lo_madd<FMA>(acc[i][j], xv[i].y, wv[j].y);
+                acc[i][j] = lo_madd<FMA>(acc[i][j], xv[i].z, wv[j].z);
+                acc[i][j] = lo_madd<FMA>(acc[i][j], xv[i].w, wv[j].w);
+            }
+    }
+}
 
 template <bool OUT_F32>
 __global__ void __launch_bounds__(DT_THREADS)
@@ -337,13 +369,14 @@ __global__ void __launch_bounds__(DT_THREADS)
     const int64_t t0 = (int64_t)blockIdx.x * DT_BT, r0 = (int64_t)blockIdx.y * DT_BR, g = blockIdx.z;
     const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
     const int nst = (int)((k + DT_KB - 1) / DT_KB);
-    /* copy assignment: x row tid / 4 chunk tid % 4 (8 values); w row tid / 4 chunk tid % 4 for tid < 128 */
-    const int cr = tid >> 2, cc = tid & 3;
+    /* copy assignment: chunk q = tid + 128u (u = 0, 1) of each operand: row q / 4, chunk q % 4 (8 values) */
     auto load_stage = [&](int slot, int s) {
-        const int64_t gk = (int64_t)s * DT_KB + cc * 8;
-        int bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-        lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
-        if (tid < DT_BR * 4) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
+            const int64_t gk = (int64_t)s * DT_KB + cc * 8;
+            int bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+            lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
             bytes = (r0 + cr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
             lo_cp16(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
         }
@@ -353,51 +386,43 @@ __global__ void __launch_bounds__(DT_THREADS)
         if (s < nst) load_stage(s, s);
         lo_cp_commit();
     }
-    float acc[2][4], tot[2][4]; /* the segment's chains, the totals of the segments before */
+    float acc[DT_TI][DT_TJ], tot[DT_TI][DT_TJ]; /* the segment's chains, the totals of the segments before */
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < DT_TI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[i][j] = tot[i][j] = 0.0f;
+        for (int j = 0; j < DT_TJ; j++) acc[i][j] = tot[i][j] = 0.0f;
     for (int s = 0; s < nst; s++) {
         const int slot = s % DT_STAGES;
         lo_cp_wait<DT_STAGES - 2>();
         __syncthreads();
         if (s + DT_STAGES - 1 < nst) load_stage((s + DT_STAGES - 1) % DT_STAGES, s + DT_STAGES - 1);
         lo_cp_commit();
-        lo_widen8(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
-        if (tid < DT_BR * 4) lo_widen8(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
-        __syncthreads();
+        uint32_t bad = 0;
 #pragma unroll
-        for (int kk = 0; kk < DT_KB; kk += 4) {
-            const float4 xa = *reinterpret_cast<const float4 *>(&xf[ty][kk]);
-            const float4 xb = *reinterpret_cast<const float4 *>(&xf[ty + 32][kk]);
-            float4 wv[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) wv[j] = *reinterpret_cast<const float4 *>(&wf[tx + 8 * j][kk]);
-            const float xs[2][4] = {{xa.x, xa.y, xa.z, xa.w}, {xb.x, xb.y, xb.z, xb.w}};
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float we = e == 0 ? wv[j].x : e == 1 ? wv[j].y : e == 2 ? wv[j].z : wv[j].w;
-#pragma unroll
-                    for (int i = 0; i < 2; i++) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(xs[i][e], we));
-                }
+        for (int u = 0; u < 2; u++) {
+            const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
+            bad |= lo_bad8(*reinterpret_cast<const uint4 *>(&sx[slot][cr][cc * 8]));
+            lo_widen8(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
+            bad |= lo_bad8(*reinterpret_cast<const uint4 *>(&sw[slot][cr][cc * 8]));
+            lo_widen8(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
         }
+        /* the barrier that publishes the widened stage also tells every thread whether it may fuse */
+        if (__syncthreads_or(bad != 0)) dt_stage<false>(acc, xf, wf, tx, ty);
+        else dt_stage<true>(acc, xf, wf, tx, ty);
         if ((s + 1) % (BE_DOT_SEG / DT_KB) == 0 || s + 1 == nst) { /* a segment ends: fold it in order */
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < DT_TI; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
+                for (int j = 0; j < DT_TJ; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
         }
     }
     lo_cp_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int64_t t = t0 + ty + 32 * i;
+    for (int i = 0; i < DT_TI; i++) {
+        const int64_t t = t0 + ty + 16 * i;
         if (t >= T) continue;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < DT_TJ; j++) {
             const int64_t row = r0 + tx + 8 * j;
             if (row < n) lo_store(y, OUT_F32, t * ldy + g * y_gs + row, tot[i][j]);
         }
@@ -438,11 +463,14 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
     if (T <= 0 || n <= 0 || G <= 0) return;
     if (G > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "dense", "more than 65535 groups");
     cudaStream_t st = cuda_be_stream(be);
-    const bool tiled = T > DT_MIN_T && (T + DT_BT - 1) / DT_BT <= 0x7fffffff;
-    /* up to 8 rows dense_seg_kernel (k % 8 == 0), 9..256 dense_bf16_kernel, more dense_tile_kernel */
+    const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG, nsg = (nseg + DF_WARPS - 1) / DF_WARPS;
+    const bool segsum = T > 1 && T <= DT_MIN_T && nseg > 0 && G * nsg <= 65535 && (n + 31) / 32 <= 65535;
+    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum)) && (T + DT_BT - 1) / DT_BT <= 0x7fffffff;
+    /* one row dense_seg_kernel (k % 8 == 0), 2..256 dense_segsum_kernel + dense_fold_kernel, more
+     * dense_tile_kernel */
     const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&
-                         w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (T > DS_TMAX || k % 8 == 0) &&
-                         (n + DN_ROWS - 1) / DN_ROWS <= 65535 && (n + DS_WARPS - 1) / DS_WARPS <= 65535;
+                         w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (T > 1 || k % 8 == 0) &&
+                         (n + DS_WARPS - 1) / DS_WARPS <= 65535;
     if (!aligned) {
         dim3 grid((unsigned)((n + 127) / 128), (unsigned)(T < 65535 ? T : 65535), (unsigned)G);
         if (fmt == WF_F32) {
@@ -471,31 +499,31 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         KERNEL_CHECK();
         return;
     }
-    if (T > DS_TMAX) { /* 9..256 rows: a lane per weight row, 8 token rows a CTA */
-        const int pf = (double)G * n * k * 2 <= 16.0 * 1024 * 1024; /* fits L2 (40 MB on A100) many times */
-        dim3 grid((unsigned)((T + DN_TMAX - 1) / DN_TMAX), (unsigned)((n + DN_ROWS - 1) / DN_ROWS), (unsigned)G);
-        if (out_f32)
-            dense_bf16_kernel<true><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
-                                                                            (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
+    if (segsum) { /* 2..256 rows: segments in parallel */
+        float *part = (float *)cuda_be_scratch_raw(be, (size_t)(G * nseg * T * n) * sizeof(float)); /* [G][nseg][T][n] */
+        const uint16_t *wb = (const uint16_t *)w;
+        const dim3 bl(DF_WARPS * 32);
+        if (T <= 64)
+            dense_segsum_kernel<4><<<dim3((unsigned)((T + 3) / 4), (unsigned)((n + 31) / 32), (unsigned)(G * nsg)), bl, 0, st>>>(
+                part, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, (int)nsg);
         else
-            dense_bf16_kernel<false><<<grid, DN_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs,
-                                                                             (const uint16_t *)w, ldw, w_gs, T, n, k, pf);
+            dense_segsum_kernel<8><<<dim3((unsigned)((T + 7) / 8), (unsigned)((n + 31) / 32), (unsigned)(G * nsg)), bl, 0, st>>>(
+                part, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, (int)nsg);
         KERNEL_CHECK();
+        const int64_t total = G * T * n, blocks = (total + 255) / 256;
+        if (out_f32)
+            dense_fold_kernel<true><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(y, ldy, y_gs, part, T, n, (int)nseg, total);
+        else
+            dense_fold_kernel<false><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(y, ldy, y_gs, part, T, n, (int)nseg, total);
+        KERNEL_CHECK();
+        cuda_be_scratch_free(be, part);
         return;
     }
+    /* one row */
     dim3 grid(1u, (unsigned)((n + DS_WARPS - 1) / DS_WARPS), (unsigned)G);
     const uint16_t *wb = (const uint16_t *)w;
-#define DS_CASE(TTV)                                                                                               \
-    case TTV:                                                                                                      \
-        if (out_f32)                                                                                               \
-            dense_seg_kernel<TTV, true><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, \
-                                                                        n, k);                                         \
-        else                                                                                                       \
-            dense_seg_kernel<TTV, false><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs,   \
-                                                                         T, n, k);                                     \
-        break;
-    switch (T) { DS_CASE(1) DS_CASE(2) DS_CASE(3) DS_CASE(4) DS_CASE(5) DS_CASE(6) DS_CASE(7) DS_CASE(8) }
-#undef DS_CASE
+    if (out_f32) dense_seg_kernel<1, true><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
+    else dense_seg_kernel<1, false><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
     KERNEL_CHECK();
 }
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"}
 # KERNEL=REGEX: only the first 3 kernels matching REGEX inside one timed decode step of batch
-# ${BATCH:-1} (bench_step --profiler-range, eager so kernels map to ops), e.g. KERNEL=dense_bf16
+# ${BATCH:-1} (bench_step --profiler-range, eager so kernels map to ops), e.g. KERNEL=dense_segsum
 if [ -n "${KERNEL:-}" ]; then
   timeout 200 $NCU --profile-from-start off --kernel-name "regex:$KERNEL" --launch-count 3 $SECTIONS \
     carry/gpu/bench/bench_step --backend cuda --ctx 64 --batch "${BATCH:-1}" --steps 1 --prefill "" --profiler-range \

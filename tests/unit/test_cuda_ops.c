@@ -503,7 +503,10 @@ static void check_dense(enum dense_op op, const char *name, const struct qweight
         if (f32) {
             double G = ((float *)yg)[i], C = ((float *)yc)[i];
             cmp_tol(&c, i, G, C, TOL_GPU_DENSE_F32_EXACT); /* within the sum bound a fortiori */
-            cmp_self(&c, i, C, S[i], TOL_CPU_SUM_U_PER_TERM * (double)k * U * A[i] + (double)(k + 2) * 0x1p-53 * A[i]);
+            /* + the underflow term: each of the 2k + 2 roundings of products and sums below
+             * 2^-126 errs by up to half the subnormal spacing, 2^-150, whatever its size */
+            cmp_self(&c, i, C, S[i], TOL_CPU_SUM_U_PER_TERM * (double)k * U * A[i] + (double)(k + 2) * 0x1p-53 * A[i] +
+                                         (double)(2 * k + 2) * 0x1p-150);
         } else
             cmp_linear_bf16(&c, i, bf16_to_f32(((bf16_t *)yg)[i]), bf16_to_f32(((bf16_t *)yc)[i]), S[i], A[i], k);
     }
@@ -607,6 +610,15 @@ static void test_linear_f32(void **st) {
     h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] prefill", &h, Tp, 2, 1.0f);
     h = hw_bf16(37, 1000, 0.05f), dense_cases(OP_LINEAR_F32, "odd [37,1000] prefill", &h, Tp, 1, 1.0f);
     h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR, "BF16 compressor wkv [512,5120] prefill", &h, Tp, 1, 1.0f);
+    /* products below the fp32 normal range (x ~ 2^-64, w ~ 2^-66): a fused multiply-add rounds
+     * them differently from the CPU's product-then-sum (most outputs of this case differ), so every
+     * kernel has to notice and take the separately rounded form; T = 1 (dense_seg), 8, 17, 64
+     * (dense_segsum, 4 token rows a CTA), 200 (8 rows a CTA) and 300 (dense_tile) */
+    const int64_t Tt[] = {1, 8, 17, 64, 200, 300};
+    h = hw_bf16(N_EXPERTS, DIM, 0x1p-66f), dense_cases(OP_LINEAR_F32, "gate [384,5120] subnormal products", &h, Tt, 6, 0x1p-64f);
+    const int64_t Tm[] = {130, 256}; /* dense_segsum with 8 token rows a CTA, its token tail */
+    h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] 65..256 rows", &h, Tm, 2, 1.0f);
+    h = hw_bf16(37, 1000, 0.05f), dense_cases(OP_LINEAR_F32, "odd [37,1000] 65..256 rows", &h, Tm, 1, 1.0f);
 }
 
 static void test_head(void **st) {
