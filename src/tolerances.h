@@ -46,6 +46,10 @@
  * of x is at most 2u·|x|; one bf16 ulp of x is 2^(floor(log2|x|) − 7) <= 2^-7·|x|. Two fp32 values
  * within E of each other round to bf16 values within E + 1 bf16 ulp (of the larger) of each other. */
 #define TOL_FP32_U 0x1p-24
+/* Below 2^-126 the relative bound above does not hold: a result there is rounded to a multiple of
+ * the subnormal spacing 2^-149, so each rounding errs by up to half of it, whatever the result's
+ * size (Higham §2.1: fl(x) = x(1 + d) + e, |e| <= 2^-150). A chain of r roundings adds r·2^-150. */
+#define TOL_FP32_UNDERFLOW_ABS 0x1p-150
 /* Sums. An fp32 sum of n terms evaluated in any order with round-to-nearest adds is within
  * (n − 1)·u·Σ|t| of the exact sum (Higham, Accuracy and Stability of Numerical Algorithms, §4.2);
  * a product feeding it that is itself rounded (bf16 × fp32) adds u·|t|: n·u·Σ|t| in all. The CPU

@@ -475,10 +475,11 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
                   al_bytes = H * nb * (int64_t)sizeof(float), l_bytes = H * (int64_t)sizeof(float);
     const bool split = T >= AM_SPLIT_MIN_T;
     const int64_t rs = cuda_attn_slice_rows(T, split ? sc_bytes + p_bytes + al_bytes + l_bytes : sc_bytes);
+    const int64_t p_off = (rs * sc_bytes + 15) & ~15LL; /* P after the logits, 16-byte aligned */
     uint8_t *scratch = (uint8_t *)cuda_be_scratch_raw(
-        be, (size_t)(split ? ((rs * sc_bytes + 15) & ~15LL) + rs * (p_bytes + al_bytes + l_bytes) : rs * sc_bytes));
+        be, (size_t)(split ? p_off + rs * (p_bytes + al_bytes + l_bytes) : rs * sc_bytes));
     float *sc = (float *)scratch;
-    uint16_t *Pb = (uint16_t *)(scratch + ((rs * sc_bytes + 15) & ~15LL)); /* p_bytes is a multiple of 128 */
+    uint16_t *Pb = (uint16_t *)(scratch + p_off); /* p_bytes is a multiple of 128 */
     float *ALb = (float *)((uint8_t *)Pb + rs * p_bytes), *Lb = ALb + rs * H * nb;
     const uint16_t *q16 = (const uint16_t *)q, *kv16 = (const uint16_t *)kv;
     uint16_t *o16 = (uint16_t *)o;

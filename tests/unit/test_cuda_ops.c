@@ -503,10 +503,9 @@ static void check_dense(enum dense_op op, const char *name, const struct qweight
         if (f32) {
             double G = ((float *)yg)[i], C = ((float *)yc)[i];
             cmp_tol(&c, i, G, C, TOL_GPU_DENSE_F32_EXACT); /* within the sum bound a fortiori */
-            /* + the underflow term: each of the 2k + 2 roundings of products and sums below
-             * 2^-126 errs by up to half the subnormal spacing, 2^-150, whatever its size */
+            /* + the underflow term of the 2k + 2 roundings (k products, k + 2 adds) */
             cmp_self(&c, i, C, S[i], TOL_CPU_SUM_U_PER_TERM * (double)k * U * A[i] + (double)(k + 2) * 0x1p-53 * A[i] +
-                                         (double)(2 * k + 2) * 0x1p-150);
+                                         (double)(2 * k + 2) * TOL_FP32_UNDERFLOW_ABS);
         } else
             cmp_linear_bf16(&c, i, bf16_to_f32(((bf16_t *)yg)[i]), bf16_to_f32(((bf16_t *)yc)[i]), S[i], A[i], k);
     }
