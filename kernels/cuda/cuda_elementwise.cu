@@ -608,7 +608,8 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * row t (segments of BE_HC_MIX_SEG, as the CPU), then the Sinkhorn split. Two kernels:
  *
  * hc_mix_part: CTA (row block of R rows, segment s) computes the segment's sums for every
- * (row, j), one thread per pair, a dependent chain of BE_HC_MIX_SEG fp32 adds; tiles of 64 values
+ * (row, j), a dependent chain of BE_HC_MIX_SEG fp32 adds each, one thread per pair in the small
+ * row blocks and per row and JB mixes in the large ones (hc_jb); tiles of 64 values
  * of fn [nm, 64] and of the rows' x [R, 64] stream through a cp.async ring in shared memory, so
  * fn is read once per CTA for all its rows, and the chains read it conflict-free (row stride 68
  * floats). The segments run in parallel: one long chain per j over all of L (the CPU's order
@@ -616,7 +617,9 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * more CTAs), hc_r_big (16 at hc <= 4) from HC_R_BIG_T rows on (prefill: fn's tiles, most of the
  * bytes a CTA moves, then serve 4x the rows; a 2K-token call took 0.43 ms at R = 4 on the H200).
  * R changes no bit: each chain's order is its own. (Tried and not kept: 4 segments per CTA in turn,
- * to spread the ring's fill over more tiles: hc_mixes 10.5 -> 10.8 ms per 2K-token prefill.)
+ * to spread the ring's fill over more tiles: hc_mixes 10.5 -> 10.8 ms per 2K-token prefill; and,
+ * with JB = 4, R = 32 rows instead of 16: bench_step's 2K-token prefill 125.6 127.1 -> 127.3
+ * 130.5 ms.)
  *
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
  * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
@@ -638,10 +641,22 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 #define HC_FIN_THREADS 256
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
-template <int HC, int R = HC_R>
+/* mixes per chain thread of hc_mix_part at R rows: JB chains share the thread's x values, unpacked
+ * once, in the vector form of the large row blocks (prefill). The small ones (decode, R = HC_R)
+ * keep one chain a thread: a decode step's few rows are bound by the chains' latency, and 4 a
+ * thread made batch 1 slower (H200 bench_step, 4.60 4.64 -> 4.72 4.76 ms); the unaligned fallback
+ * too (with more the SM90 compiler spilled it). */
+template <int HC, bool VEC, int R> struct hc_jb {
+    static constexpr int NM = (2 + HC) * HC;
+    static constexpr int JB = !VEC || R == HC_R ? 1 : (NM % 4 == 0 ? 4 : (NM % 3 == 0 ? 3 : 1));
+};
+template <int HC, int R = HC_R, int JB_ = 1>
 struct hc_cfg {
     static constexpr int NM = (2 + HC) * HC;
-    static constexpr int CHAIN = R * NM;
+    static constexpr int JB = JB_;
+    static_assert(NM % JB == 0, "whole mix groups");
+    static constexpr int NG = NM / JB; /* mix groups */
+    static constexpr int CHAIN = R * NG;
     static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
     static constexpr int THREADS = CHAIN_WARPS * 32;
     static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + R * HC_X_LD * 2;
@@ -767,13 +782,21 @@ __device__ void hc_split_sinkhorn_warp(const float *m, const float *__restrict__
 }
 
 /* VEC: L % 8 == 0 and X, fn 16-byte aligned, tiles by cp.async; otherwise plain loads.
- * part: [T, NM, nseg] f32, segment sums. */
+ * part: [T, NM, nseg] f32, segment sums. Thread (row r = tid % R, mix group jg = tid / R) runs the
+ * JB chains of mixes jg·JB .. jg·JB + JB - 1 for row r side by side: each x value is unpacked
+ * once for JB chains, and 8 consecutive lanes share one group's fn row (a broadcast) while reading
+ * 8 rows of x (conflict-free, row stride 36 words). One thread per chain issued ~5.6 instructions
+ * per multiply-add where the multiply and the add are 2 (Nsight Compute on the H200: 176 M warp
+ * instructions for a 2K-token call's 1.0 G multiply-adds, issue slots 79 % busy): the unpack, the
+ * loads, and the tile copy's index divisions (full tiles now take compile-time strides). Measured
+ * (tests/gpu/kernel_times.sh, 2K-token prefill and batch 1): 219.7 -> 163.0 µs a call at 16 rows,
+ * and 6.31 -> 5.44 µs at batch 1 (the copy strides alone). */
 template <int HC, bool VEC, int R>
-__global__ void __launch_bounds__(hc_cfg<HC, R>::THREADS)
+__global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
     hc_mix_part_kernel(float *__restrict__ part, const uint16_t *__restrict__ X, int64_t T, int64_t D,
                        const float *__restrict__ fn, int nseg) {
-    using cfg = hc_cfg<HC, R>;
-    constexpr int NM = cfg::NM, STAGES = cfg::STAGES, SEG_TILES = BE_HC_MIX_SEG / HC_KT;
+    using cfg = hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>;
+    constexpr int NM = cfg::NM, JB = cfg::JB, STAGES = cfg::STAGES, SEG_TILES = BE_HC_MIX_SEG / HC_KT;
     extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [R][72] bf16 } */
 
     const int64_t L = HC * D;
@@ -784,30 +807,38 @@ __global__ void __launch_bounds__(hc_cfg<HC, R>::THREADS)
     const int tile0 = seg * SEG_TILES;
     const int ntiles = all_tiles - tile0 < SEG_TILES ? all_tiles - tile0 : SEG_TILES;
     const int tid = threadIdx.x;
-    const int r = tid / NM, j = tid % NM; /* chain thread: row r, mix j */
+    /* chain thread: row r, mixes jg·JB ..; JB = 1 (the fallback): consecutive lanes on one row */
+    const int r = JB == 1 ? tid / NM : tid % R, jg = JB == 1 ? tid % NM : tid / R;
     const bool chain_live = tid < cfg::CHAIN && r < nrows;
 
     auto fn_tile = [&](int st) { return reinterpret_cast<float *>(hc_smem + (size_t)st * cfg::STAGE_BYTES); };
     auto x_tile = [&](int st) {
         return reinterpret_cast<uint16_t *>(hc_smem + (size_t)st * cfg::STAGE_BYTES + NM * HC_FN_LD * 4);
     };
+    /* the copies of one tile: 16-byte chunks q < nf of fn (fch per row), then of x (xch per row) */
+    auto copy_chunks = [&](float *fs, uint16_t *xs, int64_t e0, int fch, int xch) {
+        const int nf = NM * fch, nx = R * xch;
+        for (int q = tid; q < nf + nx; q += cfg::THREADS) {
+            if (q < nf) {
+                const int jj = q / fch, c = q % fch;
+                cp_async16(fs + jj * HC_FN_LD + c * 4, fn + jj * L + e0 + c * 4);
+            } else {
+                const int rr = (q - nf) / xch, c = (q - nf) % xch;
+                if (rr < nrows) cp_async16(xs + rr * HC_X_LD + c * 8, X + (t0 + rr) * L + e0 + c * 8);
+            }
+        }
+    };
     auto load_tile = [&](int lt) {
         float *fs = fn_tile(lt % STAGES);
         uint16_t *xs = x_tile(lt % STAGES);
         const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
-        if (VEC) { /* len is a multiple of 8: whole 16-byte chunks */
-            const int fch = len / 4, xch = len / 8, nf = NM * fch, nx = R * xch;
-            for (int q = tid; q < nf + nx; q += cfg::THREADS) {
-                if (q < nf) {
-                    const int jj = q / fch, c = q % fch;
-                    cp_async16(fs + jj * HC_FN_LD + c * 4, fn + jj * L + e0 + c * 4);
-                } else {
-                    const int rr = (q - nf) / xch, c = (q - nf) % xch;
-                    if (rr < nrows) cp_async16(xs + rr * HC_X_LD + c * 8, X + (t0 + rr) * L + e0 + c * 8);
-                }
-            }
-        } else {
+        if constexpr (VEC) { /* len is a multiple of 8: whole 16-byte chunks; a full tile's strides are constants */
+            if (len == HC_KT)
+                copy_chunks(fs, xs, e0, HC_KT / 4, HC_KT / 8);
+            else
+                copy_chunks(fs, xs, e0, len / 4, len / 8);
+        } else { /* the unaligned fallback */
             for (int q = tid; q < NM * HC_KT; q += cfg::THREADS)
                 if (q % HC_KT < len) fs[(q / HC_KT) * HC_FN_LD + q % HC_KT] = fn[(q / HC_KT) * L + e0 + q % HC_KT];
             for (int q = tid; q < nrows * HC_KT; q += cfg::THREADS)
@@ -815,7 +846,9 @@ __global__ void __launch_bounds__(hc_cfg<HC, R>::THREADS)
         }
     };
 
-    float acc = 0.0f;
+    float acc[JB];
+#pragma unroll
+    for (int jj = 0; jj < JB; jj++) acc[jj] = 0.0f;
 #pragma unroll 1
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < ntiles) load_tile(st);
@@ -831,31 +864,43 @@ __global__ void __launch_bounds__(hc_cfg<HC, R>::THREADS)
         const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
         if (chain_live) {
-            const float *fr = fs + j * HC_FN_LD;
+            const float *fr = fs + jg * JB * HC_FN_LD;
             const uint16_t *xr = xs + r * HC_X_LD;
             if (len == HC_KT) {
 #pragma unroll
                 for (int ii = 0; ii < HC_KT; ii += 8) {
-                    const float4 f0 = *reinterpret_cast<const float4 *>(fr + ii);
-                    const float4 f1 = *reinterpret_cast<const float4 *>(fr + ii + 4);
                     float xv[8];
                     unpack8(*reinterpret_cast<const uint4 *>(xr + ii), xv);
-                    acc = __fadd_rn(acc, __fmul_rn(xv[0], f0.x));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[1], f0.y));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[2], f0.z));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[3], f0.w));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[4], f1.x));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[5], f1.y));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[6], f1.z));
-                    acc = __fadd_rn(acc, __fmul_rn(xv[7], f1.w));
+#pragma unroll
+                    for (int jj = 0; jj < JB; jj++) {
+                        const float4 f0 = *reinterpret_cast<const float4 *>(fr + jj * HC_FN_LD + ii);
+                        const float4 f1 = *reinterpret_cast<const float4 *>(fr + jj * HC_FN_LD + ii + 4);
+                        float a = acc[jj];
+                        a = __fadd_rn(a, __fmul_rn(xv[0], f0.x));
+                        a = __fadd_rn(a, __fmul_rn(xv[1], f0.y));
+                        a = __fadd_rn(a, __fmul_rn(xv[2], f0.z));
+                        a = __fadd_rn(a, __fmul_rn(xv[3], f0.w));
+                        a = __fadd_rn(a, __fmul_rn(xv[4], f1.x));
+                        a = __fadd_rn(a, __fmul_rn(xv[5], f1.y));
+                        a = __fadd_rn(a, __fmul_rn(xv[6], f1.z));
+                        a = __fadd_rn(a, __fmul_rn(xv[7], f1.w));
+                        acc[jj] = a;
+                    }
                 }
             } else {
-                for (int ii = 0; ii < len; ii++) acc = __fadd_rn(acc, __fmul_rn(ds_bf16f(xr[ii]), fr[ii]));
+                for (int ii = 0; ii < len; ii++) {
+                    const float xv = ds_bf16f(xr[ii]);
+#pragma unroll
+                    for (int jj = 0; jj < JB; jj++)
+                        acc[jj] = __fadd_rn(acc[jj], __fmul_rn(xv, fr[jj * HC_FN_LD + ii]));
+                }
             }
         }
     }
     cp_async_wait<0>();
-    if (chain_live) part[((t0 + r) * NM + j) * nseg + seg] = acc;
+    if (chain_live)
+#pragma unroll
+        for (int jj = 0; jj < JB; jj++) part[((t0 + r) * NM + jg * JB + jj) * nseg + seg] = acc[jj];
 }
 
 template <int HC>
@@ -894,13 +939,14 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
 template <int HC, int R>
 static void hc_mix_part_launch(struct backend *be, float *part, const bf16_t *X, int64_t T, int64_t D, const float *fn,
                                int nseg) {
-    using cfg = hc_cfg<HC, R>;
+    using cv = hc_cfg<HC, R, hc_jb<HC, true, R>::JB>;
+    using cs = hc_cfg<HC, R, hc_jb<HC, false, R>::JB>; /* the same stage layout, more threads */
     const dim3 grid(ew_blocks(T, R), (unsigned)nseg);
-    const size_t smem = (size_t)cfg::STAGES * cfg::STAGE_BYTES;
+    const size_t smem = (size_t)cv::STAGES * cv::STAGE_BYTES;
     if ((HC * D) % 8 == 0 && al16(X) && al16(fn))
-        hc_mix_part_kernel<HC, true, R><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+        hc_mix_part_kernel<HC, true, R><<<grid, cv::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
     else
-        hc_mix_part_kernel<HC, false, R><<<grid, cfg::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+        hc_mix_part_kernel<HC, false, R><<<grid, cs::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
     KERNEL_CHECK();
 }
 

@@ -44,10 +44,10 @@ static __device__ __forceinline__ void lo_widen8r(float *f, uint4 v) {
     f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
-/* 8 bf16 (16 bytes, shared memory) -> 8 fp32 (exact widening), two float4 stores. */
-static __device__ __forceinline__ void lo_widen8(float *dst, const uint16_t *src) {
+/* 8 bf16 (one loaded 16-byte word) -> 8 fp32 at dst (exact widening), two float4 stores. */
+static __device__ __forceinline__ void lo_widen8(float *dst, uint4 v) {
     float f[8];
-    lo_widen8r(f, *reinterpret_cast<const uint4 *>(src));
+    lo_widen8r(f, v);
     *reinterpret_cast<float4 *>(dst) = make_float4(f[0], f[1], f[2], f[3]);
     *reinterpret_cast<float4 *>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
 }
@@ -91,63 +91,51 @@ template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel for one token row (up to 8 in the template; dense_launch sends 1, the
- * segment-parallel kernel below takes 2..256): a warp per weight row, a lane per BE_DOT_SEG segment of its
- * k (lane l takes segments l, l + 32, ...), the TT chains of a lane independent. A lane copies its
- * segment's 256 bytes of the row into shared memory with 16 cp.async at once (its memory
- * parallelism: with one warp per row, 4 rows a CTA, a [384, 5120] router gate is 96 CTAs, each
- * streaming 40 KB), and reads x through the read-only cache (the 4 warps of a CTA read the same
- * x). Each round of 32 segments is folded into the running total in segment order by shuffles,
- * every lane adding the same values in the same order, and lane t stores token t.
+ * BF16 kernel for one token row (the segment-parallel kernel below takes 2..256): a warp per
+ * weight row, a lane per BE_DOT_SEG segment of its k (lane l takes segments l, l + 32, ...). A
+ * lane copies its segment's 256 bytes of the row into shared memory with 16 cp.async at once
+ * (its memory parallelism: with one warp per row, 4 rows a CTA, a [384, 5120] router gate is 96
+ * CTAs, each streaming 40 KB), and reads x through the read-only cache (the 4 warps of a CTA read
+ * the same x). Each round of 32 segments is folded into the running total in segment order by shuffles,
+ * every lane adding the same values in the same order, and lane 0 stores it.
  * The k-order GEMV it replaces (a lane per weight row over all of k) spent 30.9 µs
  * per router gate at batch 1 on one 5,120-add chain per output in 12 CTAs; with this kernel the
  * router op (gate and selection, 20 calls) went from 0.92 to 0.56 ms per step at batch 1 and from
  * 1.29 to 0.86 at batch 8 (H200, bench_step --profile, ops serial).
- * Grid: x = token group of TT rows (dense_launch sends one), y = 4-row weight tile, z = group g of a
- * grouped projection (element offsets y_gs, x_gs, w_gs per g). Needs k % 8 == 0 and 16-byte
+ * Grid: y = 4-row weight tile, z = group g of a grouped projection (element offsets y_gs, x_gs,
+ * w_gs per g). Needs k % 8 == 0 and 16-byte
  * aligned rows (dense_launch). */
 #define DS_WARPS 4                 /* weight rows per CTA, one per warp */
-#define DS_TMAX 8                  /* token rows per CTA */
 #define DS_CH (BE_DOT_SEG / 8)     /* 16-byte chunks of a whole segment */
 static_assert(BE_DOT_SEG % 8 == 0, "segments of whole 16-byte chunks");
 
 
-/* acc[t] += x[t][kc + j] · w[j], j = 0..7 in order, each product and add rounded on its own; x
- * through the read-only cache (the CTA's warps read the same x) */
-template <int TT>
-static __device__ __forceinline__ void seg_chunk(float (&acc)[TT], uint4 wv, const uint16_t *xb, int64_t ldx,
-                                                 int tcount, int64_t kc) {
-    float wf[8];
+/* acc += x[kc + j] · w[j], j = 0..7 in order, each product and add rounded on its own; x through
+ * the read-only cache (the CTA's warps read the same x) */
+static __device__ __forceinline__ void seg_chunk(float &acc, uint4 wv, const uint16_t *xb, int64_t kc) {
+    float wf[8], xf[8];
     lo_widen8r(wf, wv);
+    lo_widen8r(xf, __ldg(reinterpret_cast<const uint4 *>(xb + kc)));
 #pragma unroll
-    for (int t = 0; t < TT; t++) {
-        float xf[8]; /* token rows past the call read row 0 of the group and are never stored */
-        lo_widen8r(xf, __ldg(reinterpret_cast<const uint4 *>(xb + (t < tcount ? t : 0) * ldx + kc)));
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[t] = __fadd_rn(acc[t], __fmul_rn(xf[j], wf[j]));
-    }
+    for (int j = 0; j < 8; j++) acc = __fadd_rn(acc, __fmul_rn(xf[j], wf[j]));
 }
 
-template <int TT, bool OUT_F32>
+template <bool OUT_F32>
 __global__ void __launch_bounds__(DS_WARPS * 32, 1)
-    dense_seg_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
-                     int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
-                     int64_t k) {
+    dense_seg_kernel(void *__restrict__ y, int64_t y_gs, const uint16_t *__restrict__ x, int64_t x_gs,
+                     const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t n, int64_t k) {
     /* each lane's segment of its warp's row, chunk c at c ^ (lane % 16): the 8 lanes of a
      * quarter-warp phase hit distinct bank quads */
     __shared__ __align__(16) uint16_t w_s[DS_WARPS][32][BE_DOT_SEG];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t row = (int64_t)blockIdx.y * DS_WARPS + warp, t0 = (int64_t)blockIdx.x * DS_TMAX, g = blockIdx.z;
+    const int64_t row = (int64_t)blockIdx.y * DS_WARPS + warp, g = blockIdx.z;
     if (row >= n) return; /* the whole warp; nothing below waits on another warp */
-    const int tcount = (int)(T - t0 < TT ? T - t0 : TT);
     const uint16_t *wr = w + g * w_gs + row * ldw; /* [k] bf16 */
-    const uint16_t *xb = x + g * x_gs + t0 * ldx;   /* [TT, k] bf16, row stride ldx */
+    const uint16_t *xb = x + g * x_gs;              /* [k] bf16 */
     uint16_t *mine = &w_s[warp][lane][0];
     const int sw = lane & 15;
     const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG;
-    float tot[TT];
-#pragma unroll
-    for (int t = 0; t < TT; t++) tot[t] = 0.0f;
+    float tot = 0.0f;
     for (int64_t s0 = 0; s0 < nseg; s0 += 32) {
         const int64_t kb = (s0 + lane) * BE_DOT_SEG;
         const int nch = kb >= k ? 0 : (k - kb >= BE_DOT_SEG ? DS_CH : (int)((k - kb) / 8));
@@ -157,27 +145,19 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
         for (int c = 0; c < nch; c++) lo_cp16(mine + ((c ^ sw) * 8), wr + kb + 8 * c, 16);
         lo_cp_commit();
         lo_cp_wait<0>();
-        float acc[TT];
-#pragma unroll
-        for (int t = 0; t < TT; t++) acc[t] = 0.0f;
+        float acc = 0.0f;
         if (nch == DS_CH) {
 #pragma unroll
             for (int c = 0; c < DS_CH; c++)
-                seg_chunk<TT>(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, ldx, tcount,
-                              kb + 8 * c);
+                seg_chunk(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, kb + 8 * c);
         } else {
             for (int c = 0; c < nch; c++)
-                seg_chunk<TT>(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, ldx, tcount,
-                              kb + 8 * c);
+                seg_chunk(acc, *reinterpret_cast<const uint4 *>(mine + ((c ^ sw) * 8)), xb, kb + 8 * c);
         }
         const int live = nseg - s0 < 32 ? (int)(nseg - s0) : 32;
-        for (int j = 0; j < live; j++)
-#pragma unroll
-            for (int t = 0; t < TT; t++) tot[t] = __fadd_rn(tot[t], __shfl_sync(0xffffffffu, acc[t], j));
+        for (int j = 0; j < live; j++) tot = __fadd_rn(tot, __shfl_sync(0xffffffffu, acc, j));
     }
-#pragma unroll
-    for (int t = 0; t < TT; t++)
-        if (lane == t && t < tcount) lo_store(y, OUT_F32, (t0 + t) * ldy + g * y_gs + row, tot[t]);
+    if (lane == 0) lo_store(y, OUT_F32, g * y_gs + row, tot);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -192,10 +172,10 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
  * conflict-free) and widens its TT token rows to fp32 there (broadcast reads). Measured on the H200
  * (Nsight, kernel_times.sh): the k-order kernel it replaced at 9..256 rows (a lane per weight row
  * over all 40 segments of k one after another, 8 token rows a CTA) took 43 µs a router gate at 64
- * rows, and dense_seg_kernel at 8 rows (each lane reading its own segment and the x rows with
- * 16-byte loads, 32 cache lines an instruction) 20.5 µs; this one takes 22.6 µs and a 4.5 µs fold
- * at 64 rows, 6.4 + 4.2 at 8. Grid: x = token group of TT rows, y = 32-row weight tile, z = group g x
- * segment group of DF_WARPS. Needs 16-byte aligned rows (dense_launch); a k tail short of 8 values
+ * rows, and dense_seg_kernel, then templated for up to 8 token rows, at 8 rows (each lane reading
+ * its own segment and the x rows with 16-byte loads, 32 cache lines an instruction) 20.5 µs; this
+ * one takes 22.6 µs and a 4.5 µs fold at 64 rows, 6.4 + 4.2 at 8. Grid: x = token group of TT
+ * rows, y = 32-row weight tile, z = group g x segment group of DF_WARPS. Needs 16-byte aligned rows (dense_launch); a k tail short of 8 values
  * is read element by element. Tried and not kept: a CTA staging its segment once for 4 groups of
  * token rows (16 rows a CTA from 32 rows on, a quarter of the weights' L2 reads): the router gate at
  * 64 rows stayed at 23 µs a call (22.6 -> 23.0, Nsight), so the L2 traffic is not what it waits on. */
@@ -401,10 +381,11 @@ __global__ void __launch_bounds__(DT_THREADS)
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
-            bad |= lo_bad8(*reinterpret_cast<const uint4 *>(&sx[slot][cr][cc * 8]));
-            lo_widen8(&xf[cr][cc * 8], &sx[slot][cr][cc * 8]);
-            bad |= lo_bad8(*reinterpret_cast<const uint4 *>(&sw[slot][cr][cc * 8]));
-            lo_widen8(&wf[cr][cc * 8], &sw[slot][cr][cc * 8]);
+            const uint4 vx = *reinterpret_cast<const uint4 *>(&sx[slot][cr][cc * 8]);
+            const uint4 vw = *reinterpret_cast<const uint4 *>(&sw[slot][cr][cc * 8]);
+            bad |= lo_bad8(vx) | lo_bad8(vw);
+            lo_widen8(&xf[cr][cc * 8], vx);
+            lo_widen8(&wf[cr][cc * 8], vw);
         }
         /* the barrier that publishes the widened stage also tells every thread whether it may fuse */
         if (__syncthreads_or(bad != 0)) dt_stage<false>(acc, xf, wf, tx, ty);
@@ -520,10 +501,11 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         return;
     }
     /* one row */
+    if (T != 1) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "dense", "more rows than the grids take");
     dim3 grid(1u, (unsigned)((n + DS_WARPS - 1) / DS_WARPS), (unsigned)G);
     const uint16_t *wb = (const uint16_t *)w;
-    if (out_f32) dense_seg_kernel<1, true><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
-    else dense_seg_kernel<1, false><<<grid, DS_WARPS * 32, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
+    if (out_f32) dense_seg_kernel<true><<<grid, DS_WARPS * 32, 0, st>>>(y, y_gs, x, x_gs, wb, ldw, w_gs, n, k);
+    else dense_seg_kernel<false><<<grid, DS_WARPS * 32, 0, st>>>(y, y_gs, x, x_gs, wb, ldw, w_gs, n, k);
     KERNEL_CHECK();
 }
 

@@ -2,20 +2,36 @@
 # On the GPU machine (device tool, after tests/gpu/pack.sh): Nsight Compute sections of the hot
 # decode kernels — the tensor-core routed experts at batch 64 inside bench_step's decode step, and
 # the decode linear tiling at T = 1 in bench_linear_cuda — into $OUT/ncu_*.txt; or, with KERNEL,
-# any kernel of a decode step. A diagnosis aid
+# any kernel of a decode step or (PREFILL) of a prefill. A diagnosis aid
 # for issue #6 (where a kernel's time goes: occupancy, stalls, memory throughput), not a test.
 set -u
 cd "$(dirname "$0")/../.."
 . tests/gpu/carry_env.sh
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 SECTIONS=${SECTIONS:-"--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"}
-# KERNEL=REGEX: only the first 3 kernels matching REGEX inside one timed decode step of batch
-# ${BATCH:-1} (bench_step --profiler-range, eager so kernels map to ops), e.g. KERNEL=dense_segsum
+# STALLS=1 adds the per-reason warp stall ratios and the pipes' utilization to the KERNEL reports
+if [ -n "${STALLS:-}" ]; then
+  m=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active
+  for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait not_selected selected dispatch_stall lg_throttle no_instruction branch_resolving; do
+    m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
+  SECTIONS="$SECTIONS --metrics $m"
+fi
+# KERNEL="REGEX ...": for each REGEX, the first ${COUNT:-3} kernels matching it inside one timed
+# decode step of batch ${BATCH:-1} (bench_step --profiler-range, eager so kernels map to ops), or
+# with PREFILL=N inside the timed prefill of one N-token prompt (one report each,
+# ncu_kernel_<i>.txt); REGEX matches the name as ncu demangles it ("void
+# <unnamed>::mma_linear_kernel<(int)1, ...>"): e.g. KERNEL=dense_segsum, or
+# PREFILL=2048 KERNEL="mma_linear_kernel<.int.1 moe_wide_kernel<.int.2"
 if [ -n "${KERNEL:-}" ]; then
-  timeout 200 $NCU --profile-from-start off --kernel-name "regex:$KERNEL" --launch-count 3 $SECTIONS \
-    carry/gpu/bench/bench_step --backend cuda --ctx 64 --batch "${BATCH:-1}" --steps 1 --prefill "" --profiler-range \
-    --eager > "$OUT/ncu_kernel.txt" 2>&1
-  grep -E "Duration|Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|No Eligible|Warp Cycles|L2 Hit" "$OUT/ncu_kernel.txt" | head -60
+  if [ -n "${PREFILL:-}" ]; then shape=(--ctx 0 --batch "" --prefill "$PREFILL"); else shape=(--ctx 64 --batch "${BATCH:-1}" --steps 1 --prefill "" --eager); fi
+  i=0
+  for re in $KERNEL; do
+    timeout ${T_NCU:-200} $NCU --profile-from-start off --kernel-name-base demangled --kernel-name "regex:$re" --launch-count ${COUNT:-3} $SECTIONS \
+      carry/gpu/bench/bench_step --backend cuda "${shape[@]}" --profiler-range > "$OUT/ncu_kernel_$i.txt" 2>&1
+    grep -E "^  (void )?[a-z_]|stalled|pipe|Duration|Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|No Eligible|Warp Cycles|L2 Hit|Pipe" "$OUT/ncu_kernel_$i.txt" | head -${LINES_EACH:-60}
+    i=$((i + 1))
+  done
   exit 0
 fi
 # the context prefill (64 x 64 tokens: 2 forwards x 20 layers x 8 passes x 2 kernels = 640 launches)
