@@ -5,8 +5,8 @@
  * wgmma, TMA or FP8 mma, so the same code runs on SM80/SM86 and, JIT-compiled, on later parts.
  *
  * The kernels of a call:
- *  - mma_act_quant_kernel (FP8/FP4 only; in mma_sm80.cuh with the other shared primitives): the
- *    reference's per-32 FP8 activation quantization with act_quant_kernel's arithmetic
+ *  - mma_act_quant_kernel (FP8/FP4 only; its body, mma_act_quant_body, in mma_sm80.cuh with the
+ *    other shared primitives): the reference's per-32 FP8 activation quantization with act_quant_kernel's arithmetic
  *    (linear_sm80.cu: amax as a max, power-of-two scale by the exponent bits, then ds_fp8_q:
  *    the quotient as an exact product, clamp, RNE e4m3), 4 threads per 32-group. It stores the
  *    dequantized value q·s_x as bf16 in the workspace ([T, k] bf16): q has at most 4 significant
@@ -35,7 +35,7 @@
  *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
  *    blocks ahead by one thread per row and staged as fp32 in shared memory;
  *  - mma_chunk_sum_kernel, when k has more than one chunk: the chunks' fp32 partials folded in
- *    order into y.
+ *    order into y (mma_chunk_sum4_kernel, 4 outputs a thread, where T·n % 4 == 0).
  *
  * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
  * call, or on the grid/tile choice: the k split is fixed by k alone, one CTA owns an output over a
@@ -70,6 +70,12 @@
 #include "mma_sm80.cuh"
 
 namespace {
+
+/* x [rows, k] bf16 -> the k-permuted quantized activations (mma_act_quant_body), 8 values a thread */
+__global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 *__restrict__ x,
+                                                            __nv_bfloat16 *__restrict__ xq, int64_t n8) {
+    mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
+}
 
 constexpr int BM = 128;    /* rows of x (T) per CTA */
 constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
@@ -348,6 +354,27 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
         float v = part[i];
         for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
         y[i] = __float2bfloat16_rn(v);
+    }
+}
+
+/* The same folds 4 outputs a thread (tn % 4 == 0, y 8-byte aligned): 16-byte loads of every
+ * chunk's partials, issued together, and one 8-byte store; each output's adds as above. The scalar
+ * form moved a 2K-token prefill's partials at ~2 TB/s (27.5 µs a call on average, Nsight). */
+__global__ void mma_chunk_sum4_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ part, int64_t tn,
+                                      int nch) {
+    const int64_t tn4 = tn / 4;
+    const float4 *p4 = reinterpret_cast<const float4 *>(part);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < tn4; i += (int64_t)gridDim.x * blockDim.x) {
+        float4 v = __ldcs(p4 + i); /* partials are read once: streaming loads */
+#pragma unroll 4
+        for (int c = 1; c < nch; c++) {
+            const float4 u = __ldcs(p4 + (int64_t)c * tn4 + i);
+            v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+        }
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 o;
+        o.x = *reinterpret_cast<const uint32_t *>(&lo), o.y = *reinterpret_cast<const uint32_t *>(&hi);
+        reinterpret_cast<uint2 *>(y)[i] = o;
     }
 }
 
@@ -735,7 +762,17 @@ void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bf
 
 /* The configurations in use (warps along T, warps along n, n8 tiles per warp, CTAs per SM), tuned
  * on the lent H200 (SM80 code): BF16 8 warps of 64 x 32 (122 registers, two CTAs per SM); FP8 and
- * FP4 4 warps of 128 x 32 (weights decoded once per 128 rows, 255 registers, two CTAs per SM). */
+ * FP4 4 warps of 128 x 32 (weights decoded once per 128 rows, 255 registers, two CTAs per SM).
+ * Nsight Compute on the first FP8 call of a 2K-token prefill ([1280, 5120], tests/gpu/ncu_probe.sh
+ * STALLS=1, clocks locked at 1.49 GHz): 161.9 µs, tensor pipe 39.8 % busy, issue slots 42 %, one
+ * to two warps a scheduler, the top stall a fixed-latency dependency ("wait", 1.06 cycles an issue).
+ * Tried and not kept: the weight scale folded into the B decode (w·s_w is exact in bf16, so the
+ * per-block fp32 FMA and the P'_b registers go) with the block sums inside the MMA, (a) over
+ * groups of 8 blocks then added in fp32 (two accumulator sets: 8 warps of 128 x 16, 226.6 µs,
+ * tensor 28 %, the A fragments' shared-memory reads doubled; or 8 warps of 64 x 32, 230.6 µs) and
+ * (b) over the whole 1,024-k chunk in this tile: 150.2 µs (tensor 43 %), the prefill unchanged
+ * (127.7 132.6 -> 128.8 127.9 ms), for a new order contract that would make every FP8/FP4 kernel
+ * (the decode ones too: no 4-warp spread of a chunk's blocks) sum a chunk as one serial MMA chain. */
 typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
@@ -833,8 +870,14 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     }
     KERNEL_CHECK();
     if (part) {
-        const int64_t tn = T * n, blocks = (tn + 255) / 256;
-        mma_chunk_sum_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
+        const int64_t tn = T * n;
+        if (tn % 4 == 0 && ((uintptr_t)yb % 8) == 0 && ((uintptr_t)part % 16) == 0) {
+            const int64_t blocks = (tn / 4 + 255) / 256;
+            mma_chunk_sum4_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
+        } else {
+            const int64_t blocks = (tn + 255) / 256;
+            mma_chunk_sum_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
+        }
         KERNEL_CHECK();
     }
 }

@@ -197,10 +197,6 @@ __device__ __forceinline__ void mma_act_quant_body(const __nv_bfloat16 *__restri
     if (ok) mma_store_perm8(reinterpret_cast<uint32_t *>(xq) + (i >> 2) * 16, (int)(i & 3), o);
 }
 
-__global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 *__restrict__ x,
-                                                            __nv_bfloat16 *__restrict__ xq, int64_t n8) {
-    mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
-}
 
 } /* namespace */
 
