@@ -833,7 +833,7 @@ __global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
         uint16_t *xs = x_tile(lt % STAGES);
         const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
         const int len = L - e0 < HC_KT ? (int)(L - e0) : HC_KT;
-        if constexpr (VEC) { /* len is a multiple of 8: whole 16-byte chunks; a full tile's strides are constants */
+        if constexpr (VEC) { /* len % 8 == 0: whole 16-byte chunks; a full tile's strides are constants */
             if (len == HC_KT)
                 copy_chunks(fs, xs, e0, HC_KT / 4, HC_KT / 8);
             else

@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
  * rows, and dense_seg_kernel, then templated for up to 8 token rows, at 8 rows (each lane reading
  * its own segment and the x rows with 16-byte loads, 32 cache lines an instruction) 20.5 µs; this
  * one takes 22.6 µs and a 4.5 µs fold at 64 rows, 6.4 + 4.2 at 8. Grid: x = token group of TT
- * rows, y = 32-row weight tile, z = group g x segment group of DF_WARPS. Needs 16-byte aligned rows (dense_launch); a k tail short of 8 values
- * is read element by element. Tried and not kept: a CTA staging its segment once for 4 groups of
+ * rows, y = 32-row weight tile, z = group g x segment group of DF_WARPS. Needs 16-byte aligned
+ * rows (dense_launch); a k tail short of 8 values is read element by element. Tried and not kept: a CTA staging its segment once for 4 groups of
  * token rows (16 rows a CTA from 32 rows on, a quarter of the weights' L2 reads): the router gate at
  * 64 rows stayed at 23 µs a call (22.6 -> 23.0, Nsight), so the L2 traffic is not what it waits on. */
 #define DF_WARPS 4 /* warps per CTA, a segment each */

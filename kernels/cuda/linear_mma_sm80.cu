@@ -6,9 +6,10 @@
  *
  * The kernels of a call:
  *  - mma_act_quant_kernel (FP8/FP4 only; its body, mma_act_quant_body, in mma_sm80.cuh with the
- *    other shared primitives): the reference's per-32 FP8 activation quantization with act_quant_kernel's arithmetic
- *    (linear_sm80.cu: amax as a max, power-of-two scale by the exponent bits, then ds_fp8_q:
- *    the quotient as an exact product, clamp, RNE e4m3), 4 threads per 32-group. It stores the
+ *    other shared primitives): the reference's per-32 FP8 activation quantization with
+ *    act_quant_kernel's arithmetic (linear_sm80.cu: amax as a max, power-of-two scale by the
+ *    exponent bits, then ds_fp8_q: the quotient as an exact product, clamp, RNE e4m3), 4 threads
+ *    per 32-group. It stores the
  *    dequantized value q·s_x as bf16 in the workspace ([T, k] bf16): q has at most 4 significant
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
