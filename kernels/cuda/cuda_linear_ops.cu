@@ -7,20 +7,19 @@
  *
  * Numerics of the kernels here: every output is the segmented fp32 sum of backend.h (segments of
  * BE_DOT_SEG consecutive k, each a sequential sum in k order from +0, the segment sums added in
- * order from +0), with a round-to-nearest product and a round-to-nearest add per term (no FMA:
- * __fmul_rn/__fadd_rn), then one rounding to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for
- * fp32 outputs. That is the CPU backend's order (kernels/cpu/cpu_linear.c), so every op here is
- * bit-identical to it, and batch invariant: an output never depends on T, on the other rows of the
- * call or on the grid.
+ * order from +0), with a round-to-nearest product and a round-to-nearest add per term
+ * (__fmul_rn/__fadd_rn, or one FMA where it rounds the same value: lo_madd), then one rounding
+ * to bf16 (RNE, NaN -> 0x7FC0 as src/formats.c) or none for fp32 outputs. That is the CPU
+ * backend's order (kernels/cpu/cpu_linear.c), so every op here is bit-identical to it, and batch
+ * invariant: an output never depends on T, on the other rows of the call or on the grid.
  *
- * Parallelism comes from outputs and from the segments of one output: up to 8 token rows a warp
+ * Parallelism comes from outputs and from the segments of one output: at one token row a warp
  * walks one weight row's segments with its 32 lanes; 2..256 rows every segment of every output is
  * a warp's work and a second launch adds the segment sums in order; above, a CTA tiles 64 token
- * rows x 32 weight rows and runs each output's chain through its segments in turn. Where both
+ * rows x 64 weight rows and runs each output's chain through its segments in turn. Where both
  * factors of every product are in range the kernels of 2 rows and up fuse the product and the add
- * (lo_madd: the same bits). Shapes a 16-byte load cannot serve (row
- * strides not a multiple of 8 elements, F32 weights) take a plain one-thread-per-output kernel with
- * the same order. */
+ * (lo_madd: the same bits). Shapes a 16-byte load cannot serve (row strides not a multiple of 8
+ * elements, F32 weights) take a plain one-thread-per-output kernel with the same order. */
 #include "cuda_internal.h"
 #include "cuda_linear.h"
 #include "linear_mma.h"
@@ -96,8 +95,8 @@ template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
  * lane copies its segment's 256 bytes of the row into shared memory with 16 cp.async at once
  * (its memory parallelism: with one warp per row, 4 rows a CTA, a [384, 5120] router gate is 96
  * CTAs, each streaming 40 KB), and reads x through the read-only cache (the 4 warps of a CTA read
- * the same x). Each round of 32 segments is folded into the running total in segment order by shuffles,
- * every lane adding the same values in the same order, and lane 0 stores it.
+ * the same x). Each round of 32 segments is folded into the running total in segment order by
+ * shuffles, every lane adding the same values in the same order, and lane 0 stores it.
  * The k-order GEMV it replaces (a lane per weight row over all of k) spent 30.9 µs
  * per router gate at batch 1 on one 5,120-add chain per output in 12 CTAs; with this kernel the
  * router op (gate and selection, 20 calls) went from 0.92 to 0.56 ms per step at batch 1 and from
@@ -176,9 +175,10 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
  * its own segment and the x rows with 16-byte loads, 32 cache lines an instruction) 20.5 µs; this
  * one takes 22.6 µs and a 4.5 µs fold at 64 rows, 6.4 + 4.2 at 8. Grid: x = token group of TT
  * rows, y = 32-row weight tile, z = group g x segment group of DF_WARPS. Needs 16-byte aligned
- * rows (dense_launch); a k tail short of 8 values is read element by element. Tried and not kept: a CTA staging its segment once for 4 groups of
- * token rows (16 rows a CTA from 32 rows on, a quarter of the weights' L2 reads): the router gate at
- * 64 rows stayed at 23 µs a call (22.6 -> 23.0, Nsight), so the L2 traffic is not what it waits on. */
+ * rows (dense_launch); a k tail short of 8 values is read element by element. Tried and not kept:
+ * a CTA staging its segment once for 4 groups of token rows (16 rows a CTA from 32 rows on, a
+ * quarter of the weights' L2 reads): the router gate at 64 rows stayed at 23 µs a call (22.6 ->
+ * 23.0, Nsight), so the L2 traffic is not what it waits on. */
 #define DF_WARPS 4 /* warps per CTA, a segment each */
 
 /* 8 bf16 of row p from k0 (k0 % 8 == 0, p 16-byte aligned at k0), zeros at and past k */
@@ -247,10 +247,7 @@ __global__ void __launch_bounds__(DF_WARPS * 32)
         const int q = lane + 32 * i, t = q >> 4, c = q & 15;
         const uint4 v = t < tcount ? df_load8(xg + t * ldx, kb + 8 * c, k) : make_uint4(0, 0, 0, 0);
         bad |= lo_bad8(v);
-        float f[8];
-        lo_widen8r(f, v);
-        *reinterpret_cast<float4 *>(xf + t * SEG + c * 8) = make_float4(f[0], f[1], f[2], f[3]);
-        *reinterpret_cast<float4 *>(xf + t * SEG + c * 8 + 4) = make_float4(f[4], f[5], f[6], f[7]);
+        lo_widen8(xf + t * SEG + c * 8, v);
     }
     lo_cp_wait<0>();
     __syncwarp();
@@ -289,15 +286,16 @@ __global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_g
 
 /* ---------------------------------------------------------------------------------------------
  * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same segmented sum per output, tiled for
- * reuse. The GEMV kernel above reads each weight once per 8 token rows, so at T = 2048 a
+ * reuse. The segment-parallel kernel above reads each weight once per 8 token rows, so at T = 2048 a
  * [384, 5120] router gate streamed its weights 256 times through L2 and spent a CTA's issue slots
  * on widening them; here a CTA owns 64 token rows x 64 weight rows, both widened to fp32 in shared
  * memory once per stage of 32 k, and each thread runs 32 chains (token rows ty + 16i x weight rows
  * tx + 8j), loading 4 k of each operand per float4: 12 shared loads per 128 multiply-adds. The
  * tile of 64 x 32 with 8 chains a thread it replaces was bound by those loads (6 per 32), not by
  * its arithmetic: fusing its multiply-adds took the 26 calls of a 2,048-token prefill from 457 to
- * 448 µs on average (H200, Nsight). Bits: within a segment (BE_DOT_SEG / DT_KB stages) every chain is acc = fadd(acc,
- * fmul(x_k, w_k)) in k order from +0, and at the segment's end tot = fadd(tot, acc), as
+ * 448 µs on average (H200, Nsight). Bits: within a segment (BE_DOT_SEG / DT_KB stages) every
+ * chain is acc = fadd(acc, fmul(x_k, w_k)) (or its lo_madd equal) in k order from +0, and at the
+ * segment's end tot = fadd(tot, acc), as
  * dense_seg_kernel and the CPU; zero-filled tails (rows, tokens, k) are never stored or add 0·0
  * (acc is never -0, so + 0 leaves it). Stage s: wait for own copies, barrier (everyone is past
  * stage s-1's compute), issue stage s + 2, widen own chunks, barrier, compute. */
