@@ -15,11 +15,12 @@
  *
  * Parallelism comes from outputs and from the segments of one output: at one token row a warp
  * walks one weight row's segments with its 32 lanes; 2..256 rows every segment of every output is
- * a warp's work and a second launch adds the segment sums in order; above, a CTA tiles 64 token
- * rows x 64 weight rows and runs each output's chain through its segments in turn. Where both
- * factors of every product are in range the kernels of 2 rows and up fuse the product and the add
- * (lo_madd: the same bits). Shapes a 16-byte load cannot serve (row strides not a multiple of 8
- * elements, F32 weights) take a plain one-thread-per-output kernel with the same order. */
+ * a warp's work and a second launch adds the segment sums in order; above, a CTA tiles 64 (small
+ * grids: 32) token rows x 64 weight rows and runs each output's chain through its segments in
+ * turn. Where both factors of every product are in range the kernels of 2 rows and up fuse the
+ * product and the add (lo_madd: the same bits). Shapes a 16-byte load cannot serve (row strides
+ * not a multiple of 8 elements, F32 weights) take a plain one-thread-per-output kernel with the
+ * same order. */
 #include "cuda_internal.h"
 #include "cuda_linear.h"
 #include "linear_mma.h"
@@ -288,9 +289,10 @@ __global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_g
  * BF16 kernel for prefill-sized calls (T > DT_MIN_T): the same segmented sum per output, tiled for
  * reuse. The segment-parallel kernel above reads each weight once per 8 token rows, so at T = 2048 a
  * [384, 5120] router gate streamed its weights 256 times through L2 and spent a CTA's issue slots
- * on widening them; here a CTA owns 64 token rows x 64 weight rows, both widened to fp32 in shared
- * memory once per stage of 32 k, and each thread runs 32 chains (token rows ty + 16i x weight rows
- * tx + 8j), loading 4 k of each operand per float4: 12 shared loads per 128 multiply-adds. The
+ * on widening them; here a CTA owns 64 token rows (32 for small grids: DT_WIDE_CTAS) x 64 weight
+ * rows, both widened to fp32 in shared memory once per stage of 32 k, and each thread runs 32
+ * chains (token rows ty + 16i x weight rows tx + 8j; 16 at 32 rows), loading 4 k of each operand
+ * per float4: 12 shared loads per 128 multiply-adds. The
  * tile of 64 x 32 with 8 chains a thread it replaces was bound by those loads (6 per 32), not by
  * its arithmetic: fusing its multiply-adds took the 26 calls of a 2,048-token prefill from 457 to
  * 448 µs on average (H200, Nsight). Bits: within a segment (BE_DOT_SEG / DT_KB stages) every
@@ -300,30 +302,35 @@ __global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_g
  * (acc is never -0, so + 0 leaves it). Stage s: wait for own copies, barrier (everyone is past
  * stage s-1's compute), issue stage s + 2, widen own chunks, barrier, compute. */
 #define DT_MIN_T 256 /* calls of more rows take the tiled kernel */
-#define DT_BT 64     /* token rows per CTA */
 #define DT_BR 64     /* weight rows per CTA */
 #define DT_KB 32     /* k per stage */
 #define DT_LD (DT_KB + 4) /* widened rows, padded: the 8 weight rows a phase reads sit on distinct banks */
 #define DT_STAGES 3
 #define DT_THREADS 128
-#define DT_TI 4 /* token rows per thread: ty + 16i */
 #define DT_TJ 8 /* weight rows per thread: tx + 8j */
+/* Token rows per CTA: 16 TI (TI rows a thread, ty + 16i): TI = 4 (64 rows) where the grid of
+ * 64-row tiles has at least DT_WIDE_CTAS CTAs, else TI = 2 (32 rows, twice the CTAs for a grid
+ * that leaves most SMs idle). H200, Nsight, a 2,048-token prefill (tests/gpu: ncu -k dense_tile):
+ * 32-CTA grids (n <= 64 at 2,048 rows, n <= 128 at 1,024) 243 -> 174 and 29 -> 21 µs a call at
+ * TI = 2; the router gate's 192 CTAs 366 -> 374 µs and the 256 of n = 512 368 -> 474 µs, so those
+ * keep 64 rows (the per-stage widening and shared loads per multiply-add double at 32 rows). */
+#define DT_WIDE_CTAS 128
 static_assert(BE_DOT_SEG % DT_KB == 0, "segments of whole stages");
-static_assert(DT_TI * 16 == DT_BT && DT_TJ * 8 == DT_BR && DT_THREADS == 128, "thread tile");
+static_assert(DT_TJ * 8 == DT_BR && DT_THREADS == 128, "thread tile");
 
-/* One stage of a dense_tile_kernel thread's DT_TI x DT_TJ chains over DT_KB k in order. */
-template <bool FMA>
-static __device__ __forceinline__ void dt_stage(float (&acc)[DT_TI][DT_TJ], const float (*xf)[DT_LD],
+/* One stage of a dense_tile_kernel thread's TI x DT_TJ chains over DT_KB k in order. */
+template <int TI, bool FMA>
+static __device__ __forceinline__ void dt_stage(float (&acc)[TI][DT_TJ], const float (*xf)[DT_LD],
                                                 const float (*wf)[DT_LD], int tx, int ty) {
 #pragma unroll
     for (int kk = 0; kk < DT_KB; kk += 4) {
-        float4 xv[DT_TI], wv[DT_TJ];
+        float4 xv[TI], wv[DT_TJ];
 #pragma unroll
-        for (int i = 0; i < DT_TI; i++) xv[i] = *reinterpret_cast<const float4 *>(&xf[ty + 16 * i][kk]);
+        for (int i = 0; i < TI; i++) xv[i] = *reinterpret_cast<const float4 *>(&xf[ty + 16 * i][kk]);
 #pragma unroll
         for (int j = 0; j < DT_TJ; j++) wv[j] = *reinterpret_cast<const float4 *>(&wf[tx + 8 * j][kk]);
 #pragma unroll
-        for (int i = 0; i < DT_TI; i++)
+        for (int i = 0; i < TI; i++)
 #pragma unroll
             for (int j = 0; j < DT_TJ; j++) {
                 acc[i][j] = lo_madd<FMA>(acc[i][j], xv[i].x, wv[j].x);
@@ -334,27 +341,33 @@ static __device__ __forceinline__ void dt_stage(float (&acc)[DT_TI][DT_TJ], cons
     }
 }
 
-template <bool OUT_F32>
+template <int TI, bool OUT_F32>
 __global__ void __launch_bounds__(DT_THREADS)
     dense_tile_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
                       int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
                       int64_t k) {
-    __shared__ __align__(16) uint16_t sx[DT_STAGES][DT_BT][DT_KB]; /* raw stages */
+    constexpr int BT = 16 * TI, XCH = BT * DT_KB / 8 / DT_THREADS; /* token rows; x chunks a thread a stage */
+    static_assert(XCH * DT_THREADS * 8 == BT * DT_KB && DT_BR * DT_KB / 8 == 2 * DT_THREADS, "copy assignments");
+    __shared__ __align__(16) uint16_t sx[DT_STAGES][BT][DT_KB]; /* raw stages */
     __shared__ __align__(16) uint16_t sw[DT_STAGES][DT_BR][DT_KB];
-    __shared__ __align__(16) float xf[DT_BT][DT_LD]; /* the stage's widened rows */
+    __shared__ __align__(16) float xf[BT][DT_LD]; /* the stage's widened rows */
     __shared__ __align__(16) float wf[DT_BR][DT_LD];
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int64_t t0 = (int64_t)blockIdx.x * DT_BT, r0 = (int64_t)blockIdx.y * DT_BR, g = blockIdx.z;
+    const int64_t t0 = (int64_t)blockIdx.x * BT, r0 = (int64_t)blockIdx.y * DT_BR, g = blockIdx.z;
     const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
     const int nst = (int)((k + DT_KB - 1) / DT_KB);
-    /* copy assignment: chunk q = tid + 128u (u = 0, 1) of each operand: row q / 4, chunk q % 4 (8 values) */
+    /* copy assignment: chunk q = tid + 128u of each operand (u < XCH for x, u < 2 for w): row q / 4,
+     * chunk q % 4 (8 values) */
     auto load_stage = [&](int slot, int s) {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
             const int64_t gk = (int64_t)s * DT_KB + cc * 8;
-            int bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-            lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
+            int bytes;
+            if (u < XCH) {
+                bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
+                lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
+            }
             bytes = (r0 + cr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
             lo_cp16(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
         }
@@ -364,9 +377,9 @@ __global__ void __launch_bounds__(DT_THREADS)
         if (s < nst) load_stage(s, s);
         lo_cp_commit();
     }
-    float acc[DT_TI][DT_TJ], tot[DT_TI][DT_TJ]; /* the segment's chains, the totals of the segments before */
+    float acc[TI][DT_TJ], tot[TI][DT_TJ]; /* the segment's chains, the totals of the segments before */
 #pragma unroll
-    for (int i = 0; i < DT_TI; i++)
+    for (int i = 0; i < TI; i++)
 #pragma unroll
         for (int j = 0; j < DT_TJ; j++) acc[i][j] = tot[i][j] = 0.0f;
     for (int s = 0; s < nst; s++) {
@@ -379,25 +392,28 @@ __global__ void __launch_bounds__(DT_THREADS)
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
-            const uint4 vx = *reinterpret_cast<const uint4 *>(&sx[slot][cr][cc * 8]);
+            if (u < XCH) {
+                const uint4 vx = *reinterpret_cast<const uint4 *>(&sx[slot][cr][cc * 8]);
+                bad |= lo_bad8(vx);
+                lo_widen8(&xf[cr][cc * 8], vx);
+            }
             const uint4 vw = *reinterpret_cast<const uint4 *>(&sw[slot][cr][cc * 8]);
-            bad |= lo_bad8(vx) | lo_bad8(vw);
-            lo_widen8(&xf[cr][cc * 8], vx);
+            bad |= lo_bad8(vw);
             lo_widen8(&wf[cr][cc * 8], vw);
         }
         /* the barrier that publishes the widened stage also tells every thread whether it may fuse */
-        if (__syncthreads_or(bad != 0)) dt_stage<false>(acc, xf, wf, tx, ty);
-        else dt_stage<true>(acc, xf, wf, tx, ty);
+        if (__syncthreads_or(bad != 0)) dt_stage<TI, false>(acc, xf, wf, tx, ty);
+        else dt_stage<TI, true>(acc, xf, wf, tx, ty);
         if ((s + 1) % (BE_DOT_SEG / DT_KB) == 0 || s + 1 == nst) { /* a segment ends: fold it in order */
 #pragma unroll
-            for (int i = 0; i < DT_TI; i++)
+            for (int i = 0; i < TI; i++)
 #pragma unroll
                 for (int j = 0; j < DT_TJ; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
         }
     }
     lo_cp_wait<0>();
 #pragma unroll
-    for (int i = 0; i < DT_TI; i++) {
+    for (int i = 0; i < TI; i++) {
         const int64_t t = t0 + ty + 16 * i;
         if (t >= T) continue;
 #pragma unroll
@@ -444,7 +460,7 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
     cudaStream_t st = cuda_be_stream(be);
     const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG, nsg = (nseg + DF_WARPS - 1) / DF_WARPS;
     const bool segsum = T > 1 && T <= DT_MIN_T && nseg > 0 && G * nsg <= 65535 && (n + 31) / 32 <= 65535;
-    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum)) && (T + DT_BT - 1) / DT_BT <= 0x7fffffff;
+    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum)) && (T + 31) / 32 <= 0x7fffffff;
     /* one row dense_seg_kernel (k % 8 == 0), 2..256 dense_segsum_kernel + dense_fold_kernel, more
      * dense_tile_kernel */
     const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&
@@ -468,13 +484,18 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         return;
     }
     if (tiled) {
-        dim3 grid((unsigned)((T + DT_BT - 1) / DT_BT), (unsigned)((n + DT_BR - 1) / DT_BR), (unsigned)G);
-        if (out_f32)
-            dense_tile_kernel<true><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, (const uint16_t *)w, ldw,
-                                                                 w_gs, T, n, k);
+        const int64_t rt = (n + DT_BR - 1) / DT_BR;
+        const bool wide = (T + 63) / 64 * rt * G >= DT_WIDE_CTAS;
+        const dim3 grid((unsigned)(wide ? (T + 63) / 64 : (T + 31) / 32), (unsigned)rt, (unsigned)G);
+        const uint16_t *wb = (const uint16_t *)w;
+        if (wide && out_f32)
+            dense_tile_kernel<4, true><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
+        else if (wide)
+            dense_tile_kernel<4, false><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
+        else if (out_f32)
+            dense_tile_kernel<2, true><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
         else
-            dense_tile_kernel<false><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, (const uint16_t *)w, ldw,
-                                                                  w_gs, T, n, k);
+            dense_tile_kernel<2, false><<<grid, DT_THREADS, 0, st>>>(y, ldy, y_gs, x, ldx, x_gs, wb, ldw, w_gs, T, n, k);
         KERNEL_CHECK();
         return;
     }

@@ -618,6 +618,13 @@ static void test_linear_f32(void **st) {
     const int64_t Tm[] = {130, 256}; /* dense_segsum with 8 token rows a CTA, its token tail */
     h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] 65..256 rows", &h, Tm, 2, 1.0f);
     h = hw_bf16(37, 1000, 0.05f), dense_cases(OP_LINEAR_F32, "odd [37,1000] 65..256 rows", &h, Tm, 1, 1.0f);
+    /* 64 token rows a CTA (the grid of 64-row tiles has >= DT_WIDE_CTAS = 128 CTAs: 58 x 9 here;
+     * the prefill cases above take 32-row tiles): token, row and k tails, and the separately
+     * rounded form */
+    const int64_t Tw[] = {3700};
+    h = hw_bf16(520, 160, 0.05f), dense_cases(OP_LINEAR_F32, "odd [520,160] 64-row tiles", &h, Tw, 1, 1.0f);
+    h = hw_bf16(520, 160, 0x1p-66f), dense_cases(OP_LINEAR_F32, "odd [520,160] 64-row tiles, subnormal products", &h, Tw, 1, 0x1p-64f);
+    h = hw_bf16(520, 160, 0.05f), dense_cases(OP_LINEAR, "BF16 odd [520,160] 64-row tiles", &h, Tw, 1, 1.0f);
 }
 
 static void test_head(void **st) {
