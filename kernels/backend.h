@@ -146,9 +146,12 @@ struct backend_ops {
     void (*hc_mixes)(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                      int64_t hc, int64_t D, const float *fn, const float *scale, const float *base,
                      int iters, float norm_eps, float hc_eps);
-    /* y[t,:] = bf16( ((p0·X0 + p1·X1) + p2·X2) + ... ) in fp32, X [T, hc, D], p [T, hc]. */
+    /* y[t,:] = bf16( ((p0·X0 + p1·X1) + p2·X2) + ... ) in fp32, X [T, hc, D], p [T, hc]; then, with
+     * norm_w [D] given, y = rmsnorm(y, norm_w, eps) with the rmsnorm op's bits (the collapse's bf16
+     * y is what the norm reads): the block input's collapse and norm as one op, which a backend may
+     * run as one pass over the row. norm_w NULL: the collapse alone (eps unused). */
     void (*hc_collapse)(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
-                        int64_t D);
+                        int64_t D, const bf16_t *norm_w, float eps);
     /* Xo[t,k,:] = bf16( post[t,k]·y[t,:] + (((c[0][k]·X0 + c[1][k]·X1) + c[2][k]·X2) + ...) ), fp32.
      * Xo must not alias X. */
     void (*hc_expand)(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,

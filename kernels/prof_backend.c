@@ -209,9 +209,9 @@ static void prof_hc_mixes(struct backend *be, float *pre, float *post, float *co
     PR(be)->inner->ops->hc_mixes(PR(be)->inner, pre, post, comb, X, T, hc, D, fn, scale, base, iters, norm_eps, hc_eps);
     prof_end(be, PROF_HC_MIXES, t0);
 }
-static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc, int64_t D) {
+static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D);
+    PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D, norm_w, eps);
     prof_end(be, PROF_HC_COLLAPSE, t0);
 }
 static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post, const float *comb, int64_t T, int64_t hc, int64_t D) {

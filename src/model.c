@@ -636,8 +636,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
          * 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the branch (the
          * longer chain keeps the main lane's priority) 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 / 18.0,
          * 18.2, 18.0 (the FFN's mixes beside the routed experts in all but the first). */
-        OPS->hc_collapse(m->be, y, X, P, T, hc, D);
-        OPS->rmsnorm(m->be, y, y, lw->attn_norm, T, D, eps);
+        OPS->hc_collapse(m->be, y, X, P, T, hc, D, lw->attn_norm, eps); /* and attn_norm */
         model_branch_begin(m);
         attention_project_q(m, l, b, y, qr, q);
         model_branch_end(m);
@@ -665,8 +664,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
             OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
-            OPS->hc_collapse(m->be, y, X1, apre, T, hc, D);
-            OPS->rmsnorm(m->be, y, y, lw->ffn_norm, T, D, eps);
+            OPS->hc_collapse(m->be, y, X1, apre, T, hc, D, lw->ffn_norm, eps); /* and ffn_norm */
             /* the FFN's mixes (P for the next block, post and comb for the expand below) beside
              * the routed path too, with the shared expert */
             model_branch_begin(m);
@@ -810,8 +808,7 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         /* final collapse with the last FFN pre, norm, fp32 head over the rows asked for */
         int64_t R = model_logits_rows(seqs, n);
         bf16_t *h = model_tmp(m, (size_t)(T * D) * 2), *hr = model_tmp(m, (size_t)(R * D) * 2);
-        OPS->hc_collapse(m->be, h, X, P, T, hc, D);
-        OPS->rmsnorm(m->be, h, h, m->w->norm, T, D, (float)c->norm_eps);
+        OPS->hc_collapse(m->be, h, X, P, T, hc, D, m->w->norm, (float)c->norm_eps); /* and the final norm */
         if (hooks && hooks->final_hidden) hooks->final_hidden(hooks->ctx, h, T);
         int64_t o = 0;
         struct seg_list sl = {0};

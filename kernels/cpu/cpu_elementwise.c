@@ -174,7 +174,7 @@ void cpu_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, c
 }
 
 void cpu_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
-                        int64_t D) {
+                        int64_t D, const bf16_t *norm_w, float eps) {
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16_t *xr = X + t * hc * D;
@@ -185,6 +185,7 @@ void cpu_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const fl
             y[t * D + d] = bf16_from_f32(acc);
         }
     }
+    if (norm_w) cpu_op_rmsnorm(be, y, y, norm_w, T, D, eps);
 }
 
 void cpu_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,

@@ -1015,15 +1015,94 @@ __global__ void __launch_bounds__(EW_THREADS)
     store_bf<VEC>(y + t * D + d, acc); /* y [T, D] bf16 */
 }
 
+/* hc_collapse with norm_w: the collapse and the rmsnorm after it in one pass per row (a CTA of
+ * RMS_WARPS warps, as rmsnorm_kernel): each thread collapses its 8-wide chunks of the row with
+ * every copy's load issued at once (HC is a template parameter, as for hc_mixes), rounds y to bf16
+ * in shared memory, and the norm runs there — row_rstd_block's torch-order sum of squares, then
+ * w · (y · r) — with the collapse's and rmsnorm_kernel's arithmetic, so the bits are the two ops'.
+ * It saves the norm's launch and its read of y; the norm weights are loaded before the sum, as
+ * rmsnorm_kernel's. D up to HCN_MAX_D (y's row in shared memory); other shapes run the two
+ * kernels. */
+#define HCN_MAX_D 8192
+
+template <int HC>
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    hc_collapse_norm_kernel(uint16_t *__restrict__ y, const uint16_t *__restrict__ X, const float *__restrict__ p,
+                            const uint16_t *__restrict__ w, int64_t D, float eps) {
+    constexpr int STEP = RMS_WARPS * 32 * 8, NP = HCN_MAX_D / STEP;
+    __shared__ __align__(16) uint16_t ys[HCN_MAX_D]; /* the row's collapsed y [D] bf16 */
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float r_s;
+    const int64_t t = blockIdx.x;
+    const uint16_t *xr = X + t * HC * D; /* X [T, HC, D] bf16 */
+    float pj[HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++) pj[j] = p[t * HC + j];
+    uint4 wp[NP];
+#pragma unroll
+    for (int q = 0; q < NP; q++) {
+        const int64_t e = (int64_t)threadIdx.x * 8 + q * STEP;
+        if (e >= D) break;
+        uint4 xv[HC];
+#pragma unroll
+        for (int j = 0; j < HC; j++) xv[j] = *reinterpret_cast<const uint4 *>(xr + j * D + e);
+        wp[q] = __ldg(reinterpret_cast<const uint4 *>(w + e));
+        float acc[8], f[8];
+        unpack8(xv[0], f);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = __fmul_rn(pj[0], f[i]);
+#pragma unroll
+        for (int j = 1; j < HC; j++) {
+            unpack8(xv[j], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(pj[j], f[i]));
+        }
+        *reinterpret_cast<uint4 *>(ys + e) = pack8(acc);
+    }
+    __syncthreads();
+    const float r = row_rstd_block(ys, D, eps, l0, &r_s);
+#pragma unroll
+    for (int q = 0; q < NP; q++) {
+        const int64_t e = (int64_t)threadIdx.x * 8 + q * STEP;
+        if (e >= D) break;
+        float xv[8], wv[8];
+        unpack8(*reinterpret_cast<const uint4 *>(ys + e), xv);
+        unpack8(wp[q], wv);
+#pragma unroll
+        for (int i = 0; i < 8; i++) xv[i] = __fmul_rn(wv[i], __fmul_rn(xv[i], r));
+        *reinterpret_cast<uint4 *>(y + t * D + e) = pack8(xv);
+    }
+}
+
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
-                         int64_t D) {
+                         int64_t D, const bf16_t *norm_w, float eps) {
     if (T <= 0 || D <= 0 || hc <= 0) return;
+    cudaStream_t st = cuda_be_stream(be);
+    if (norm_w && D % 8 == 0 && D <= HCN_MAX_D && al16(y) && al16(X) && al16(norm_w) && T <= 0x7fffffff) {
+        bool done = true;
+        switch (hc) {
+#define HCN_CASE(H)                                                                                                    \
+    case H: hc_collapse_norm_kernel<H><<<(unsigned)T, RMS_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps); break;
+            HCN_CASE(1)
+            HCN_CASE(2)
+            HCN_CASE(3)
+            HCN_CASE(4)
+            HCN_CASE(6)
+            HCN_CASE(8)
+#undef HCN_CASE
+        default: done = false;
+        }
+        if (done) {
+            KERNEL_CHECK();
+            return;
+        }
+    }
     if (D % 8 == 0 && al16(y) && al16(X))
-        hc_collapse_kernel<8><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(y, X, p, T, hc,
-                                                                                                       D);
+        hc_collapse_kernel<8><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, st>>>(y, X, p, T, hc, D);
     else
-        hc_collapse_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(y, X, p, T, hc, D);
+        hc_collapse_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, st>>>(y, X, p, T, hc, D);
     KERNEL_CHECK();
+    if (norm_w) cuda_op_rmsnorm(be, y, y, norm_w, T, D, eps);
 }
 
 /* Thread (t, k, VEC d's): output copy k reads column k of C over the input copies (L1 serves the

@@ -69,7 +69,7 @@ void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, 
                       int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
                       float norm_eps, float hc_eps);
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
-                         int64_t D);
+                         int64_t D, const bf16_t *norm_w, float eps);
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                        const float *comb, int64_t T, int64_t hc, int64_t D);
 void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,

@@ -482,9 +482,16 @@ static void test_hc_collapse_expand_init(void **state) {
     /* collapse: X = [[1,2,3],[4,5,6]], p = [0.5, 0.25] -> [1.5, 2.25, 3]; p = [1, 0] -> X0. */
     bf16_t X[12] = {B(1), B(2), B(3), B(4), B(5), B(6), B(1), B(2), B(3), B(4), B(5), B(6)}, y[6];
     float p[4] = {0.5f, 0.25f, 1.0f, 0.0f};
-    OPS->hc_collapse(&be, y, X, p, 2, 2, 3);
+    OPS->hc_collapse(&be, y, X, p, 2, 2, 3, NULL, 0.0f);
     float ey[6] = {1.5f, 2.25f, 3, 1, 2, 3};
     for (int i = 0; i < 6; i++) assert_true(F(y[i]) == ey[i]);
+    /* with a norm weight: the collapse, then rmsnorm of its bf16 rows (rows [1.5, 2.25, 3] and
+     * [1, 2, 3]: different scales, so a norm of the wrong row or of X would show) */
+    bf16_t wn[3] = {B(1), B(0.5f), B(2)}, yn[6], yr[6];
+    OPS->hc_collapse(&be, yn, X, p, 2, 2, 3, wn, 1e-6f);
+    OPS->rmsnorm(&be, yr, y, wn, 2, 3, 1e-6f);
+    for (int i = 0; i < 6; i++) assert_true(yn[i] == yr[i]);
+    assert_true(F(yn[0]) != F(yn[3]));
 
     /* expand: y = [1, 2], X0 = [1, 0], X1 = [0, 1], post = [1, 0.5], comb rows [1, 2], [3, 4].
      * Xo[0] = 1·y + (1·X0 + 3·X1) = [2, 5]; Xo[1] = 0.5·y + (2·X0 + 4·X1) = [2.5, 5]. */

@@ -700,12 +700,32 @@ static void hc_elementwise_case(int64_t T, int64_t D) {
     void *dp = g_in(p, (size_t)(T * hc) * 4), *dpost = g_in(post, (size_t)(T * hc) * 4), *dcomb = g_in(comb, (size_t)(T * hc * hc) * 4);
     /* collapse */
     bf16_t *oc = NEW(bf16_t, T * hc * D), *og = NEW(bf16_t, T * hc * D);
-    CPU->hc_collapse(&cpu_be, oc, X, p, T, hc, D);
+    CPU->hc_collapse(&cpu_be, oc, X, p, T, hc, D, NULL, 0.0f);
     void *dout = g_out((size_t)(T * D) * 2, PZ_16);
-    GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D);
+    GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D, NULL, 0.0f);
     g_get(og, dout, (size_t)(T * D) * 2);
     g_free(dout);
     cmp_begin(&c, "hc_collapse", "D=%lld T=%lld", (long long)D, (long long)T);
+    cmp_bf16_exact(&c, og, oc, T * D);
+    cmp_end(&c);
+    /* collapse with the block's rmsnorm (one pass for D % 8 == 0 up to 8192, the two kernels
+     * otherwise): the GPU's own collapse then rmsnorm, bit for bit (each of them is checked against
+     * the CPU: above, and test_rmsnorm within its bound) */
+    bf16_t *wn = NEW(bf16_t, D);
+    for (int64_t i = 0; i < D; i++) wn[i] = bf16_from_f32(1.0f + 0.3f * gauss());
+    void *dwn = g_in(wn, (size_t)D * 2);
+    dout = g_out((size_t)(T * D) * 2, PZ_16);
+    GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D, NULL, 0.0f);
+    GPU->rmsnorm(&gpu_be, dout, dout, dwn, T, D, 1e-6f);
+    g_get(oc, dout, (size_t)(T * D) * 2);
+    g_free(dout);
+    dout = g_out((size_t)(T * D) * 2, PZ_16);
+    GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D, dwn, 1e-6f);
+    g_get(og, dout, (size_t)(T * D) * 2);
+    g_free(dout);
+    g_free(dwn);
+    free(wn);
+    cmp_begin(&c, "hc_collapse+norm", "D=%lld T=%lld", (long long)D, (long long)T);
     cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
     /* expand */
@@ -755,6 +775,8 @@ static void test_hc_collapse_expand_init(void **st) {
     hc_elementwise_case(64, DIM);
     const int64_t odd[] = {1, 37, 129};
     for (int i = 0; i < 3; i++) hc_elementwise_case(i == 1 ? 17 : 3, odd[i]);
+    hc_elementwise_case(3, 8200); /* above the fused collapse + norm's 8192: the two kernels */
+    hc_elementwise_case(2, 8192); /* its largest row */
 }
 
 /* =============================================================================================

@@ -307,12 +307,15 @@ static void chk_hc_mixes(struct backend *be, float *pre, float *post, float *com
     g_cpu->hc_mixes(IN, pre, post, comb, X, T, hc, D, fn, scale, base, iters, ne, he);
 }
 static void chk_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
-                            int64_t D) {
+                            int64_t D, const bf16_t *norm_w, float eps) {
     (void)be;
     op(7);
     WR(y), RD(X), RD(p);
-    if (g_open) mix_ptr(y), mix_ptr(X), mix_ptr(p), mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D);
-    g_cpu->hc_collapse(IN, y, X, p, T, hc, D);
+    if (g_open) {
+        mix_ptr(y), mix_ptr(X), mix_ptr(p), mix_ptr(norm_w);
+        mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D), mix_f(eps);
+    }
+    g_cpu->hc_collapse(IN, y, X, p, T, hc, D, norm_w, eps);
 }
 static void chk_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                           const float *comb, int64_t T, int64_t hc, int64_t D) {
