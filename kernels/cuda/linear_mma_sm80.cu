@@ -773,7 +773,15 @@ void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bf
  * tensor 28 %, the A fragments' shared-memory reads doubled; or 8 warps of 64 x 32, 230.6 µs) and
  * (b) over the whole 1,024-k chunk in this tile: 150.2 µs (tensor 43 %), the prefill unchanged
  * (127.7 132.6 -> 128.8 127.9 ms), for a new order contract that would make every FP8/FP4 kernel
- * (the decode ones too: no 4-warp spread of a chunk's blocks) sum a chunk as one serial MMA chain. */
+ * (the decode ones too: no 4-warp spread of a chunk's blocks) sum a chunk as one serial MMA chain.
+ * Also tried, other FP8 tiles at T = 2,048 (bench_linear_cuda out.csv 2048, graph µs a call for
+ * wq_a / wkv / wq_b / wo_b / sh_w1 / sh_w2; this one 147.9 / 74.6 / 127.8 / 124.3 / 234.4 / 264.7,
+ * 144–206 TFLOP/s): 4 warps of 64 x 32 (2 x 2, 168 registers, 3 CTAs an SM) 158.9 / 71.4 / 143.3 /
+ * 136.7 / 260.7 / 298.2; 4 warps of 128 x 16 (1 x 4, 168 registers, 3 CTAs) 145.2 / 65.5 / 126.0 /
+ * 125.7 / 237.9 / 268.5; 8 warps of 64 x 16 (2 x 4, 114 registers) 177.0 / 78.2 / 149.4 / 150.5 /
+ * 293.4 / 329.4; the 2K prefill (bench_step, one run each in one device call; this tile 129.2 and
+ * 134.5 ms in two runs) 134.8, 132.8 and 140.3 ms, and 138.9 ms for 8 warps of 32 x 32 (4 x 2,
+ * 106 registers). The smaller tiles win only on the few-tile wkv and lose on the rest. */
 typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;

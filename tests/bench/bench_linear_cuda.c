@@ -7,7 +7,10 @@
  * rotate over enough copies (> 4x the L2) that every call streams from HBM. Writes a CSV (argv[1])
  * with the device name, and prints a table. Timings: cudaEvent over >= 200 calls after warmup,
  * both as plain launches (host launch overhead included) and replayed from a CUDA graph of one
- * pass over all copies (how decode steps run: the kernels' own time). */
+ * pass over all copies (how decode steps run: the kernels' own time).
+ * With a list of token counts after the CSV path (`bench_linear_cuda out.csv 2048,8192`): the mma
+ * path alone at those T (prefill sizes), where the rate that matters is the tensor-core work,
+ * printed and stored (column tflops) as TFLOP/s of 2·T·n·k per call. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -73,11 +76,27 @@ int main(int argc, char **argv) {
     double bw = copy_bandwidth();
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
+    /* the T list: the decode sizes on all three paths, or the ones given (mma only) */
+    int64_t Ts[16] = {1, 8, 16, 64, 256};
+    int nT = 5, path0 = 0, path1 = 3;
+    if (argc > 2) {
+        nT = 0, path0 = 1, path1 = 2;
+        for (const char *p = argv[2]; *p && nT < 16;) {
+            char *end;
+            long long v = strtoll(p, &end, 10);
+            if (end == p || v < 1 || v > (1 << 20) || (*end && *end != ',')) {
+                fprintf(stderr, "bench: token counts '%s': a comma-separated list of 1 .. 1048576\n", argv[2]);
+                return 2;
+            }
+            Ts[nT++] = v;
+            p = *end ? end + 1 : end;
+        }
+    }
     fprintf(f, "device,path,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
-               "graph_gb_per_s,graph_fraction_of_copy_bw\n");
+               "graph_gb_per_s,graph_fraction_of_copy_bw,tflops\n");
     printf("# %s, L2 %d MiB, device-to-device copy %.0f GB/s\n", prop.name, prop.l2CacheSize >> 20, bw / 1e9);
-    printf("# %-5s %-6s %6s %6s %3s %10s %10s %8s %10s %10s %8s\n", "path", "op", "n", "k", "T", "us/call", "GB/s", "of copy",
-           "graph us", "GB/s", "of copy");
+    printf("# %-5s %-6s %6s %6s %4s %10s %10s %8s %10s %10s %8s %8s\n", "path", "op", "n", "k", "T", "us/call", "GB/s",
+           "of copy", "graph us", "GB/s", "of copy", "TFLOP/s");
     const struct {
         const char *name;
         int fp4;
@@ -85,10 +104,9 @@ int main(int argc, char **argv) {
     } shapes[] = {{"wq_a", 0, 1280, 5120},  {"wkv", 0, 512, 5120},   {"wq_b", 0, 4096, 1280},
                   {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
                   {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
-    const int64_t Ts[] = {1, 8, 16, 64, 256};
-    for (int mma = 0; mma < 3; mma++)
+    for (int mma = path0; mma < path1; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
-        for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
+        for (int ti = 0; ti < nT; ti++) {
             const char *pname = mma == 2 ? "mma128" : mma ? "mma" : "exact";
             int fp4 = shapes[si].fp4;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
@@ -144,15 +162,16 @@ int main(int argc, char **argv) {
             CK(cudaEventSynchronize(e1));
             CK(cudaEventElapsedTime(&ms, e0, e1));
             double gus = 1000.0 * ms / (greps * copies), ggbs = bytes / (gus * 1e-6) / 1e9;
+            double tflops = 2.0 * (double)T * (double)n * (double)k / (gus * 1e-6) / 1e12; /* graph timing */
             CK(cudaGraphExecDestroy(exec));
             CK(cudaGraphDestroy(graph));
             CK(cudaStreamDestroy(st));
-            printf("  %-5s %-6s %6lld %6lld %3lld %10.2f %10.0f %7.1f%% %10.2f %10.0f %7.1f%%\n", pname, shapes[si].name,
-                   (long long)n, (long long)k, (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw, gus, ggbs,
-                   100.0 * ggbs * 1e9 / bw);
-            fprintf(f, "%s,%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f,%.3f,%.1f,%.4f\n", prop.name, pname, shapes[si].name,
-                    (long long)n, (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9, gus, ggbs,
-                    ggbs * 1e9 / bw);
+            printf("  %-5s %-6s %6lld %6lld %4lld %10.2f %10.0f %7.1f%% %10.2f %10.0f %7.1f%% %8.1f\n", pname,
+                   shapes[si].name, (long long)n, (long long)k, (long long)T, us, gbs, 100.0 * gbs * 1e9 / bw, gus, ggbs,
+                   100.0 * ggbs * 1e9 / bw, tflops);
+            fprintf(f, "%s,%s,%s,%lld,%lld,%lld,%.3f,%.0f,%.1f,%.4f,%.1f,%.3f,%.1f,%.4f,%.2f\n", prop.name, pname,
+                    shapes[si].name, (long long)n, (long long)k, (long long)T, us, bytes, gbs, gbs * 1e9 / bw, bw / 1e9,
+                    gus, ggbs, ggbs * 1e9 / bw, tflops);
             CK(cudaFree(w));
             CK(cudaFree(s));
             CK(cudaFree(x));
