@@ -624,11 +624,14 @@ void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n) {
  * hc_mix_finish: CTA per row adds the segment sums in order, takes the row's sum of squares in
  * torch's order (torch_sum_block), and the Sinkhorn split runs on one warp, a lane per element of C
  * (hc_split_sinkhorn_warp; HC * HC > 32: thread 0 with C in registers; HC is a template parameter).
- * Tried and not kept, twice: the row's partials fetched by the whole CTA in one coalesced round
- * and folded from shared memory, instead of NM threads walking theirs in global memory (the
- * second time held in registers across the row statistic): the step unchanged (H200 bench_step,
- * 6.02 / 9.19 / 18.91 -> 6.03 / 9.22 / 18.98 ms at batch 1 / 8 / 64, in one binary with a
- * decode-linear pipeline change that did not gain either: linear_mma_sm80.cu). */
+ * The row's segment sums (NM x nseg, 6 KB at hc = 4, D = 4096) are staged in shared memory by
+ * every thread's cp.async at the start, in flight while the row statistic runs, and the NM threads
+ * fold them from there (where they fit and align; otherwise each walks its own in global memory,
+ * 16 dependent rounds of 4 loads at nseg = 64). H200 Nsight (kernel_times.sh): 11.85 -> 10.34 µs
+ * a call at batch 1, 43.7 -> 39.4 µs at 2,048 rows. (Tried before, without the overlap: the
+ * partials fetched by the whole CTA in one coalesced round after the statistic, or held in
+ * registers across it; the step did not move then: 6.02 / 9.19 / 18.91 -> 6.03 / 9.22 / 18.98 ms
+ * at batch 1 / 8 / 64.) */
 
 #define HC_R 4     /* rows per CTA (small calls) */
 #define HC_R_BIG_T 64
@@ -639,6 +642,7 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 #define HC_X_LD (HC_KT + 8)
 #define HC_SMEM_MAX (46 * 1024)
 #define HC_FIN_THREADS 256
+#define HC_PS_MAX 2048 /* floats of hc_mix_finish's staged segment sums (hc = 4, D = 4096: 24 x 68) */
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
 /* mixes per chain thread of hc_mix_part at R rows: JB chains share the thread's x values, unpacked
@@ -908,23 +912,40 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
                          const float *__restrict__ part, const uint16_t *__restrict__ X, int64_t D, int nseg,
                          const float *__restrict__ scale, const float *__restrict__ base, int iters,
-                         float norm_eps, float hc_eps) {
+                         float norm_eps, float hc_eps, bool staged) {
     constexpr int NM = hc_cfg<HC>::NM;
     static_assert(3 + NM <= HC_FIN_THREADS, "one thread per mix (and per Sinkhorn parameter)");
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float m_s[NM];
     __shared__ float prm_s[3 + NM]; /* scale [3], base [NM]: fetched first, so their latency hides under the row's */
     __shared__ float rn_s;
+    __shared__ __align__(16) float ps[HC_PS_MAX]; /* the row's segment sums [NM][nseg + 4] (staged form) */
     const int64_t t = blockIdx.x, L = HC * D;
     const int tid = threadIdx.x;
+    const int pld = nseg + 4; /* padded: the NM folding threads' reads spread over the banks */
+    if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
+        const float *pr = part + t * NM * nseg; /* [NM][nseg] */
+        const int nc = nseg / 4;
+        for (int q = tid; q < NM * nc; q += HC_FIN_THREADS) cp_async16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
+        cp_async_commit();
+    }
     if (tid < 3 + NM) prm_s[tid] = tid < 3 ? scale[tid] : base[tid - 3];
-    if (tid < NM) {
+    if (!staged && tid < NM) {
         const float *pr = part + (t * NM + tid) * nseg; /* [nseg] */
         float acc = 0.0f;
         for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, pr[sg]);
         m_s[tid] = acc;
     }
     const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */
+    if (staged) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (tid < NM) {
+            float acc = 0.0f;
+            for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, ps[tid * pld + sg]);
+            m_s[tid] = acc;
+        }
+    }
     if (tid < NM) m_s[tid] = __fmul_rn(m_s[tid], rn);
     __syncthreads();
     if (HC * HC <= 32) {
@@ -961,8 +982,10 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
         hc_mix_part_launch<HC, hc_r_big<HC>::R>(be, part, X, T, D, fn, nseg);
     else
         hc_mix_part_launch<HC, HC_R>(be, part, X, T, D, fn, nseg);
+    /* the segment sums staged in shared memory by 16-byte copies where they fit and align */
+    const bool staged = nseg % 4 == 0 && hc_cfg<HC>::NM * (nseg + 4) <= HC_PS_MAX && al16(part);
     hc_mix_finish_kernel<HC><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
-        pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps);
+        pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, part);
 }
