@@ -69,6 +69,18 @@ enum { TOPK_P_N = 0, TOPK_P_VALID, TOPK_P_K, TOPK_P_VISIBLE, TOPK_P_COUNT };
  * router gate. */
 #define BE_DOT_SEG 128
 
+/* What rmsnorm may apply to its output rows after the norm, each step with its own op's bits:
+ * RoPE on [off, off + rd) of every row (the rope op with nh = 1, ld_row = ld_head = n, inverse
+ * false; rd = 0: none), then the QDQ of the rows' groups (qdq_fp8_32 / qdq_fp4_32 over T·n values;
+ * NORM_QDQ_NONE: none). The attention's key rows take all three: one pass on the GPU, not three. */
+enum norm_qdq { NORM_QDQ_NONE = 0, NORM_QDQ_FP8_32 = 1, NORM_QDQ_FP4_32 = 2 };
+struct norm_post {
+    int64_t off, rd;    /* the rotary part of each row */
+    const int32_t *pos; /* [T] positions, backend memory */
+    const float *freqs; /* [rd / 2] fp32, backend memory */
+    enum norm_qdq qdq;
+};
+
 struct backend_ops {
     const char *name;
 
@@ -122,9 +134,9 @@ struct backend_ops {
 
     /* ---- elementwise / norms ---- */
     /* y[T,n] = bf16( w_f32 · (x_f32 · 1/sqrtf(mean(x_f32²) + eps)) ); mean = (Σ x² in order)/n.
-     * y may alias x. */
+     * y may alias x. post: NULL, or the RoPE / QDQ then applied to y (struct norm_post). */
     void (*rmsnorm)(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                    float eps);
+                    float eps, const struct norm_post *post);
     /* In-place interleaved RoPE on x[t, h, off : off+rd] for t < T, h < nh (row stride ld_row,
      * head stride ld_head, elements). Angle = (float)pos[t] · freqs[i] (fp32), c = cosf, s = sinf;
      * (a, b) -> (bf16(a·c − b·s), bf16(a·s + b·c)) computed in fp32 with separate roundings;

@@ -179,9 +179,9 @@ static void prof_head(struct backend *be, float *logits, const bf16_t *x, int64_
     PR(be)->inner->ops->head(PR(be)->inner, logits, x, T, W);
     prof_end(be, PROF_HEAD, t0);
 }
-static void prof_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n, float eps) {
+static void prof_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n, float eps, const struct norm_post *post) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->rmsnorm(PR(be)->inner, y, x, w, T, n, eps);
+    PR(be)->inner->ops->rmsnorm(PR(be)->inner, y, x, w, T, n, eps, post);
     prof_end(be, PROF_RMSNORM, t0);
 }
 static void prof_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {

@@ -101,7 +101,7 @@ static bf16_t *compress(struct model *m, int l, struct batch *b, const bf16_t *x
         model_tfree(m, gkv);
         model_tfree(m, gsc);
     }
-    if (em->n) OPS->rmsnorm(m->be, lat, lat, aw->cmp_norm, em->n, hd, (float)c->norm_eps);
+    if (em->n) OPS->rmsnorm(m->be, lat, lat, aw->cmp_norm, em->n, hd, (float)c->norm_eps, NULL);
     return lat;
 }
 
@@ -124,9 +124,8 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     int64_t id = c->index_head_dim, rd = c->rope_dim, n = em->n;
     bf16_t *k = model_tmp(m, (size_t)n * id * 2);
     OPS->linear(m->be, k, lat, n, &aw->idx_wk);
-    OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps);
-    OPS->rope(m->be, k, n, 1, id, id, id - rd, rd, lpos, m->freqs[l], false);
-    OPS->qdq_fp4_32(m->be, k, n * id);
+    const struct norm_post kpost = {id - rd, rd, lpos, m->freqs[l], NORM_QDQ_FP4_32}; /* then rope, qdq */
+    OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps, &kpost);
     struct seg_list sl = {0};
     for (int64_t i = 0; i < n; i++) {
         int slot = b->seqs[em->chunk[i]].slot;
@@ -265,9 +264,8 @@ void attention_project_kv(struct model *m, int l, struct batch *b, const bf16_t 
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim;
     bf16_t *kv = attention_kv_rows(m);
     OPS->linear(m->be, kv, x, T, &aw->wkv);
-    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, (float)c->norm_eps);
-    OPS->rope(m->be, kv, T, 1, hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
-    OPS->qdq_fp8_32(m->be, kv, T * hd);
+    const struct norm_post kvpost = {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP8_32}; /* then rope, qdq */
+    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, (float)c->norm_eps, &kvpost);
 }
 
 void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
@@ -276,7 +274,7 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, ql = c->q_lora_rank;
     int64_t Hl = aw->wq_b.n / hd;
     OPS->linear(m->be, qr, x, T, &aw->wq_a);
-    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, (float)c->norm_eps);
+    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, (float)c->norm_eps, NULL);
     OPS->linear(m->be, q, qr, T, &aw->wq_b);
     OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
 }

@@ -16,7 +16,7 @@
  * RMSNorm, RoPE, QDQ */
 
 void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                    float eps) {
+                    float eps, const struct norm_post *post) {
 #pragma omp parallel
     {
         float *sq = ds_malloc((size_t)n * sizeof(float));
@@ -34,6 +34,9 @@ void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t
         }
         free(sq);
     }
+    if (post && post->rd > 0) cpu_op_rope(be, y, T, 1, n, n, post->off, post->rd, post->pos, post->freqs, false);
+    if (post && post->qdq == NORM_QDQ_FP8_32) cpu_op_qdq_fp8_32(be, y, T * n);
+    if (post && post->qdq == NORM_QDQ_FP4_32) cpu_op_qdq_fp4_32(be, y, T * n);
 }
 
 void cpu_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
@@ -185,7 +188,7 @@ void cpu_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const fl
             y[t * D + d] = bf16_from_f32(acc);
         }
     }
-    if (norm_w) cpu_op_rmsnorm(be, y, y, norm_w, T, D, eps);
+    if (norm_w) cpu_op_rmsnorm(be, y, y, norm_w, T, D, eps, NULL);
 }
 
 void cpu_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,

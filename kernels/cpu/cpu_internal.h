@@ -39,7 +39,7 @@ void cpu_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, 
 
 /* ---- cpu_elementwise.c ---- */
 void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                    float eps);
+                    float eps, const struct norm_post *post);
 void cpu_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
                  int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse);
 void cpu_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n);

@@ -438,14 +438,24 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     }
 }
 
+static bool rmsnorm_post_launch(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T,
+                                int64_t n, float eps, const struct norm_post *post);
+
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                     float eps) {
+                     float eps, const struct norm_post *post) {
     if (T <= 0 || n <= 0) return;
+    if (post && rmsnorm_post_launch(be, y, x, w, T, n, eps, post)) return; /* one pass */
+    if (post && post->qdq != NORM_QDQ_NONE && (T * n) % 32)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "rmsnorm", "QDQ of rows not a multiple of 32 values");
     if (n % 8 == 0 && al16(x) && al16(y) && al16(w))
         rmsnorm_kernel<8><<<(unsigned)T, RMS_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, n, eps);
     else
         rmsnorm_kernel<1><<<(unsigned)T, RMS_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, n, eps);
     KERNEL_CHECK();
+    if (!post) return;
+    if (post->rd > 0) cuda_op_rope(be, y, T, 1, n, n, post->off, post->rd, post->pos, post->freqs, false);
+    if (post->qdq == NORM_QDQ_FP8_32) cuda_op_qdq_fp8_32(be, y, T * n);
+    if (post->qdq == NORM_QDQ_FP4_32) cuda_op_qdq_fp4_32(be, y, T * n);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -532,19 +542,12 @@ __device__ __forceinline__ uint32_t ds_e2m1_from_f32(float f) {
 
 __device__ __forceinline__ float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-template <int MODE, int EPT>
-__global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n) { /* x [n] bf16 */
+/* The group's amax over its G / EPT consecutive lanes (every lane of the warp calls it; `a > m ?
+ * a : m` as the CPU: a NaN, signaling ones too, never wins), then each lane's EPT values rounded
+ * with the group's scale: the QDQ of qdq_kernel and of rmsnorm's post pass. */
+template <int MODE, int EPT> __device__ __forceinline__ void qdq_group(float (&v)[EPT]) {
     constexpr int G = MODE == QDQ_FP4_16 ? 16 : 32, TPG = G / EPT;
-    const int64_t e0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * EPT;
-    const bool active = e0 < n; /* n is a multiple of G: a group is wholly in or out */
-    float v[EPT];
-    if (active) {
-        load_bf<EPT>(x + e0, v);
-    } else {
-#pragma unroll
-        for (int i = 0; i < EPT; i++) v[i] = 0.0f;
-    }
-    float amax = 0.0f; /* `a > m ? a : m` as the CPU: a NaN (signaling ones too) never wins */
+    float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < EPT; i++) {
         const float a = fabsf(v[i]);
@@ -555,7 +558,6 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
         const float a = __shfl_xor_sync(0xffffffffu, amax, o);
         amax = a > amax ? a : amax;
     }
-    if (!active) return;
     if (MODE == QDQ_FP8_32) {
         const float sc = ds_fp8_scale(amax), rsc = ds_pow2_inv(sc);
 #pragma unroll
@@ -578,7 +580,21 @@ __global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n)
             v[i] = __fmul_rn(ds_e2m1(ds_e2m1_from_f32(clampf(r, -6.0f, 6.0f))), sc);
         }
     }
-    store_bf<EPT>(x + e0, v);
+}
+
+template <int MODE, int EPT>
+__global__ void __launch_bounds__(EW_THREADS) qdq_kernel(uint16_t *x, int64_t n) { /* x [n] bf16 */
+    const int64_t e0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * EPT;
+    const bool active = e0 < n; /* n is a multiple of G: a group is wholly in or out */
+    float v[EPT];
+    if (active) {
+        load_bf<EPT>(x + e0, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPT; i++) v[i] = 0.0f;
+    }
+    qdq_group<MODE, EPT>(v);
+    if (active) store_bf<EPT>(x + e0, v);
 }
 
 template <int MODE>
@@ -591,6 +607,94 @@ static void qdq_launch(struct backend *be, bf16_t *x, int64_t n, int64_t block, 
         qdq_kernel<MODE, 1><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(x, n);
     }
     KERNEL_CHECK();
+}
+
+/* rmsnorm with its post steps (struct norm_post) in the output pass: rmsnorm_kernel<8>'s norm, each
+ * value rounded to bf16 as the op stores it, RoPE on the row's rotary pairs as rope_kernel computes
+ * them (a pair never straddles a thread's 8 values: off is even), then the QDQ of each 32-group,
+ * which is 4 consecutive lanes of 8 (qdq_group). One launch where the three ops took three, with
+ * their bits; rows of up to RMS_PRE · 1024 values, n % 32 == 0, up to 256 rotary values. MODE: a
+ * QDQ_* mode or -1 (none). */
+template <int MODE>
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    rmsnorm_post_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t n, float eps,
+                        int64_t off, int64_t rd, const int32_t *__restrict__ pos, const float *__restrict__ freqs) {
+    constexpr int STEP = RMS_WARPS * 32 * 8;
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float r_s;
+    __shared__ float2 cs_s[RMS_WARPS * 32]; /* (cos, sin) of each rotary pair */
+    const int64_t row = blockIdx.x;
+    const uint16_t *xr = x + row * n; /* [n] bf16 */
+    uint16_t *yr = y + row * n;       /* [n] bf16 */
+    uint4 wp[RMS_PRE];
+#pragma unroll
+    for (int p = 0; p < RMS_PRE; p++) {
+        const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
+        if (e < n) wp[p] = __ldg(reinterpret_cast<const uint4 *>(w + e));
+    }
+    /* the angles a thread a pair, before the statistic (whose barriers publish them): one thread
+     * computing the 4 pairs of its 8 values after the norm put 8 sincos in a row on a decode
+     * step's path */
+    if (threadIdx.x < rd / 2) {
+        const float ang = __fmul_rn(__int2float_rn(pos[row]), freqs[threadIdx.x]);
+        cs_s[threadIdx.x] = make_float2(ds_sinf_cosf(ang, 1), ds_sinf_cosf(ang, 0));
+    }
+    const float r = row_rstd_block(xr, n, eps, l0, &r_s);
+#pragma unroll
+    for (int p = 0; p < RMS_PRE; p++) {
+        if ((int64_t)p * STEP >= n) continue; /* CTA-uniform */
+        const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
+        const bool on = e < n; /* a warp's lanes: all on or off for whole 32-groups (n % 32 == 0) */
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = 0.0f;
+        if (on) { /* each thread reads its elements before writing them (y may alias x) */
+            float wv[8];
+            unpack8(*reinterpret_cast<const uint4 *>(xr + e), v);
+            unpack8(wp[p], wv);
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = ds_bf16f(ds_bf16_rne(__fmul_rn(wv[i], __fmul_rn(v[i], r))));
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                const int64_t q = e + i - off; /* even */
+                if (q < 0 || q >= rd) continue;
+                const float2 cs = cs_s[q / 2];
+                const float c = cs.x, s = cs.y, a = v[i], b = v[i + 1];
+                v[i] = ds_bf16f(ds_bf16_rne(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s))));
+                v[i + 1] = ds_bf16f(ds_bf16_rne(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c))));
+            }
+        }
+        if constexpr (MODE >= 0) qdq_group<MODE, 8>(v);
+        if (on) *reinterpret_cast<uint4 *>(yr + e) = pack8(v);
+    }
+}
+
+/* the one-pass form where the shapes allow it (false: the caller runs the ops in turn) */
+static bool rmsnorm_post_launch(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T,
+                                int64_t n, float eps, const struct norm_post *post) {
+    if (n % 32 || n > RMS_PRE * RMS_WARPS * 32 * 8 || !al16(x) || !al16(y) || !al16(w) || T > 0x7fffffff ||
+        post->off < 0 || post->off % 2 || post->rd < 0 || post->rd % 2 || post->off + post->rd > n ||
+        post->rd > 2 * RMS_WARPS * 32 ||
+        (post->rd > 0 && (!post->pos || !post->freqs)))
+        return false;
+    const dim3 grid((unsigned)T), block(RMS_WARPS * 32);
+    cudaStream_t st = cuda_be_stream(be);
+    switch (post->qdq) {
+    case NORM_QDQ_NONE:
+        rmsnorm_post_kernel<-1><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos, post->freqs);
+        break;
+    case NORM_QDQ_FP8_32:
+        rmsnorm_post_kernel<QDQ_FP8_32><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos,
+                                                                 post->freqs);
+        break;
+    case NORM_QDQ_FP4_32:
+        rmsnorm_post_kernel<QDQ_FP4_32><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos,
+                                                                 post->freqs);
+        break;
+    default: ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "rmsnorm", "unknown QDQ mode after the norm");
+    }
+    KERNEL_CHECK();
+    return true;
 }
 
 void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n) {
@@ -1125,7 +1229,7 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
     else
         hc_collapse_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, st>>>(y, X, p, T, hc, D);
     KERNEL_CHECK();
-    if (norm_w) cuda_op_rmsnorm(be, y, y, norm_w, T, D, eps);
+    if (norm_w) cuda_op_rmsnorm(be, y, y, norm_w, T, D, eps, NULL);
 }
 
 /* Thread (t, k, VEC d's): output copy k reads column k of C over the input copies (L1 serves the

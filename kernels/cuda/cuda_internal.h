@@ -59,7 +59,7 @@ void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T,
 
 /* ---- cuda_elementwise.cu ---- */
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                     float eps);
+                     float eps, const struct norm_post *post);
 void cuda_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
                   int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse);
 void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n);

@@ -309,7 +309,7 @@ static void test_grouped_linear(void **state) {
 static void test_rmsnorm(void **state) {
     bf16_t w[4] = {B(1), B(2), B(0.5f), B(-1)};
     bf16_t x[8] = {B(2), B(2), B(2), B(2), B(3), B(4), B(0), B(0)}, y[8];
-    OPS->rmsnorm(&be, y, x, w, 2, 4, 1e-20f);
+    OPS->rmsnorm(&be, y, x, w, 2, 4, 1e-20f, NULL);
     /* Row 0: mean 4, r = 0.5 -> y = w. Row 1: mean 25/4, r = 1/2.5 = 0.4f; y = bf16(w·(x·r)). */
     float ex0[4] = {1, 2, 0.5f, -1};
     for (int i = 0; i < 4; i++) assert_true(F(y[i]) == ex0[i]);
@@ -319,8 +319,32 @@ static void test_rmsnorm(void **state) {
     assert_int_equal(y[5], B(2.0f * (4.0f * r)));
     assert_true(F(y[4]) == 1.203125f);
     /* In place gives the same bits. */
-    OPS->rmsnorm(&be, x, x, w, 2, 4, 1e-20f);
+    OPS->rmsnorm(&be, x, x, w, 2, 4, 1e-20f, NULL);
     assert_memory_equal(x, y, sizeof y);
+}
+
+/* rmsnorm with a post: the norm, then rope on [off, off + rd) of each row, then the rows' QDQ,
+ * as the three ops in turn (and the post visibly changes the rows) */
+static void test_rmsnorm_post(void **state) {
+    enum { T = 3, N = 64 };
+    bf16_t x[T * N], w[N], y1[T * N], y2[T * N];
+    fill_bf16(x, T * N, 3.0f);
+    fill_bf16(w, N, 1.5f);
+    int32_t pos[T] = {0, 7, 1000};
+    float freqs[8];
+    for (int i = 0; i < 8; i++) freqs[i] = powf(10000.0f, -(float)i / 8.0f);
+    for (int q = 0; q < 2; q++) {
+        const enum norm_qdq mode = q ? NORM_QDQ_FP4_32 : NORM_QDQ_FP8_32;
+        const struct norm_post post = {N - 16, 16, pos, freqs, mode};
+        OPS->rmsnorm(&be, y1, x, w, T, N, 1e-6f, &post);
+        OPS->rmsnorm(&be, y2, x, w, T, N, 1e-6f, NULL);
+        bf16_t plain[T * N];
+        memcpy(plain, y2, sizeof plain);
+        OPS->rope(&be, y2, T, 1, N, N, N - 16, 16, pos, freqs, false);
+        (q ? OPS->qdq_fp4_32 : OPS->qdq_fp8_32)(&be, y2, T * N);
+        assert_memory_equal(y1, y2, sizeof y1);
+        assert_true(memcmp(y1, plain, sizeof plain) != 0);
+    }
 }
 
 static void test_rope(void **state) {
@@ -489,7 +513,7 @@ static void test_hc_collapse_expand_init(void **state) {
      * [1, 2, 3]: different scales, so a norm of the wrong row or of X would show) */
     bf16_t wn[3] = {B(1), B(0.5f), B(2)}, yn[6], yr[6];
     OPS->hc_collapse(&be, yn, X, p, 2, 2, 3, wn, 1e-6f);
-    OPS->rmsnorm(&be, yr, y, wn, 2, 3, 1e-6f);
+    OPS->rmsnorm(&be, yr, y, wn, 2, 3, 1e-6f, NULL);
     for (int i = 0; i < 6; i++) assert_true(yn[i] == yr[i]);
     assert_true(F(yn[0]) != F(yn[3]));
 
@@ -989,6 +1013,7 @@ int main(void) {
         cmocka_unit_test(test_linear_dense_vs_port),
         cmocka_unit_test(test_grouped_linear),
         cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rmsnorm_post),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_qdq),
         cmocka_unit_test(test_hc_mixes_one_iter_hand),

@@ -63,7 +63,7 @@ static void chains_issue(struct chains *c, bool branch) {
     GPU->shared_expert(&gpu_be, c->dsh, c->dx, c->T, &c->g1, &c->g3, &c->g2, 10.0f);
     if (branch) GPU->branch_end(&gpu_be);
     GPU->linear(&gpu_be, c->dqr, c->dx, c->T, &c->ga);
-    GPU->rmsnorm(&gpu_be, c->dqr, c->dqr, c->dnorm, c->T, Q_LORA, 1e-6f);
+    GPU->rmsnorm(&gpu_be, c->dqr, c->dqr, c->dnorm, c->T, Q_LORA, 1e-6f, NULL);
     GPU->linear(&gpu_be, c->dq, c->dqr, c->T, &c->gb);
     if (branch) GPU->branch_join(&gpu_be);
 }

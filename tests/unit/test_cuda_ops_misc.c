@@ -333,10 +333,10 @@ static void rmsnorm_case(int64_t T, int64_t n, bool alias) {
     if (T > 2) memset(x + n, 0, (size_t)n * sizeof(bf16_t)); /* a zero row: r = 1e10, y = 0 */
     for (int64_t i = 0; i < n; i++) w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
     memcpy(yc, x, (size_t)(T * n) * sizeof(bf16_t));
-    CPU->rmsnorm(&cpu_be, yc, alias ? yc : x, w, T, n, 1e-20f);
+    CPU->rmsnorm(&cpu_be, yc, alias ? yc : x, w, T, n, 1e-20f, NULL);
     bf16_t *dx = g_in(x, (size_t)(T * n) * 2), *dy = alias ? dx : g_out((size_t)(T * n) * 2, PZ_16);
     const void *dw = g_tensor(w, (size_t)n * 2, false);
-    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-20f);
+    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-20f, NULL);
     g_get(yg, dy, (size_t)(T * n) * 2);
     if (!alias) g_free(dy);
     g_free(dx);
@@ -388,6 +388,70 @@ static void make_freqs(float *f, int64_t half, double theta, bool yarn) {
         double ramp = hi > lo ? fmin(fmax(((double)i - lo) / (hi - lo), 0.0), 1.0) : 0.0;
         f[i] = f[i] / 16.0f * (float)ramp + f[i] * (float)(1.0 - ramp);
     }
+}
+
+/* rmsnorm with a post (RoPE, QDQ): one pass on the GPU where n % 32 == 0 up to 5,120 values, the
+ * three kernels otherwise; either way the GPU's own rmsnorm, rope and qdq in turn, bit for bit
+ * (each of those is checked against the CPU by its own test). */
+static void rmsnorm_post_case(int64_t T, int64_t n, int64_t off, int64_t rd, enum norm_qdq q, bool alias) {
+    char tag[160];
+    snprintf(tag, sizeof tag, "rmsnorm post n=%lld T=%lld off=%lld rd=%lld qdq=%d%s", (long long)n, (long long)T,
+             (long long)off, (long long)rd, (int)q, alias ? " in place" : "");
+    seed_tag(tag);
+    bf16_t *x = NEW(bf16_t, T * n), *w = NEW(bf16_t, n), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
+    for (int64_t t = 0; t < T; t++) fill_act(x + t * n, n, (float)pow(10.0, -2.0 + 4.0 * urand()));
+    for (int64_t i = 0; i < n; i++) w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
+    int32_t *pos = NEW(int32_t, T);
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
+    float *freqs = NEW(float, rd / 2 + 1);
+    make_freqs(freqs, rd / 2, 10000.0, false);
+    bf16_t *dx = g_in(x, (size_t)(T * n) * 2), *dw = g_in(w, (size_t)n * 2);
+    int32_t *dpos = g_in(pos, (size_t)T * 4);
+    float *df = g_in(freqs, (size_t)(rd / 2 + 1) * 4);
+    /* the three ops in turn */
+    bf16_t *dy = g_out((size_t)(T * n) * 2, PZ_16);
+    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-6f, NULL);
+    if (rd > 0) GPU->rope(&gpu_be, dy, T, 1, n, n, off, rd, dpos, df, false);
+    if (q == NORM_QDQ_FP8_32) GPU->qdq_fp8_32(&gpu_be, dy, T * n);
+    if (q == NORM_QDQ_FP4_32) GPU->qdq_fp4_32(&gpu_be, dy, T * n);
+    g_get(yc, dy, (size_t)(T * n) * 2);
+    g_free(dy);
+    /* one op */
+    const struct norm_post post = {off, rd, dpos, df, q};
+    dy = alias ? dx : g_out((size_t)(T * n) * 2, PZ_16);
+    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-6f, &post);
+    g_get(yg, dy, (size_t)(T * n) * 2);
+    if (!alias) g_free(dy);
+    g_free(dx);
+    g_free(dw);
+    g_free(dpos);
+    g_free(df);
+    struct cmp c;
+    cmp_begin(&c, "rmsnorm+post", "n=%lld T=%lld off=%lld rd=%lld qdq=%d%s", (long long)n, (long long)T,
+              (long long)off, (long long)rd, (int)q, alias ? " (y == x)" : "");
+    cmp_bf16_exact(&c, yg, yc, T * n);
+    cmp_end(&c);
+    free(x);
+    free(w);
+    free(yc);
+    free(yg);
+    free(pos);
+    free(freqs);
+}
+
+static void test_rmsnorm_post(void **st) {
+    NEED_GPU(st);
+    const int64_t Ts[] = {1, 8, 37};
+    for (int i = 0; i < 3; i++) {
+        rmsnorm_post_case(Ts[i], HD, HD - 64, 64, NORM_QDQ_FP8_32, true); /* the key rows */
+        rmsnorm_post_case(Ts[i], 128, 64, 64, NORM_QDQ_FP4_32, true);     /* the index keys */
+    }
+    rmsnorm_post_case(5, HD, 0, 64, NORM_QDQ_NONE, false);      /* rope at the row's start, no QDQ */
+    rmsnorm_post_case(3, DIM, 30, 10, NORM_QDQ_FP8_32, false);  /* rope from mid-chunk, over 2 chunks */
+    rmsnorm_post_case(2, DIM, 0, 0, NORM_QDQ_FP4_32, false);    /* QDQ alone, 4 chunks a thread */
+    rmsnorm_post_case(3, 5120 + 32, 448, 64, NORM_QDQ_FP8_32, false); /* past 5,120: the three kernels */
+    rmsnorm_post_case(3, 96 + 8, 32, 16, NORM_QDQ_NONE, false);      /* n % 32 != 0: the three kernels */
+    rmsnorm_post_case(2, 1024, 256, 258, NORM_QDQ_FP8_32, false);    /* past 256 rotary values: the three kernels */
 }
 
 static void rope_case(const char *name, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd,
@@ -716,7 +780,7 @@ static void hc_elementwise_case(int64_t T, int64_t D) {
     void *dwn = g_in(wn, (size_t)D * 2);
     dout = g_out((size_t)(T * D) * 2, PZ_16);
     GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D, NULL, 0.0f);
-    GPU->rmsnorm(&gpu_be, dout, dout, dwn, T, D, 1e-6f);
+    GPU->rmsnorm(&gpu_be, dout, dout, dwn, T, D, 1e-6f, NULL);
     g_get(oc, dout, (size_t)(T * D) * 2);
     g_free(dout);
     dout = g_out((size_t)(T * D) * 2, PZ_16);
@@ -1415,6 +1479,7 @@ static void test_batch_invariance_index_scores(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rmsnorm_post),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant),
         cmocka_unit_test(test_hc_mixes),

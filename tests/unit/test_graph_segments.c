@@ -267,12 +267,17 @@ static void chk_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T
     g_cpu->linear(IN, y, x, T, W);
 }
 static void chk_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
-                        float eps) {
+                        float eps, const struct norm_post *post) {
     (void)be;
     op(3);
     WR(y), RD(x);
-    if (g_open) mix_ptr(y), mix_ptr(x), mix_ptr(w), mix((uint64_t)T), mix((uint64_t)n), mix_f(eps);
-    g_cpu->rmsnorm(IN, y, x, w, T, n, eps);
+    if (post) RD(post->pos);
+    if (g_open) {
+        mix_ptr(y), mix_ptr(x), mix_ptr(w), mix((uint64_t)T), mix((uint64_t)n), mix_f(eps);
+        if (post) mix((uint64_t)post->off), mix((uint64_t)post->rd), mix_ptr(post->pos), mix_ptr(post->freqs),
+            mix((uint64_t)post->qdq);
+    }
+    g_cpu->rmsnorm(IN, y, x, w, T, n, eps, post);
 }
 static void chk_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,
                      int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {

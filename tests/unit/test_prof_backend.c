@@ -52,8 +52,8 @@ static void test_passthrough_and_counts(void **state) {
     pb.ops->linear(&pb, y1, x, T, &q);
     pb.ops->linear(&pb, y1, x, T, &q);
     assert_memory_equal(y0, y1, sizeof(bf16_t) * T * n);
-    pb.ops->rmsnorm(&pb, y1, y0, w, T, n, 1e-6f);
-    cpu.ops->rmsnorm(&cpu, y0, y0, w, T, n, 1e-6f);
+    pb.ops->rmsnorm(&pb, y1, y0, w, T, n, 1e-6f, NULL);
+    cpu.ops->rmsnorm(&cpu, y0, y0, w, T, n, 1e-6f, NULL);
     assert_memory_equal(y0, y1, sizeof(bf16_t) * T * n);
 
     /* memory ops go through to the inner backend */
@@ -109,9 +109,9 @@ static void test_device_clock_spans(void **state) {
     bf16_t x[64], y[64], w[64];
     fill(x, 64, 3);
     fill(w, 64, 4);
-    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f); /* marks 0, 1: 1 ms */
+    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f, NULL); /* marks 0, 1: 1 ms */
     pb.ops->qdq_fp8_32(&pb, y, 64);              /* marks 2, 3: 5 ms */
-    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f); /* marks 4, 5: 9 ms */
+    pb.ops->rmsnorm(&pb, y, x, w, 2, 32, 1e-6f, NULL); /* marks 4, 5: 9 ms */
     assert_int_equal(g_marks, 6);
     assert_true(report_ms(&pb, "rmsnorm") == 10.0); /* ms_per_step in the report */
     assert_int_equal(g_resets, 2);
