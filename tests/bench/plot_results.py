@@ -7,6 +7,9 @@ cuda_step.csv            -> cuda_step.png: the decode step of one rank's shard (
                             weight bytes / time against the copy bandwidth, per batch.
 cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's (and a prefill's) time goes, per op family
                             (synchronized per-op times) next to the plain step time.
+cuda_linear_prefill.csv  -> cuda_linear_prefill.png: each FP8/FP4 linear at prefill token counts
+                            (bench_linear_cuda out.csv T,...), TFLOP/s against the cuBLAS bf16 rate
+                            of cuda_gemm_ceiling.csv (its best row) and the 40 % prefill target.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -115,6 +118,33 @@ def main():
         fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=7, loc="lower center")
         fig.tight_layout(rect=(0, 0.1, 1, 0.95))
         fig.savefig(os.path.join(d, "cuda_step_profile.png"), dpi=110)
+    pre = os.path.join(d, "cuda_linear_prefill.csv")
+    if os.path.exists(pre):
+        r = rows(pre)
+        ceil = os.path.join(d, "cuda_gemm_ceiling.csv")
+        peak = max(float(x["tflops"]) for x in rows(ceil)) if os.path.exists(ceil) else None
+        ts = sorted({int(x["T"]) for x in r})
+        ops = []
+        for x in r:
+            if x["op"] not in ops:
+                ops.append(x["op"])
+        fig, ax = plt.subplots(figsize=(8, 4))
+        w = 0.8 / len(ts)
+        for i, t in enumerate(ts):
+            vals = [next((float(x["tflops"]) for x in r if x["op"] == o and int(x["T"]) == t), 0) for o in ops]
+            ax.bar([j + i * w for j in range(len(ops))], vals, w, label="T=%d" % t)
+        if peak:
+            ax.axhline(peak, color="k", lw=0.8)
+            ax.text(len(ops) - 0.5, peak * 0.96, "cuBLAS bf16 %.0f TFLOP/s" % peak, ha="right", va="top", fontsize=8)
+            ax.axhline(0.4 * peak, color="k", ls="--", lw=0.8)
+            ax.text(len(ops) - 0.5, 0.4 * peak * 1.02, "prefill target 40 %", ha="right", fontsize=8)
+        ax.set_xticks([j + w * (len(ts) - 1) / 2 for j in range(len(ops))])
+        ax.set_xticklabels(ops)
+        ax.set_ylabel("TFLOP/s (2·T·n·k per call, graph replays)")
+        ax.set_title("FP8/FP4 tensor-core linears at prefill sizes, per-rank shapes (%s)" % r[0]["device"], fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, "cuda_linear_prefill.png"), dpi=110)
 
 
 if __name__ == "__main__":
