@@ -59,15 +59,6 @@ __device__ __forceinline__ float at_dot8(float a, float4 q0, float4 q1, const fl
     return a;
 }
 
-__device__ __forceinline__ void at_cp_async16(void *smem, const void *gmem) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void at_cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void at_cp_async_wait(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* Stage columns [c0, c0 + CW) of the kv rows rows[0..nr) into dst [nr][KS] (bf16); entries with
  * rows[v] < 0 are skipped (never read). vec: hd % 8 == 0 and kv 16-byte aligned, so every 8-column
  * segment is one asynchronous 16-byte copy, and a segment is either wholly inside hd or wholly
@@ -81,7 +72,7 @@ __device__ __forceinline__ void at_stage_kv(uint16_t *dst, const int *rows, int 
         constexpr int SEGS = CW / 8;
         for (int e = tid; e < nr * SEGS; e += nt) {
             const int v = e / SEGS, s = e % SEGS, c = c0 + s * 8, row = rows[v];
-            if (row >= 0 && c < hd) at_cp_async16(dst + v * KS + s * 8, kv + (int64_t)row * hd + c);
+            if (row >= 0 && c < hd) ds_cp16(dst + v * KS + s * 8, kv + (int64_t)row * hd + c);
         }
     } else {
         for (int e = tid; e < nr * CW; e += nt) {
@@ -149,7 +140,7 @@ __global__ void __launch_bounds__(256)
     at_stage_rows_f32(qs, hdp, q + (t * H + h0) * (int64_t)hd, hd, hv, hd, hdp, vecq, tid, nt);
     __syncthreads();
     at_stage_kv<QK_DC, QK_KS>(&kvs[0][0][0], ids, ATTN_BLOCK, kv, hd, 0, vec, tid, nt);
-    at_cp_async_commit();
+    ds_cp_commit();
 
     const int v = tid & (ATTN_BLOCK - 1), ha = tid >> 6, hb = ha + (nt >> 6);
     const bool act = ids[v] >= 0 && ha < hv, two = hb < hv;
@@ -159,10 +150,10 @@ __global__ void __launch_bounds__(256)
          * every thread finished before the barrier that closed the previous iteration */
         if (c + 1 < nch) {
             at_stage_kv<QK_DC, QK_KS>(&kvs[(c + 1) & 1][0][0], ids, ATTN_BLOCK, kv, hd, (c + 1) * QK_DC, vec, tid, nt);
-            at_cp_async_commit();
-            at_cp_async_wait<1>();
+            ds_cp_commit();
+            ds_cp_wait<1>();
         } else {
-            at_cp_async_wait<0>();
+            ds_cp_wait<0>();
         }
         __syncthreads();
         if (act) {
@@ -266,7 +257,7 @@ __global__ void __launch_bounds__(256)
         }
         __syncthreads();
         at_stage_kv<CW, KS>(&kvs[0][0][0], rows[0], __popc(m0) + __popc(m1), kv, hd, c0, vec, tid, nt);
-        at_cp_async_commit();
+        ds_cp_commit();
     }
 
     float acc[CPT][2], m = -1e30f, l = 0.0f;
@@ -322,10 +313,10 @@ __global__ void __launch_bounds__(256)
         __syncthreads(); /* rows[cur ^ 1] written; every warp is past block b-1's P·V (buffer cur ^ 1 free) */
         if (b + 1 < nb) {
             at_stage_kv<CW, KS>(&kvs[cur ^ 1][0][0], rows[cur ^ 1], nvn, kv, hd, c0, vec, tid, nt);
-            at_cp_async_commit();
-            at_cp_async_wait<1>();
+            ds_cp_commit();
+            ds_cp_wait<1>();
         } else {
-            at_cp_async_wait<0>();
+            ds_cp_wait<0>();
         }
         __syncthreads(); /* block b's rows have landed and are visible */
         if (hval) {

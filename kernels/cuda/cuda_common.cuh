@@ -109,4 +109,21 @@ __device__ __forceinline__ float ds_e2m1(uint32_t code) {
     return (code & 8) ? -v : v;
 }
 
+/* cp.async (SM80) through generic shared-memory pointers, for the kernels outside the mma files
+ * (mma_sm80.cuh has its own, on shared addresses): 16 bytes global -> shared (ds_cp16), or with
+ * the bytes past src_bytes zero-filled (ds_cp16z); commit; wait until at most N groups are in
+ * flight. The "memory" clobbers keep the compiler from moving shared-memory accesses across them. */
+__device__ __forceinline__ void ds_cp16(void *smem, const void *gmem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void ds_cp16z(void *smem, const void *gmem, int src_bytes) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void ds_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ds_cp_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 #endif /* DS_CUDA_COMMON_CUH */

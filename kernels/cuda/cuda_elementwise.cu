@@ -774,16 +774,6 @@ struct hc_cfg {
     static_assert(THREADS <= 1024, "one CTA's chains");
 };
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* split_sinkhorn of cpu_elementwise.c for one row, C[j][k] in registers. */
 template <int HC>
 __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scale, const float *__restrict__ base,
@@ -929,10 +919,10 @@ __global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
         for (int q = tid; q < nf + nx; q += cfg::THREADS) {
             if (q < nf) {
                 const int jj = q / fch, c = q % fch;
-                cp_async16(fs + jj * HC_FN_LD + c * 4, fn + jj * L + e0 + c * 4);
+                ds_cp16(fs + jj * HC_FN_LD + c * 4, fn + jj * L + e0 + c * 4);
             } else {
                 const int rr = (q - nf) / xch, c = (q - nf) % xch;
-                if (rr < nrows) cp_async16(xs + rr * HC_X_LD + c * 8, X + (t0 + rr) * L + e0 + c * 8);
+                if (rr < nrows) ds_cp16(xs + rr * HC_X_LD + c * 8, X + (t0 + rr) * L + e0 + c * 8);
             }
         }
     };
@@ -960,13 +950,13 @@ __global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
 #pragma unroll 1
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < ntiles) load_tile(st);
-        cp_async_commit(); /* empty groups keep the wait count uniform */
+        ds_cp_commit(); /* empty groups keep the wait count uniform */
     }
     for (int lt = 0; lt < ntiles; lt++) {
-        cp_async_wait<STAGES - 2>();
+        ds_cp_wait<STAGES - 2>();
         __syncthreads(); /* tile's data visible; everyone is done with tile - 1's stage */
         if (lt + STAGES - 1 < ntiles) load_tile(lt + STAGES - 1);
-        cp_async_commit();
+        ds_cp_commit();
         const float *fs = fn_tile(lt % STAGES);
         const uint16_t *xs = x_tile(lt % STAGES);
         const int64_t e0 = (int64_t)(tile0 + lt) * HC_KT;
@@ -1005,7 +995,7 @@ __global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
             }
         }
     }
-    cp_async_wait<0>();
+    ds_cp_wait<0>();
     if (chain_live)
 #pragma unroll
         for (int jj = 0; jj < JB; jj++) part[((t0 + r) * NM + jg * JB + jj) * nseg + seg] = acc[jj];
@@ -1030,8 +1020,8 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
         const float *pr = part + t * NM * nseg; /* [NM][nseg] */
         const int nc = nseg / 4;
-        for (int q = tid; q < NM * nc; q += HC_FIN_THREADS) cp_async16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
-        cp_async_commit();
+        for (int q = tid; q < NM * nc; q += HC_FIN_THREADS) ds_cp16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
+        ds_cp_commit();
     }
     if (tid < 3 + NM) prm_s[tid] = tid < 3 ? scale[tid] : base[tid - 3];
     if (!staged && tid < NM) {
@@ -1042,7 +1032,7 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     }
     const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */
     if (staged) {
-        cp_async_wait<0>();
+        ds_cp_wait<0>();
         __syncthreads();
         if (tid < NM) {
             float acc = 0.0f;

@@ -79,18 +79,6 @@ static __device__ __forceinline__ uint32_t lo_bad8(uint4 v) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * cp.async (SM80): 16-byte global -> shared copies, bytes beyond `src_bytes` zero-filled. */
-
-static __device__ __forceinline__ void lo_cp16(void *dst, const void *src, int src_bytes) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-static __device__ __forceinline__ void lo_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> static __device__ __forceinline__ void lo_cp_wait(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/* ---------------------------------------------------------------------------------------------
  * BF16 kernel for one token row (the segment-parallel kernel below takes 2..256): a warp per
  * weight row, a lane per BE_DOT_SEG segment of its k (lane l takes segments l, l + 32, ...). A
  * lane copies its segment's 256 bytes of the row into shared memory with 16 cp.async at once
@@ -142,9 +130,9 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
         /* the segment's weights, every copy in flight at once (plain loads were sunk next to their
          * uses by the compiler: two in flight, an L2 round trip per chunk); the lane reads only what
          * it copied, so its own wait is the only synchronisation */
-        for (int c = 0; c < nch; c++) lo_cp16(mine + ((c ^ sw) * 8), wr + kb + 8 * c, 16);
-        lo_cp_commit();
-        lo_cp_wait<0>();
+        for (int c = 0; c < nch; c++) ds_cp16z(mine + ((c ^ sw) * 8), wr + kb + 8 * c, 16);
+        ds_cp_commit();
+        ds_cp_wait<0>();
         float acc = 0.0f;
         if (nch == DS_CH) {
 #pragma unroll
@@ -238,9 +226,9 @@ __global__ void __launch_bounds__(DF_WARPS * 32)
         const int r = 2 * i + (lane >> 4), c = lane & 15;
         const int64_t gk = kb + 8 * c;
         const int bytes = r0 + r < n && gk < k ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-        lo_cp16(&ws[r][(c ^ (r & 15)) * 8], bytes ? wg + (r0 + r) * ldw + gk : wg, bytes);
+        ds_cp16z(&ws[r][(c ^ (r & 15)) * 8], bytes ? wg + (r0 + r) * ldw + gk : wg, bytes);
     }
-    lo_cp_commit();
+    ds_cp_commit();
     float *xf = xf_s[warp];
     uint32_t bad = 0;
 #pragma unroll
@@ -250,7 +238,7 @@ __global__ void __launch_bounds__(DF_WARPS * 32)
         bad |= lo_bad8(v);
         lo_widen8(xf + t * SEG + c * 8, v);
     }
-    lo_cp_wait<0>();
+    ds_cp_wait<0>();
     __syncwarp();
     uint4 wr[CH];
 #pragma unroll
@@ -366,16 +354,16 @@ __global__ void __launch_bounds__(DT_THREADS)
             int bytes;
             if (u < XCH) {
                 bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-                lo_cp16(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
+                ds_cp16z(&sx[slot][cr][cc * 8], bytes ? xg + (t0 + cr) * ldx + gk : xg, bytes);
             }
             bytes = (r0 + cr < n && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
-            lo_cp16(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
+            ds_cp16z(&sw[slot][cr][cc * 8], bytes ? wg + (r0 + cr) * ldw + gk : wg, bytes);
         }
     };
 #pragma unroll
     for (int s = 0; s < DT_STAGES - 1; s++) {
         if (s < nst) load_stage(s, s);
-        lo_cp_commit();
+        ds_cp_commit();
     }
     float acc[TI][DT_TJ], tot[TI][DT_TJ]; /* the segment's chains, the totals of the segments before */
 #pragma unroll
@@ -384,10 +372,10 @@ __global__ void __launch_bounds__(DT_THREADS)
         for (int j = 0; j < DT_TJ; j++) acc[i][j] = tot[i][j] = 0.0f;
     for (int s = 0; s < nst; s++) {
         const int slot = s % DT_STAGES;
-        lo_cp_wait<DT_STAGES - 2>();
+        ds_cp_wait<DT_STAGES - 2>();
         __syncthreads();
         if (s + DT_STAGES - 1 < nst) load_stage((s + DT_STAGES - 1) % DT_STAGES, s + DT_STAGES - 1);
-        lo_cp_commit();
+        ds_cp_commit();
         uint32_t bad = 0;
 #pragma unroll
         for (int u = 0; u < 2; u++) {
@@ -411,7 +399,7 @@ __global__ void __launch_bounds__(DT_THREADS)
                 for (int j = 0; j < DT_TJ; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
         }
     }
-    lo_cp_wait<0>();
+    ds_cp_wait<0>();
 #pragma unroll
     for (int i = 0; i < TI; i++) {
         const int64_t t = t0 + ty + 16 * i;

@@ -269,14 +269,6 @@ __global__ void moe_quant_kernel(__half *__restrict__ q, float *__restrict__ s, 
     if (lane == 0) s[g] = sc;
 }
 
-/* cp.async (SM80): 16-byte global -> shared copies, bytes beyond src_bytes zero-filled. */
-static __device__ __forceinline__ void mo_cp16(void *dst, const void *src, int src_bytes) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-static __device__ __forceinline__ void mo_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-static __device__ __forceinline__ void mo_cp_wait_all(void) { asm volatile("cp.async.wait_group 0;\n" ::); }
-
 /* Eight e2m1 weights of one 32-bit word of packed weights (element e = nibble e, low nibble
  * first), decoded as w·2^-126: the 3 magnitude bits go to float bits 24..22 (exponent low bits and
  * top mantissa bit), which reads 2^(e-127)(1 + m/2), or the subnormal m·2^-127 for e = 0, and the
@@ -346,9 +338,9 @@ static __device__ __forceinline__ float mo_fp4_tile(const uint8_t *w0, const uin
             const int blk = tid >> 2, c = (tid & 3) ^ ((blk >> 1) & 3);
 #pragma unroll
             for (int t = 0; t < NP; t++)
-                mo_cp16(&sm.x[buf][t][blk][c * 8], xq + (int64_t)xrow[t] * nb * 32 + r * 32 + tid * 8, 16);
+                ds_cp16z(&sm.x[buf][t][blk][c * 8], xq + (int64_t)xrow[t] * nb * 32 + r * 32 + tid * 8, 16);
         }
-        mo_cp_commit();
+        ds_cp_commit();
     };
     uint4 wv[MOE_DOTS];
     float sw[MOE_DOTS];
@@ -358,7 +350,7 @@ static __device__ __forceinline__ float mo_fp4_tile(const uint8_t *w0, const uin
     float acc = 0.0f;
     for (int64_t r0 = 0, ri = 0; r0 < nb; r0 += 32, ri++) {
         const int nr = (int)(nb - r0 < 32 ? nb - r0 : 32), buf = (int)(ri & 1);
-        mo_cp_wait_all(); /* this round's x (the only group in flight) */
+        ds_cp_wait<0>(); /* this round's x (the only group in flight) */
         __syncthreads(); /* ... visible to all; the other buffer's and part[]'s readers are done */
         uint4 wn[MOE_DOTS];
         float sn[MOE_DOTS];
