@@ -774,6 +774,21 @@ struct hc_cfg {
     static_assert(THREADS <= 1024, "one CTA's chains");
 };
 
+/* One Sinkhorn half-step on C [HC][HC] in registers: each line a (rows: OUTER = HC, INNER = 1;
+ * columns: OUTER = 1, INNER = HC) divided by (its sum in order from 0) + eps. */
+template <int HC, int OUTER, int INNER>
+__device__ __forceinline__ void hc_sinkhorn_lines(float (&C)[HC * HC], float eps) {
+#pragma unroll
+    for (int a = 0; a < HC; a++) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int b = 0; b < HC; b++) sum = __fadd_rn(sum, C[a * OUTER + b * INNER]);
+        const float den = __fadd_rn(sum, eps);
+#pragma unroll
+        for (int b = 0; b < HC; b++) C[a * OUTER + b * INNER] = __fdiv_rn(C[a * OUTER + b * INNER], den);
+    }
+}
+
 /* split_sinkhorn of cpu_elementwise.c for one row, C[j][k] in registers. */
 template <int HC>
 __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scale, const float *__restrict__ base,
@@ -807,26 +822,8 @@ __device__ void hc_split_sinkhorn(const float *m, const float *__restrict__ scal
      * row then column; the softmax made the rows sum to one, so the first pass is a column step alone */
     const int passes = iters > 1 ? iters : 1;
     for (int it = 0; it < passes; it++) {
-        if (it > 0) {
-#pragma unroll
-            for (int j = 0; j < HC; j++) {
-                float sum = 0.0f;
-#pragma unroll
-                for (int k = 0; k < HC; k++) sum = __fadd_rn(sum, C[j * HC + k]);
-                const float den = __fadd_rn(sum, eps);
-#pragma unroll
-                for (int k = 0; k < HC; k++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < HC; k++) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < HC; j++) sum = __fadd_rn(sum, C[j * HC + k]);
-            const float den = __fadd_rn(sum, eps);
-#pragma unroll
-            for (int j = 0; j < HC; j++) C[j * HC + k] = __fdiv_rn(C[j * HC + k], den);
-        }
+        if (it > 0) hc_sinkhorn_lines<HC, HC, 1>(C, eps); /* rows */
+        hc_sinkhorn_lines<HC, 1, HC>(C, eps);             /* columns */
     }
 #pragma unroll
     for (int e = 0; e < HC * HC; e++) comb[e] = C[e];
