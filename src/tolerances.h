@@ -91,6 +91,11 @@
  * bf16 rounding: exact. The kernel must not let nvcc contract a·b + c into an FMA (it does by
  * default): __fmul_rn/__fadd_rn. */
 #define TOL_GPU_ELEMENTWISE_EXACT 0
+/* The fused forms, hc_collapse with a norm weight and rmsnorm with a post (RoPE, QDQ): against the
+ * same backend's ops run in turn, exact — one pass with each step's arithmetic and its bf16
+ * rounding between the steps (test_cuda_ops_misc compares them with the GPU's own ops; against the
+ * CPU each step keeps its own entry here, e.g. the rmsnorm bound below). */
+#define TOL_GPU_FUSED_EXACT 0
 
 /* linear (FP8, FP4, BF16) and grouped_linear, bf16 out: only the order of the k-sum may differ
  * (a fixed warp-shuffle tree over per-lane k-block partials, or the MMA's internal order within

@@ -445,8 +445,6 @@ void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_
                      float eps, const struct norm_post *post) {
     if (T <= 0 || n <= 0) return;
     if (post && rmsnorm_post_launch(be, y, x, w, T, n, eps, post)) return; /* one pass */
-    if (post && post->qdq != NORM_QDQ_NONE && (T * n) % 32)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "rmsnorm", "QDQ of rows not a multiple of 32 values");
     if (n % 8 == 0 && al16(x) && al16(y) && al16(w))
         rmsnorm_kernel<8><<<(unsigned)T, RMS_WARPS * 32, 0, cuda_be_stream(be)>>>(y, x, w, n, eps);
     else
@@ -463,6 +461,17 @@ void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_
  * the heads h ≡ slice (mod hs); consecutive threads take consecutive pairs, so each head's rotary
  * part is one coalesced access. hs slices spread a row's heads over several threads for latency. */
 
+/* The rope op's arithmetic (backend.h), shared by rope_kernel and rmsnorm_post_kernel: the angle
+ * (float)pos · freq, its (cos, sin), and one pair's rotation to bf16 codes. */
+__device__ __forceinline__ float2 rope_cs(int32_t pos, float freq) {
+    const float ang = __fmul_rn(__int2float_rn(pos), freq);
+    return make_float2(ds_sinf_cosf(ang, 1), ds_sinf_cosf(ang, 0));
+}
+__device__ __forceinline__ void rope_rotate(float a, float b, float c, float s, uint16_t &o0, uint16_t &o1) {
+    o0 = ds_bf16_rne(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+    o1 = ds_bf16_rne(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+}
+
 template <bool PAIR32>
 __global__ void __launch_bounds__(EW_THREADS)
     rope_kernel(uint16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t half,
@@ -471,9 +480,8 @@ __global__ void __launch_bounds__(EW_THREADS)
     if (g >= T * hs * half) return;
     const int64_t i = g % half, rest = g / half, t = rest / hs;
     const int slice = (int)(rest % hs);
-    const float ang = __fmul_rn(__int2float_rn(pos[t]), freqs[i]);
-    const float c = ds_sinf_cosf(ang, 1), sn = ds_sinf_cosf(ang, 0);
-    const float s = inverse ? -sn : sn;
+    const float2 cs = rope_cs(pos[t], freqs[i]);
+    const float c = cs.x, s = inverse ? -cs.y : cs.y;
     for (int64_t h = slice; h < nh; h += hs) {
         uint16_t *v = x + t * ld_row + h * ld_head + off + 2 * i; /* pair (2i, 2i+1) of head h */
         float a, b;
@@ -485,8 +493,8 @@ __global__ void __launch_bounds__(EW_THREADS)
             a = ds_bf16f(v[0]);
             b = ds_bf16f(v[1]);
         }
-        const uint16_t o0 = ds_bf16_rne(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        const uint16_t o1 = ds_bf16_rne(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+        uint16_t o0, o1;
+        rope_rotate(a, b, c, s, o0, o1);
         if (PAIR32) {
             *reinterpret_cast<uint32_t *>(v) = (uint32_t)o0 | ((uint32_t)o1 << 16);
         } else {
@@ -635,10 +643,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     /* the angles a thread a pair, before the statistic (whose barriers publish them): one thread
      * computing the 4 pairs of its 8 values after the norm put 8 sincos in a row on a decode
      * step's path */
-    if (threadIdx.x < rd / 2) {
-        const float ang = __fmul_rn(__int2float_rn(pos[row]), freqs[threadIdx.x]);
-        cs_s[threadIdx.x] = make_float2(ds_sinf_cosf(ang, 1), ds_sinf_cosf(ang, 0));
-    }
+    if (threadIdx.x < rd / 2) cs_s[threadIdx.x] = rope_cs(pos[row], freqs[threadIdx.x]);
     const float r = row_rstd_block(xr, n, eps, l0, &r_s);
 #pragma unroll
     for (int p = 0; p < RMS_PRE; p++) {
@@ -659,9 +664,9 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
                 const int64_t q = e + i - off; /* even */
                 if (q < 0 || q >= rd) continue;
                 const float2 cs = cs_s[q / 2];
-                const float c = cs.x, s = cs.y, a = v[i], b = v[i + 1];
-                v[i] = ds_bf16f(ds_bf16_rne(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s))));
-                v[i + 1] = ds_bf16f(ds_bf16_rne(__fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c))));
+                uint16_t o0, o1;
+                rope_rotate(v[i], v[i + 1], cs.x, cs.y, o0, o1);
+                v[i] = ds_bf16f(o0), v[i + 1] = ds_bf16f(o1);
             }
         }
         if constexpr (MODE >= 0) qdq_group<MODE, 8>(v);
