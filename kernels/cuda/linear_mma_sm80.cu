@@ -408,6 +408,18 @@ constexpr int DW_MT = 4;
  * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
 constexpr int64_t MMA_DECODE_AUTO_T = 64;
+/* FP8 rows per call for each decode form: up to MMA_MT1_T one m16 tile a CTA (8 k-blocks a stage),
+ * up to MMA_MT2_T two (4 a stage), above four (2 a stage). A CTA walks its 32-block chunk in
+ * stages of one memory latency each, so fewer, larger stages won while the activation rows (64 B a
+ * row per block, 4x the FP8 weight rows' 32 B at 64 rows) let them fit: H200, bench_linear_cuda
+ * out.csv 16,24,32,48,64 (graph µs a call, wq_a / wkv / wq_b / wo_b / sh_w1 / sh_w2), at T = 32
+ * four tiles 18.5 / 15.7 / 16.9 / 19.0 / 22.6 / 24.2, one tile (grid z 2) 16.9 / 10.3 / 14.7 /
+ * 13.9 / 23.9 / 25.5, two tiles 12.4 / 10.2 / 11.3 / 12.7 / 15.3 / 17.3; at T = 64 two tiles
+ * (grid z 2) 17.0 / 12.3 / 15.8 / 15.3 / 25.2 / 27.1 against four 18.7 / 15.2 / 16.6 / 19.3 /
+ * 24.1 / 26.5, but bench_step at batch 64 16.9 against 16.7 ms (sh_w1 and sh_w2, the largest,
+ * are slower with two, and they run beside the routed experts), so four stay from 33 rows. bench_step decode ms
+ * at batch 32, two runs alternated: 12.15, 12.15 -> 11.13, 11.04. */
+constexpr int64_t MMA_MT1_T = 16, MMA_MT2_T = 32;
 /* Tried and not kept, twice (at T <= 8 in e0a6b66's session: wq_a T = 8 10.9 -> 35.1 µs; and at
  * the thresholds below): each decode CTA quantizing its own k-chunk's activations into shared
  * memory (mma_quant8, the same bits) instead of the mma_act_quant_kernel launch. Every CTA along n
@@ -416,20 +428,26 @@ constexpr int64_t MMA_DECODE_AUTO_T = 64;
  * 5.86 / 6.66 / 7.29 / 9.09; fused up to 1 row 5.99 at batch 1, up to 2 rows 5.87 / 6.99, up to
  * 4 rows 5.96 / 7.07 / 8.26, up to 8 rows 5.96 / 7.03 / 8.20 / 11.33. */
 /* A decode configuration: MR rows of the one m16 tile (8: rows 8..15 are zero registers) or MT m16
- * tiles per CTA (T > 16: MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once
- * per 16 — at T = 256 the one-tile form decoded every weight 16 times and was instruction bound —
- * with 2 k-blocks per stage to keep the 64 activation rows of a stage in shared memory). */
+ * tiles per CTA (MT = 4, 64 rows, so a weight is decoded once per 64 rows instead of once per 16 —
+ * at T = 256 the one-tile form decoded every weight 16 times and was instruction bound — with 2
+ * k-blocks per stage to keep the 64 activation rows of a stage in shared memory; MT = 2, FP8 at 17
+ * to 32 rows, 4 blocks a stage). FP8 at MT = 4 has four stages (three before its scales left
+ * shared memory): bench_linear_cuda at T = 64, 19.4 / 16.2 / 17.7 / 19.8 µs -> 18.7 / 15.2 / 16.6 /
+ * 19.3 for wq_a / wkv / wq_b / wo_b. */
 template <int F, int MR, int MT = 1> struct dcfg {
-    static constexpr int DKB = MT == 1 ? 8 : 2; /* k-blocks per stage */
+    static constexpr int DKB = MT == 1 ? 8 : (MT == 2 ? 4 : 2); /* k-blocks per stage */
     static constexpr int RM = MT == 1 ? MR : 16 * MT; /* activation rows per CTA */
     static constexpr int WARPS = MT == 1 || F == K_FP4 ? DW : DW_MT; /* one n8 tile each (FP4 at 4: spills at sm_90) */
     static constexpr int BN = 8 * WARPS, THREADS = 32 * WARPS;
+    static constexpr int MINB = MT == 2 ? 3 : 0; /* MT = 2: 12 bytes spilled under the SM90 compiler without it */
     static constexpr int B_ROW = F == K_FP8 ? 32 : (F == K_FP4 ? 16 : 64);
     static constexpr int B_LD = DKB * B_ROW + (F == K_FP8 ? 32 : 16); /* BF16: ldmatrix rows 16 B apart mod 128 */
     static constexpr int A_LD = DKB * 64 + 16;
     static constexpr int A_BYTES = RM * A_LD, B_BYTES = BN * B_LD, STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int S_ROWS = F == K_FP8 ? 1 : (F == K_FP4 ? BN : 0);
-    static constexpr int S_BYTES = F == K_BF16 ? 16 : S_ROWS * KCH; /* BF16: none (a placeholder array) */
+    /* FP4's raw scales sit in shared memory after the stages; FP8's 32 of a chunk are one per lane
+     * in a register (shuffled out per block), which leaves four m16 tiles room for a fourth stage */
+    static constexpr int S_BYTES = F == K_FP4 ? S_ROWS * KCH : 0;
     static constexpr int ROOM = 48 * 1024 - S_BYTES;
     static constexpr int STAGES = ROOM / STAGE_BYTES > 4 ? 4 : ROOM / STAGE_BYTES;
     static constexpr int A_CHUNKS = RM * DKB * 4, B_CHUNKS = BN * DKB * B_ROW / 16;
@@ -459,14 +477,14 @@ __device__ __forceinline__ void decode_store(__nv_bfloat16 *__restrict__ y, floa
 }
 
 template <int F, int MR, int MT>
-__global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
+__global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MINB)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store) {
     using C = dcfg<F, MR, MT>;
     constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::DKB;
-    __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES];
-    __shared__ uint8_t s_sm[C::S_BYTES]; /* raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
+    __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES + C::S_BYTES];
+    uint8_t *const s_sm = smem + STAGES * C::STAGE_BYTES; /* FP4: raw e8m0 weight scales of the chunk [S_ROWS][KCH] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int64_t n0 = (int64_t)blockIdx.x * C::BN, m0 = (int64_t)blockIdx.z * (MT * 16); /* grid z: row tiles */
@@ -500,14 +518,19 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
 
     /* the CTA's weight scales for its chunk, read once with plain loads while the first stages
      * are in flight: a scale loaded per stage into registers put its latency on every stage.
-     * FP8: the CTA's rows lie in one 32-row group; FP4: one row each. Rows past n read as scale 0
-     * (never stored). */
+     * FP8: the CTA's rows lie in one 32-row group, lane b holds block b's (s_lane); FP4: one row
+     * each, in shared memory. Rows past n read as scale 0 (never stored). */
+    static_assert(KCH == 32, "one FP8 scale per lane");
+    uint32_t s_lane = 0;
     auto load_scales = [&]() {
-        for (int q = tid; q < C::S_ROWS * KCH; q += C::THREADS) {
-            const int r = q / KCH, b = q % KCH;
-            const int64_t srow = F == K_FP8 ? n0 / 32 : n0 + r;
-            const bool ok = (F == K_FP8 ? n0 < n : n0 + r < n) && b < nb;
-            s_sm[r * KCH + b] = ok ? __ldg(s + srow * s_ld + kb0 + b) : (uint8_t)0;
+        if constexpr (F == K_FP8) {
+            s_lane = n0 < n && lane < nb ? (uint32_t)__ldg(s + (n0 / 32) * s_ld + kb0 + lane) : 0u;
+        } else {
+            for (int q = tid; q < C::S_ROWS * KCH; q += C::THREADS) {
+                const int r = q / KCH, b = q % KCH;
+                const bool ok = n0 + r < n && b < nb;
+                s_sm[r * KCH + b] = ok ? __ldg(s + (n0 + r) * s_ld + kb0 + b) : (uint8_t)0;
+            }
         }
     };
     const int sr0 = F == K_FP8 ? 0 : warp * 8 + 2 * t; /* the lane's scale rows (columns 2t, 2t+1) */
@@ -586,7 +609,9 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS)
     #pragma unroll
             for (int j = 0; j < DKB; j++) {
                 const int kb = i * DKB + j;
-                float q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = F == K_FP8 ? q0 : e8m0f(s_sm[sr1 * KCH + kb]);
+                float q0, q1;
+                if (F == K_FP8) q0 = q1 = e8m0f(__shfl_sync(0xffffffffu, s_lane, kb));
+                else q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = e8m0f(s_sm[sr1 * KCH + kb]);
                 if (j >= nblk) q0 = q1 = 0.0f;
     #pragma unroll
                 for (int mi = 0; mi < MT; mi++) {
@@ -863,7 +888,8 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
             else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else if (fmt == WF_FP8) {
             if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else if (T <= 16) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= MMA_MT1_T) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            else if (T <= MMA_MT2_T) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
             else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
         } else {
             if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);

@@ -1225,8 +1225,8 @@ static void test_batch_invariance_linear(void **st) {
 
 /* The tensor-core linears (the backend's mma switch): the decode tiling (T <= 64) and the
  * prefill tiling (T > 64) within the linear bound of the CPU backend, and bit-identical to each
- * other for the same row — a row alone, in a call of 8, 16 or 64 (decode kernel: one, one, four
- * m16 tiles) and in a call of 128 or 300 (prefill kernel) — so the switch keeps results batch
+ * other for the same row — a row alone, in a call of 8, 16, 24 or 64 (decode kernel: one, one, two,
+ * four m16 tiles) and in a call of 128 or 300 (prefill kernel) — so the switch keeps results batch
  * invariant. */
 
 static void test_linear_mma(void **st) {
@@ -1255,15 +1255,16 @@ static void test_linear_mma_kernels_agree(void **st) {
     NEED_GPU(st);
     mma_switch(true);
     /* 3 and 8: the FP8 split kernel (rows past T zero-filled, then every row live) */
-    const int64_t Ts[] = {3, 8, 16, 64, 128, 300}, probes[] = {0, 5, 7, 15, 63, 150, 299};
+    /* 24: two m16 tiles a CTA (17..32 rows); 64: four */
+    const int64_t Ts[] = {3, 8, 16, 24, 64, 128, 300}, probes[] = {0, 5, 7, 15, 23, 63, 150, 299};
     struct hw h;
     seed_tag("mma bi weights");
-    h = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), lin_invariance(OP_LINEAR, "mma FP8 wq_b slice [4096,1280]", &h, Ts, 6, probes, 7);
+    h = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), lin_invariance(OP_LINEAR, "mma FP8 wq_b slice [4096,1280]", &h, Ts, 7, probes, 8);
     h = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f),
-    lin_invariance(OP_LINEAR, "mma FP8 wo_b TP slice [5120,1024]", &h, Ts, 6, probes, 7);
-    h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "mma FP4 expert w1 [2304,5120]", &h, Ts, 6, probes, 7);
-    h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "mma FP8 odd [37,160]", &h, Ts, 6, probes, 7);
-    h = hw_fp4(33, 96), lin_invariance(OP_LINEAR, "mma FP4 odd [33,96]", &h, Ts, 6, probes, 7);
+    lin_invariance(OP_LINEAR, "mma FP8 wo_b TP slice [5120,1024]", &h, Ts, 7, probes, 8);
+    h = hw_fp4(MOE_INTER, DIM), lin_invariance(OP_LINEAR, "mma FP4 expert w1 [2304,5120]", &h, Ts, 7, probes, 8);
+    h = hw_fp8(37, 160, 0, 160, 0.05f), lin_invariance(OP_LINEAR, "mma FP8 odd [37,160]", &h, Ts, 7, probes, 8);
+    h = hw_fp4(33, 96), lin_invariance(OP_LINEAR, "mma FP4 odd [33,96]", &h, Ts, 7, probes, 8);
     mma_switch(false);
 }
 
