@@ -43,7 +43,14 @@
  * though, and then this kernel is instruction bound as well (Nsight Compute on the H200, batch 64
  * gate/up, before the branch-free fold: issue slots 71-82 % busy, 290 M warp instructions, DRAM
  * 16 %); the per-weight decode is 21 instructions per 8 weights, the stage body 165 SASS
- * instructions for 4 k-blocks (sm_90 JIT of this PTX). Measured per decode step of one rank (20
+ * instructions for 4 k-blocks (sm_90 JIT of this PTX). Later (Nsight Compute source counters, batch
+ * 64 gate/up: 210 M warp instructions, 67 per k-block and warp of which the weight decode is 21 and
+ * the mma 2): each thread's activation copy address is set once instead of a loop with divisions
+ * per stage, and the fold has no select for blocks past nb (their table entries are 0 already):
+ * 210.1 M -> 184.3 M instructions and 419 -> 368 µs for gate/up, 113.0 M -> 100.6 M and 230 -> 204
+ * µs for down (the first layer's, clocks locked by Nsight); bench_step decode ms at batch 64, two
+ * runs alternated, 16.67, 16.75 -> 15.81, 15.76 with this and the 17-64-row linear change of the
+ * same commit range (that one alone, another run: 16.81, 16.87 -> 16.69, 16.63). Measured per decode step of one rank (20
  * layers): 10.0 ms at batch 64 (12.0 for the exact kernels), 15.9 ms at batch 256 (29). */
 #include "cuda_internal.h"
 #include "moe_common.cuh"
@@ -149,14 +156,17 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         cp_async4(s_dst, v0 ? s_src + cc * KCH : s_src, v0);
         cp_async4(s_dst + 1024, v1 ? s_src + 32 * s_ld + cc * KCH : s_src, v1);
     };
+    /* the tile's activation rows: thread tid copies 16-byte chunk ac of row ar of every stage (a
+     * tile's np <= 16 rows of XKB blocks are at most one chunk a thread); a_src is set once srow is */
+    static_assert(XP * XKB * 4 <= XTHREADS, "one activation chunk a thread per stage");
+    const int ar = tid / (XKB * 4), ac = tid % (XKB * 4);
+    const bool a_live = ar < np;
+    const uint8_t *a_src = abase;
+    const uint32_t a_dst = sbase + (uint32_t)(ar * XA_LD + ac * 16);
     auto load_a = [&](int st, int i) {
-        const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
-        const int b0 = i * XKB;
-        for (int q = tid; q < np * XKB * 4; q += XTHREADS) {
-            const int r = q / (XKB * 4), c = q % (XKB * 4), blk = b0 + c / 4;
-            const bool v = blk < nb;
-            cp_async16(so + (uint32_t)(r * XA_LD + c * 16), v ? abase + srow[r] + (int64_t)b0 * 64 + c * 16 : abase, v);
-        }
+        if (!a_live) return;
+        const bool v = i * XKB + ac / 4 < nb;
+        cp_async16(a_dst + (uint32_t)(st * XSTAGE), v ? a_src + (int64_t)i * (XKB * 64) : abase, v);
     };
 #pragma unroll
     for (int st = 0; st < XSTAGES - 1; st++)
@@ -168,6 +178,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     /* rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
     zero_tile_rows<XSTAGES, XSTAGE, XA_LD, XTHREADS>(smem, np, XP, tid);
     __syncthreads(); /* srow */
+    if (a_live) a_src = abase + srow[ar] + ac * 16;
     const int sr0 = warp * 8 + 2 * t; /* the lane's scale rows sr0, sr0 + 1 (output columns 2t, 2t+1) */
     const float *const srow_s = &s_sm[0][sr0];
     /* the fragment address of the decode tiling's MR = 16 form (linear_mma_sm80.cu), whatever np:
@@ -215,7 +226,6 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         const int st = i % XSTAGES;
         const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
         const uint8_t *const sb = smem + st * XSTAGE + rdB;
-        const int nblk = nb - i * XKB < XKB ? nb - i * XKB : XKB;
         float p[XKB][4]; /* the stage's block products first, then the ordered fold */
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
@@ -226,14 +236,13 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
             mma_bf16(p[jb], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
             mma_bf16(p[jb], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
         }
-        /* branch-free: a block past nb multiplied zero-filled tiles (p = 0) and takes scale 0, and
-         * acc + 0·0 = acc exactly (acc is never -0: it starts at +0 and a sum is -0 only if both
-         * terms are); the branch made the compiler rebuild the table's address per block */
+        /* no branch or select for a block past nb: it multiplied zero-filled tiles (p = 0), its
+         * table entry is 0 (the fills decode 0x100 there), and acc + 0·0 = acc exactly (acc is
+         * never -0: it starts at +0 and a sum is -0 only if both terms are) */
         const float *const sq = srow_s + ((i * XKB) % KCH) * XS_LD;
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
-            float2 q = *reinterpret_cast<const float2 *>(sq + jb * XS_LD);
-            if (jb >= nblk) q = make_float2(0.0f, 0.0f);
+            const float2 q = *reinterpret_cast<const float2 *>(sq + jb * XS_LD);
             acc[0] = __fmaf_rn(p[jb][0], q.x, acc[0]);
             acc[1] = __fmaf_rn(p[jb][1], q.y, acc[1]);
             acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
