@@ -50,7 +50,12 @@
  * 210.1 M -> 184.3 M instructions and 419 -> 368 µs for gate/up, 113.0 M -> 100.6 M and 230 -> 204
  * µs for down (the first layer's, clocks locked by Nsight); bench_step decode ms at batch 64, two
  * runs alternated, 16.67, 16.75 -> 15.81, 15.76 with this and the 17-64-row linear change of the
- * same commit range (that one alone, another run: 16.81, 16.87 -> 16.69, 16.63). Measured per decode step of one rank (20
+ * same commit range (that one alone, another run: 16.81, 16.87 -> 16.69, 16.63). Tried next and
+ * not kept: 4 warps of two n8 tiles each (one A fragment load per block for both, the stage's
+ * bookkeeping halved; 117 registers, so 16 warps an SM instead of 32): 17 % fewer instructions at
+ * batch 64 (186.5 M -> 154.4 M) but the same time (367 -> 360 µs gate/up, 203 -> 209 down), and
+ * slower at batch 8 (74.3 -> 83.7 µs, 44.3 -> 49.2), occupancy 47 -> 24 %; bench_step decode batch
+ * 8 / 64, two runs alternated: 7.11, 7.10 / 15.84, 15.91 -> 7.39, 7.42 / 15.71, 15.78 ms. Measured per decode step of one rank (20
  * layers): 10.0 ms at batch 64 (12.0 for the exact kernels), 15.9 ms at batch 256 (29). */
 #include "cuda_internal.h"
 #include "moe_common.cuh"
