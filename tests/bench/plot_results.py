@@ -10,6 +10,8 @@ cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's (and a 
 cuda_linear_prefill.csv  -> cuda_linear_prefill.png: each FP8/FP4 linear at prefill token counts
                             (bench_linear_cuda out.csv T,...), TFLOP/s against the cuBLAS bf16 rate
                             of cuda_gemm_ceiling.csv (its best row) and the 40 % prefill target.
+cuda_step_alternated.csv -> cuda_step_alternated.png: two binaries' bench_step runs alternated in one device
+                            call (step_alternated.py): decode % of copy bandwidth and prefill tokens/s per rev.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -145,6 +147,40 @@ def main():
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(d, "cuda_linear_prefill.png"), dpi=110)
+    alt = os.path.join(d, "cuda_step_alternated.csv")
+    if os.path.exists(alt):
+        r = rows(alt)
+        revs = []
+        for x in r:
+            if x["rev"] not in revs:
+                revs.append(x["rev"])
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, kind in zip(axes, ("decode", "prefill")):
+            ns = sorted({int(x["batch_or_tokens"]) for x in r if x["kind"] == kind})
+            w = 0.8 / len(revs)
+            for i, rev in enumerate(revs):
+                vals, errs = [], []
+                for n in ns:
+                    v = [100 * float(x["fraction_of_copy"]) if kind == "decode" else float(x["tokens_per_s"])
+                         for x in r if x["rev"] == rev and x["kind"] == kind and int(x["batch_or_tokens"]) == n]
+                    vals.append(sum(v) / len(v) if v else 0)
+                    errs.append((max(v) - min(v)) / 2 if v else 0)
+                ax.bar([j + i * w for j in range(len(ns))], vals, w, yerr=errs, capsize=2, label=rev)
+            ax.set_xticks([j + w * (len(revs) - 1) / 2 for j in range(len(ns))])
+            ax.set_xticklabels([str(n) for n in ns])
+            if kind == "decode":
+                ax.axhline(70, color="k", ls="--", lw=0.8, label="target (batch >= 8)")
+                ax.axhline(50, color="gray", ls=":", lw=0.8, label="target (batch 1)")
+                ax.set_xlabel("batch (sequences per step)")
+                ax.set_ylabel("weight bytes / step time, % of copy bandwidth")
+            else:
+                ax.set_xlabel("prompt tokens")
+                ax.set_ylabel("tokens/s")
+            ax.set_title("%s, binaries alternated in one run (mean, range)" % kind, fontsize=9)
+            ax.legend(fontsize=8)
+        fig.suptitle("bench_step, TP8xPP2 rank 0 shard (20 layers), H200 running the SM80 code", fontsize=10)
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+        fig.savefig(os.path.join(d, "cuda_step_alternated.png"), dpi=110)
 
 
 if __name__ == "__main__":
