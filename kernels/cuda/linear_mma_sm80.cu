@@ -417,8 +417,8 @@ constexpr int64_t MMA_DECODE_AUTO_T = 64;
  * 13.9 / 23.9 / 25.5, two tiles 12.4 / 10.2 / 11.3 / 12.7 / 15.3 / 17.3; at T = 64 two tiles
  * (grid z 2) 17.0 / 12.3 / 15.8 / 15.3 / 25.2 / 27.1 against four 18.7 / 15.2 / 16.6 / 19.3 /
  * 24.1 / 26.5, but bench_step at batch 64 16.9 against 16.7 ms (sh_w1 and sh_w2, the largest,
- * are slower with two, and they run beside the routed experts), so four stay from 33 rows. bench_step decode ms
- * at batch 32, two runs alternated: 12.15, 12.15 -> 11.13, 11.04. */
+ * are slower with two, and they run beside the routed experts), so four stay from 33 rows.
+ * bench_step decode ms at batch 32, two runs alternated: 12.15, 12.15 -> 11.13, 11.04. */
 constexpr int64_t MMA_MT1_T = 16, MMA_MT2_T = 32;
 /* Tried and not kept, twice (at T <= 8 in e0a6b66's session: wq_a T = 8 10.9 -> 35.1 µs; and at
  * the thresholds below): each decode CTA quantizing its own k-chunk's activations into shared

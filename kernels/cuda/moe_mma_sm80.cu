@@ -55,8 +55,9 @@
  * bookkeeping halved; 117 registers, so 16 warps an SM instead of 32): 17 % fewer instructions at
  * batch 64 (186.5 M -> 154.4 M) but the same time (367 -> 360 µs gate/up, 203 -> 209 down), and
  * slower at batch 8 (74.3 -> 83.7 µs, 44.3 -> 49.2), occupancy 47 -> 24 %; bench_step decode batch
- * 8 / 64, two runs alternated: 7.11, 7.10 / 15.84, 15.91 -> 7.39, 7.42 / 15.71, 15.78 ms. Measured per decode step of one rank (20
- * layers): 10.0 ms at batch 64 (12.0 for the exact kernels), 15.9 ms at batch 256 (29). */
+ * 8 / 64, two runs alternated: 7.11, 7.10 / 15.84, 15.91 -> 7.39, 7.42 / 15.71, 15.78 ms.
+ * Measured per decode step of one rank (20 layers), before these: 10.0 ms at batch 64 (12.0 for
+ * the exact kernels), 15.9 ms at batch 256 (29). */
 #include "cuda_internal.h"
 #include "moe_common.cuh"
 #include "moe_mma.h"
@@ -512,7 +513,8 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
             for (int jb = 0; jb < WKB; jb++) {
                 uint32_t b[WNJ][4];
 #pragma unroll
-                for (int nj = 0; nj < WNJ; nj++) e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + nj * 8 * WB_LD + jb * 16), b[nj]);
+                for (int nj = 0; nj < WNJ; nj++)
+                    e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + nj * 8 * WB_LD + jb * 16), b[nj]);
                 /* a block past K multiplied zero-filled tiles and its table entry is 0 (store_s
                  * decodes 0x100 there): acc + 0·0 = acc, as above, with no select */
                 const float *const sq = &s_sm[(i * WKB + jb) % KCH][scol];
