@@ -533,8 +533,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
             }
         }
     };
-    const int sr0 = F == K_FP8 ? 0 : warp * 8 + 2 * t; /* the lane's scale rows (columns 2t, 2t+1) */
-    const int sr1 = F == K_FP8 ? 0 : sr0 + 1;
+    const int sr0 = warp * 8 + 2 * t, sr1 = sr0 + 1; /* FP4: the lane's scale rows (columns 2t, 2t+1) */
 
     /* fragment addresses (stage-relative) */
     const uint32_t ldA = MR == 16 ? (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * C::A_LD + (lane >> 4) * 16)
@@ -610,7 +609,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
             for (int j = 0; j < DKB; j++) {
                 const int kb = i * DKB + j;
                 float q0, q1;
-                if (F == K_FP8) q0 = q1 = e8m0f(__shfl_sync(0xffffffffu, s_lane, kb));
+                if constexpr (F == K_FP8) q0 = q1 = e8m0f(__shfl_sync(0xffffffffu, s_lane, kb));
                 else q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = e8m0f(s_sm[sr1 * KCH + kb]);
                 if (j >= nblk) q0 = q1 = 0.0f;
     #pragma unroll

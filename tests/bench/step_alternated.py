@@ -5,8 +5,8 @@ the same machine state) into one CSV: each run's printed table, decode and prefi
 Usage: step_alternated.py --copy-gbps GBPS --out results/cuda_step_alternated.csv REV=STDOUT [REV=STDOUT ...]
 
 STDOUT is what one `bench_step` run printed; REV names the binary (a commit); the runs of one REV
-are numbered in the order given, decode and prefill separately. Columns: rev, run, kind, batch_or_tokens, ctx, ms, weight_mb, gbps,
-fraction_of_copy (gbps / GBPS, the device-to-device copy bandwidth measured on the same machine),
+are numbered in the order given, decode and prefill separately. Columns: rev, run, kind,
+batch_or_tokens, ctx, ms, weight_mb, gbps, fraction_of_copy (gbps / GBPS, the device-to-device copy bandwidth measured on the same machine),
 tokens_per_s and tflops (prefill rows: bench_step's own figures). plot_results.py draws
 cuda_step_alternated.png from it.
 """
