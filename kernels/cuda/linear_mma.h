@@ -51,6 +51,12 @@ void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x,
 size_t cuda_linear_mma_act_bytes(int64_t T, int64_t k);
 void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64_t T, int64_t k, void *stream);
 
+/* Test hook: the FP4 and FP8 weight decodes of the tensor-core kernels over every 32-bit word of
+ * codes, against t2 [16] (bf16 of each e2m1 code) and t8 [256] (bf16 of each e4m3 byte, 0x7F /
+ * 0xFF as +-480): the number of words decoded differently (0 expected), the lowest in *first
+ * (NULL: not wanted). Synchronous, on the legacy default stream. */
+int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first);
+
 #ifdef __cplusplus
 }
 #endif

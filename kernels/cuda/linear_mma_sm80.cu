@@ -783,6 +783,38 @@ void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bf
                                                                                              k, ld_b, s_ld, pair);
 }
 
+/* Every 32-bit word of weight codes through the in-register decodes, against tables of the
+ * expected bf16 (t2: the 16 e2m1 codes, t8: the 256 e4m3 bytes): FP4, the word's eight e2m1
+ * codes; FP8, the word as both halves of a lane's 8 bytes, so every pair of e4m3 bytes at every
+ * output position. Counts the words whose decode differs anywhere; the lowest in *first. */
+__global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *first, const uint16_t *__restrict__ t2,
+                                        const uint16_t *__restrict__ t8) {
+    __shared__ uint16_t s2[16], s8[256];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        s8[i] = t8[i];
+        if (i < 16) s2[i] = t2[i];
+    }
+    __syncthreads();
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t wd = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; wd < (1ull << 32); wd += stride) {
+        const uint32_t u = (uint32_t)wd;
+        uint32_t o[4], p[4];
+        e2m1x8_to_bf16x2(u, o);
+        e4m3x8_to_bf16x2(make_uint2(u, u), p);
+        bool ok = true;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            ok &= (o[i] & 0xffffu) == s2[(u >> (8 * i)) & 15u] && (o[i] >> 16) == s2[(u >> (8 * i + 4)) & 15u];
+            const int b = 16 * (i % 2);
+            ok &= (p[i] & 0xffffu) == s8[(u >> b) & 255u] && (p[i] >> 16) == s8[(u >> (b + 8)) & 255u];
+        }
+        if (!ok) {
+            atomicAdd(bad, 1ull);
+            atomicMin(first, u);
+        }
+    }
+}
+
 } /* namespace */
 
 /* The configurations in use (warps along T, warps along n, n8 tiles per warp, CTAs per SM), tuned
@@ -914,4 +946,29 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
         }
         KERNEL_CHECK();
     }
+}
+
+extern "C" int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first) {
+    unsigned long long *d_bad;
+    unsigned int *d_first;
+    uint16_t *d_t;
+    const unsigned int none = 0xffffffffu;
+    CUDA_CHECK(cudaMalloc((void **)&d_bad, sizeof *d_bad));
+    CUDA_CHECK(cudaMalloc((void **)&d_first, sizeof *d_first));
+    CUDA_CHECK(cudaMalloc((void **)&d_t, (16 + 256) * sizeof(uint16_t)));
+    CUDA_CHECK(cudaMemset(d_bad, 0, sizeof *d_bad));
+    CUDA_CHECK(cudaMemcpy(d_first, &none, sizeof none, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_t, t2, 16 * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_t + 16, t8, 256 * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    mma_decode_check_kernel<<<2048, 256>>>(d_bad, d_first, d_t, d_t + 16);
+    KERNEL_CHECK();
+    unsigned long long bad = 0;
+    unsigned int f = none;
+    CUDA_CHECK(cudaMemcpy(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&f, d_first, sizeof f, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaFree(d_bad));
+    CUDA_CHECK(cudaFree(d_first));
+    CUDA_CHECK(cudaFree(d_t));
+    if (first) *first = f;
+    return (int64_t)bad;
 }

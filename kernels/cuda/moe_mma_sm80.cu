@@ -56,6 +56,8 @@
  * batch 64 (186.5 M -> 154.4 M) but the same time (367 -> 360 µs gate/up, 203 -> 209 down), and
  * slower at batch 8 (74.3 -> 83.7 µs, 44.3 -> 49.2), occupancy 47 -> 24 %; bench_step decode batch
  * 8 / 64, two runs alternated: 7.11, 7.10 / 15.84, 15.91 -> 7.39, 7.42 / 15.71, 15.78 ms.
+ * Then the e2m1 decode by prmt table lookups (e2m1x8_to_bf16x2, mma_sm80.cuh; no HFMA2): gate/up
+ * 184.3 M -> 179.6 M instructions, 368.6 -> 347.8 µs, down 100.6 M -> 97.9 M, 201.9 -> 192.4 µs.
  * Measured per decode step of one rank (20 layers), before these: 10.0 ms at batch 64 (12.0 for
  * the exact kernels), 15.9 ms at batch 256 (29). */
 #include "cuda_internal.h"

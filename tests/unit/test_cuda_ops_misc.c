@@ -1,9 +1,10 @@
 /* The CUDA backend against the CPU reference backend: the elementwise ops (rmsnorm, rope,
  * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, add_f32_bf16, interleave), mHC (hc_mixes with its Sinkhorn
  * comb, hc_collapse / hc_expand / hc_init), embed and Engram (engram_gather from host-resident
- * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), and batch invariance
- * of sparse_attn and index_scores. Memory, weights, the dense ops and MoE are in test_cuda_ops.c;
- * the harness, the rounding model and how each kind of op is compared are in cuda_ops_common.h. */
+ * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), the tensor-core
+ * kernels' act quant and weight decodes, and batch invariance of sparse_attn and index_scores.
+ * Memory, weights, the dense ops and MoE are in test_cuda_ops.c; the harness, the rounding model
+ * and how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
 #ifdef DS_HAVE_CUDA
 #include "cuda/linear_mma.h"
@@ -638,6 +639,32 @@ static void test_mma_act_quant(void **st) {
     g_free(dx);
     g_free(dq);
     free(x), free(xg), free(xr), free(q), free(s);
+#endif
+}
+
+/* The tensor-core kernels' in-register weight decodes (e2m1x8_to_bf16x2, e4m3x8_to_bf16x2 of
+ * mma_sm80.cuh) on every 32-bit word of codes, against the CPU's e2m1_to_f32 / e4m3_to_f32 rounded
+ * to bf16 (exact: every e2m1 and e4m3 value is a bf16), bit for bit, signed zeros included; e4m3
+ * NaN codes as the +-480 the kernels document. A wrong table entry, a sign taken from the
+ * neighbouring code or bits leaking across codes would each fail. */
+static void test_mma_weight_decode(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* a CUDA kernel called directly: no CPU stand-in */
+    uint16_t t2[16], t8[256];
+    for (int c = 0; c < 16; c++) t2[c] = bf16_from_f32(e2m1_to_f32((uint8_t)c));
+    for (int b = 0; b < 256; b++) {
+        const float v = (b & 0x7f) == 0x7f ? ((b & 0x80) ? -480.0f : 480.0f) : e4m3_to_f32((uint8_t)b);
+        t8[b] = bf16_from_f32(v);
+    }
+    assert_true(t2[8] == 0x8000 && t8[0x80] == 0x8000); /* the tables keep -0 */
+    uint32_t first = 0;
+    const int64_t bad = cuda_linear_mma_decode_check(t2, t8, &first);
+    if (bad) fprintf(stderr, "  weight decode: %lld of 2^32 words differ, first 0x%08x\n", (long long)bad, first);
+    else fprintf(stderr, "  weight decode: all 2^32 words of e2m1 and e4m3 codes as the CPU's values\n");
+    assert_int_equal(bad, 0);
 #endif
 }
 
@@ -1481,7 +1508,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rmsnorm_post),
         cmocka_unit_test(test_rope),
-        cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant),
+        cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant), cmocka_unit_test(test_mma_weight_decode),
         cmocka_unit_test(test_hc_mixes),
         cmocka_unit_test(test_hc_collapse_expand_init),
         cmocka_unit_test(test_embed),
