@@ -74,7 +74,13 @@ constexpr int XTHREADS = 32 * XW;
 constexpr int XMINB = 4;              /* CTAs per SM asked of the register allocator: 64 registers (62-64
                                        * used, no spills for sm_80/86/90), 4 CTAs of 47.4 KB on the
                                        * H200 (the A800's shared memory holds 3); against 3: moe_experts
-                                       * per decode step b8 2.62 -> 2.50 ms, b64 10.1 -> 9.9 ms */
+                                       * per decode step b8 2.62 -> 2.50 ms, b64 10.1 -> 9.9 ms.
+                                       * Again with the table decode of e2m1: 3 CTAs of 75-78
+                                       * registers issue 0.4 % fewer instructions (ptxas re-makes
+                                       * loop constants and addresses either way), the step at b8 /
+                                       * 64 6.94 6.90 / 15.18 15.22 -> 7.11 7.18 / 15.61 15.80 ms
+                                       * (H200). An A100/A800 holds 3 of these CTAs whatever the
+                                       * budget, so the cap costs it ~0.4 % of the instructions. */
 constexpr int XKB = 4;                /* k-blocks per cp.async stage */
 constexpr int XB_LD = XKB * 16 + 16;  /* FP4 weight row of a stage, padded: the lanes' 4-byte reads hit distinct banks */
 constexpr int XA_LD = XKB * 64 + 16;  /* activation row of a stage, padded: ldmatrix rows on distinct banks */
