@@ -2,13 +2,14 @@
 """Collects alternated bench_step runs (two binaries run in turn in one device call, so that they see
 the same machine state) into one CSV: each run's printed table, decode and prefill rows alike.
 
-Usage: step_alternated.py --copy-gbps GBPS --out results/cuda_step_alternated.csv REV=STDOUT [REV=STDOUT ...]
+Usage: step_alternated.py --copy-gbps GBPS --out results/cuda_step_alternated.csv [--append] REV=STDOUT [REV=STDOUT ...]
 
 STDOUT is what one `bench_step` run printed; REV names the binary (a commit); the runs of one REV
 are numbered in the order given, decode and prefill separately. Columns: rev, run, kind,
 batch_or_tokens, ctx, ms, weight_mb, gbps, fraction_of_copy (gbps / GBPS, the device-to-device copy bandwidth measured on the same machine),
 tokens_per_s and tflops (prefill rows: bench_step's own figures). plot_results.py draws
-cuda_step_alternated.png from it.
+cuda_step_alternated.png from it. --append keeps the rows already in --out (an earlier device call's
+pair of binaries, with its own GBPS) and adds these after them.
 """
 import argparse
 import csv
@@ -41,10 +42,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--copy-gbps", type=float, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--append", action="store_true")
     ap.add_argument("runs", nargs="+", metavar="REV=STDOUT")
     a = ap.parse_args()
-    seen = {}
+    cols = ["rev", "run", "kind", "batch_or_tokens", "ctx", "ms", "weight_mb", "gbps", "fraction_of_copy",
+            "tokens_per_s", "tflops"]
     rows = []
+    if a.append:
+        with open(a.out, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and list(rows[0].keys()) != cols:
+            sys.exit("step_alternated.py: %s has other columns than %s" % (a.out, cols))
+    seen = {}
+    for r in rows:
+        k = (r["rev"], r["kind"])
+        seen[k] = max(seen.get(k, 0), int(r["run"]))
     for spec in a.runs:
         if "=" not in spec:
             sys.exit("step_alternated.py: '%s' is not REV=STDOUT" % spec)
@@ -55,8 +67,6 @@ def main():
         for r in got:
             r.update(rev=rev, run=seen[(rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps))
             rows.append(r)
-    cols = ["rev", "run", "kind", "batch_or_tokens", "ctx", "ms", "weight_mb", "gbps", "fraction_of_copy",
-            "tokens_per_s", "tflops"]
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
