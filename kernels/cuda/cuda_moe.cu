@@ -702,15 +702,17 @@ __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__re
 /* The same h, quantized for the down projection in the k-permuted FP8 form of the tensor-core
  * linears (cuda_linear_mma_act_quant of bf16 h): the bits of moe_swiglu_kernel followed by w2's own
  * act quant, one pass instead of two; 2 values per thread (mma_quant2: a quarter of the chain of 8,
- * whose SwiGLUs made the call 7.24 µs at batch 1 on the H200, Nsight; 3.50 with 2). n2 = T·I / 2,
- * I a multiple of 32. */
+ * whose SwiGLUs made the call 7.24 µs at batch 1 on the H200, Nsight; 3.50 with 2). I a multiple
+ * of 32; hq [T, I]. */
 __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *__restrict__ g,
                                                                const uint16_t *__restrict__ u, __nv_bfloat16 *__restrict__ hq,
-                                                               int64_t n2, float limit) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool ok = i < n2; /* a 32-group is all in or all out: every lane takes part in the shuffles */
+                                                               int64_t I2, int64_t ld2, float limit) {
+    /* grid y: the token row; g and u rows ld2 32-bit words apart (I2 = I / 2 pairs a row) */
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, i = (int64_t)blockIdx.y * I2 + j;
+    const bool ok = j < I2; /* a 32-group is all in or all out: every lane takes part in the shuffles */
+    const int64_t o = (int64_t)blockIdx.y * ld2 + j;
     uint32_t wg = 0, wu = 0;
-    if (ok) wg = __ldg(reinterpret_cast<const uint32_t *>(g) + i), wu = __ldg(reinterpret_cast<const uint32_t *>(u) + i);
+    if (ok) wg = __ldg(reinterpret_cast<const uint32_t *>(g) + o), wu = __ldg(reinterpret_cast<const uint32_t *>(u) + o);
     const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)wg), ds_bf16f((uint16_t)wu), limit, false, 0.0f)));
     const float v1 =
         ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)(wg >> 16)), ds_bf16f((uint16_t)(wu >> 16)), limit, false, 0.0f)));
@@ -721,13 +723,22 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *_
 static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
 
 /* Tensor-core shared expert: x quantized once for w1 and w3, SwiGLU fused with w2's act quant —
- * two launches fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. */
+ * two launches fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. Up to
+ * CUDA_MMA_DECODE_AUTO_T rows w1 and w3 go in one launch of the decode tiling
+ * (cuda_linear_mma_pair: g and u side by side in a [T, 2I] row, one chunk fold), where at a
+ * handful of rows each was a memory latency and a launch of its own on the step's branch beside
+ * the routed experts (at batch 1 the longer of the two: mixes + shared expert 52.9 µs of kernel time
+ * a layer, router + routed experts 50.1). H200 bench_step decode ms, three runs alternated with
+ * the two calls: batch 1 4.48 4.48 4.65 -> 4.38 4.36 4.39, batch 8 7.08 7.10 7.16 -> 7.02 6.93
+ * 6.99, batch 64 15.52 15.54 15.58 -> 15.34 15.23 15.41, batch 32 10.73 10.78 10.83 -> 10.82
+ * 10.66 10.81. */
 static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                               const struct qweight *w3, const struct qweight *w2, float limit) {
     const int64_t I = w1->n, D = w1->k, Do = w2->n;
     cudaStream_t st = cuda_be_stream(be);
     const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
-    const size_t wsb = cuda_linear_mma_workspace_bytes(T, I > Do ? I : Do, D > I ? D : I); /* partials of either */
+    /* partials of any of the calls: w1 and w3 as a pair (2I rows) or alone, w2 */
+    const size_t wsb = cuda_linear_mma_workspace_bytes(T, 2 * I > Do ? 2 * I : Do, D > I ? D : I);
     const size_t gi = ((size_t)(T * I) + 7) & ~(size_t)7; /* elements of g and of u, 16-byte multiples */
     uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * gi * sizeof(uint16_t) + wsb);
     uint16_t *xq = (uint16_t *)buf, *hq = (uint16_t *)(buf + xqb);
@@ -735,10 +746,21 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     void *ws = u + gi;
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
-    cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, st);
-    cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, st);
-    const int64_t n2 = T * I / 2;
-    moe_swiglu_quant_kernel<<<(unsigned)((n2 + 255) / 256), 256, 0, st>>>(g, u, (__nv_bfloat16 *)hq, n2, limit);
+    const bool pair = T <= CUDA_MMA_DECODE_AUTO_T && I % 32 == 0 && w1->fmt == w3->fmt && w1->ld == w3->ld &&
+                      w1->s_ld == w3->s_ld;
+    int64_t ld2 = I / 2; /* g and u rows, in 32-bit words */
+    if (pair) { /* g [T, 2I] with u the second half of each row */
+        cuda_linear_mma_pair(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, w3->w, w3->s, I, D, w1->ld, w1->s_ld, ws, st);
+        u = g + I;
+        ld2 = I;
+    } else {
+        cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, st);
+        cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, st);
+    }
+    const int64_t I2 = I / 2;
+    if (T > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "more than 65535 rows");
+    moe_swiglu_quant_kernel<<<dim3((unsigned)((I2 + 255) / 256), (unsigned)T), 256, 0, st>>>(g, u, (__nv_bfloat16 *)hq,
+                                                                                           I2, ld2, limit);
     KERNEL_CHECK();
     cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, st);
     cuda_be_scratch_free(be, buf);

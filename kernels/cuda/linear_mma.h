@@ -37,6 +37,7 @@ void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const v
  * choice (the decode tiling up to 64 rows), CUDA_MMA_DECODE the decode tiling (T <= 256),
  * CUDA_MMA_PREFILL the 128 x 128 tiling at any T. Every choice gives a row the same bits. */
 enum { CUDA_MMA_AUTO = 0, CUDA_MMA_DECODE = 1, CUDA_MMA_PREFILL = 2 };
+#define CUDA_MMA_DECODE_AUTO_T 64 /* CUDA_MMA_AUTO's decode tiling takes calls of up to this many rows */
 /* OR'ed into `tiling` (FP8/FP4 only): x is the quantized form cuda_linear_mma_act_quant made, so
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);
  * the workspace then only holds the k-chunks' partials. The same bits. */
@@ -44,6 +45,16 @@ enum { CUDA_MMA_AUTO = 0, CUDA_MMA_DECODE = 1, CUDA_MMA_PREFILL = 2 };
 void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
                             void *stream);
+
+/* Two weights on one x in one launch of the decode tiling (the shared expert's w1 and w3: at a
+ * handful of rows each call is one memory latency and a launch, whatever its size): y [T, n1 + n2],
+ * row t = (x_t · W1ᵀ, x_t · W2ᵀ), each output with the bits cuda_linear_mma_tiling gives it. W1
+ * [n1, k] and W2 [n2, k] of one format, row stride (ld) and scale stride (s_ld); n1 a multiple of
+ * 32. `tiling` as above, but it must resolve to the decode tiling (T <= 64 for CUDA_MMA_AUTO);
+ * the workspace is cuda_linear_mma_workspace_bytes(T, n1 + n2, k). */
+void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w1,
+                          const uint8_t *s1, int64_t n1, const void *w2, const uint8_t *s2, int64_t n2, int64_t k,
+                          int64_t ld, int64_t s_ld, void *workspace, void *stream);
 
 /* The FP8/FP4 tilings' activation form of x [T, k] bf16 (the reference's per-32 act quant,
  * dequantized exactly into bf16 and k-permuted within each group of 32): xq [T, k], 16-byte

@@ -402,12 +402,11 @@ constexpr int DW = 2;       /* warps per CTA, one m16 tile */
 constexpr int DW_MT = 4;
 /* the decode tiling takes up to MMA_DECODE_MAX_T rows (one or four m16 tiles per CTA, grid z over
  * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it calls of up to
- * MMA_DECODE_AUTO_T rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
+ * CUDA_MMA_DECODE_AUTO_T (linear_mma.h) rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
  * (bench_step, graphs): with the switch at 64 rather than 256, the step at batch 128 29.3 -> 27.0 ms
  * and at batch 256 40.9 -> 34.6 ms (linears 7.4 -> 4.3 ms, shared expert 6.3 -> 3.3 ms), batch 8-64
  * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
-constexpr int64_t MMA_DECODE_AUTO_T = 64;
 /* FP8 rows per call for each decode form: up to MMA_MT1_T one m16 tile a CTA (8 k-blocks a stage),
  * up to MMA_MT2_T two (4 a stage), above four (2 a stage). A CTA walks its 32-block chunk in
  * stages of one memory latency each, so fewer, larger stages won while the activation rows (64 B a
@@ -457,6 +456,22 @@ template <int F, int MR, int MT = 1> struct dcfg {
 };
 
 
+/* A decode call of two weights on one x (cuda_linear_mma_pair): output columns n1 .. n - 1 are the
+ * second weight's rows from 0; n1 % 32 == 0, so no CTA tile (16 or 32 rows) or FP8 scale group
+ * straddles the seam. A single weight: n1 = n (w2, s2 unused). */
+struct dpair {
+    const uint8_t *w2, *s2;
+    int64_t n1;
+};
+/* The weight and scale base of the CTA whose first row is n0, and that row within its weight. */
+__device__ __forceinline__ int64_t pair_rows(const dpair &pr, int64_t n0, const uint8_t *w, const uint8_t *s,
+                                             const uint8_t **wm, const uint8_t **sm) {
+    const bool second = n0 >= pr.n1;
+    *wm = second ? pr.w2 : w;
+    *sm = second ? pr.s2 : s;
+    return second ? n0 - pr.n1 : n0;
+}
+
 /* A decode kernel's outputs (row, col) and (row, col + 1): the k-chunk blockIdx.y's fp32 partials
  * when part is given (mma_chunk_sum_kernel folds them), else bf16 into y; columns past n skipped. */
 __device__ __forceinline__ void decode_store(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, int64_t T,
@@ -480,7 +495,7 @@ template <int F, int MR, int MT>
 __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MINB)
     mma_decode_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
-                      int64_t ld_b, int64_t s_ld, int pair_store) {
+                      int64_t ld_b, int64_t s_ld, int pair_store, dpair pr) {
     using C = dcfg<F, MR, MT>;
     constexpr int STAGES = C::STAGES, B_ROW = C::B_ROW, DKB = C::DKB;
     __shared__ __align__(16) uint8_t smem[STAGES * C::STAGE_BYTES + C::S_BYTES];
@@ -489,6 +504,8 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
     const int g = lane >> 2, t = lane & 3;
     const int64_t n0 = (int64_t)blockIdx.x * C::BN, m0 = (int64_t)blockIdx.z * (MT * 16); /* grid z: row tiles */
     const int64_t nw0 = n0 + warp * 8; /* the warp's n8 tile */
+    const uint8_t *wm, *sm;
+    const int64_t nl0 = pair_rows(pr, n0, w, s, &wm, &sm);
     /* this CTA's k-chunk (grid y): blocks [kb0, kb0 + nb); the A and B sources start there */
     const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(k / 32);
     const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH, nst = (nb + DKB - 1) / DKB;
@@ -512,7 +529,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
             const int r = q / BCH, c = q % BCH, blk = b0 + c * 16 / B_ROW;
             const bool v = n0 + r < n && blk < nb;
             cp_async16(so + (uint32_t)(C::A_BYTES + r * C::B_LD + c * 16),
-                       v ? w + (n0 + r) * ld_b + (int64_t)(kb0 + b0) * B_ROW + c * 16 : w, v);
+                       v ? wm + (nl0 + r) * ld_b + (int64_t)(kb0 + b0) * B_ROW + c * 16 : wm, v);
         }
     };
 
@@ -524,12 +541,12 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
     uint32_t s_lane = 0;
     auto load_scales = [&]() {
         if constexpr (F == K_FP8) {
-            s_lane = n0 < n && lane < nb ? (uint32_t)__ldg(s + (n0 / 32) * s_ld + kb0 + lane) : 0u;
+            s_lane = n0 < n && lane < nb ? (uint32_t)__ldg(sm + (nl0 / 32) * s_ld + kb0 + lane) : 0u;
         } else {
             for (int q = tid; q < C::S_ROWS * KCH; q += C::THREADS) {
                 const int r = q / KCH, b = q % KCH;
                 const bool ok = n0 + r < n && b < nb;
-                s_sm[r * KCH + b] = ok ? __ldg(s + (n0 + r) * s_ld + kb0 + b) : (uint8_t)0;
+                s_sm[r * KCH + b] = ok ? __ldg(sm + (nl0 + r) * s_ld + kb0 + b) : (uint8_t)0;
             }
         }
     };
@@ -677,7 +694,7 @@ struct spcfg { /* FP8 only: the FP4 linears are the routed experts', which have 
 __global__ void __launch_bounds__(SP_THREADS)
     mma_decode_split_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                             const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n,
-                            int64_t k, int64_t ld_b, int64_t s_ld, int pair_store) {
+                            int64_t k, int64_t ld_b, int64_t s_ld, int pair_store, dpair pr) {
     using C = spcfg;
     constexpr int B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[C::SMEM]; /* quarters { A [8][A_LD], B [16][B_LD] }, then P'_b */
@@ -686,6 +703,8 @@ __global__ void __launch_bounds__(SP_THREADS)
     const int g = lane >> 2, t = lane & 3;
     const int tile = warp % SP_TILES, quarter = warp / SP_TILES;
     const int64_t n0 = (int64_t)blockIdx.x * C::BN;
+    const uint8_t *wm, *sm;
+    const int64_t nl0 = pair_rows(pr, n0, w, s, &wm, &sm);
     const int kb0 = (int)blockIdx.y * KCH, nbt = (int)(k / 32);
     const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH;
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
@@ -707,12 +726,12 @@ __global__ void __launch_bounds__(SP_THREADS)
                        va ? abase + ra * k * 2 + (int64_t)(kb0 + b0) * 64 + ca * 16 : abase, va);
             const bool vb = n0 + rb < n && b0 + cbk * 16 / B_ROW < nb;
             cp_async16(so + (uint32_t)(C::A_BYTES + rb * C::B_LD + cbk * 16),
-                       vb ? w + (n0 + rb) * ld_b + (int64_t)(kb0 + b0) * B_ROW + cbk * 16 : w, vb);
+                       vb ? wm + (nl0 + rb) * ld_b + (int64_t)(kb0 + b0) * B_ROW + cbk * 16 : wm, vb);
         }
         cp_async_commit();
     }
     if (tid < KCH) /* as mma_decode_kernel's load_scales */
-        s_sm[tid] = n0 < n && tid < nb ? __ldg(s + (n0 / 32) * s_ld + kb0 + tid) : (uint8_t)0;
+        s_sm[tid] = n0 < n && tid < nb ? __ldg(sm + (nl0 / 32) * s_ld + kb0 + tid) : (uint8_t)0;
     cp_async_wait<0>();
     __syncthreads();
 
@@ -763,24 +782,25 @@ __global__ void __launch_bounds__(SP_THREADS)
 }
 
 void launch_decode_split(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
-                         const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+                         const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair,
+                         dpair pr) {
     const int64_t nt = (n + spcfg::BN - 1) / spcfg::BN, nch = (k / 32 + KCH - 1) / KCH;
     if (nt > 0x7fffffff || nch > 65535 || T > 8)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
     mma_decode_split_kernel<<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1)), SP_THREADS, 0, st>>>(
-        y, part, a, w, s, T, n, k, ld_b, s_ld, pair);
+        y, part, a, w, s, T, n, k, ld_b, s_ld, pair, pr);
 }
 
 template <int F, int MR, int MT = 1>
 void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w,
-                   const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
+                   const uint8_t *s, int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair, dpair pr) {
     using C = dcfg<F, MR, MT>;
     const int64_t nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH, mt = (T + C::RM - 1) / C::RM;
     if (nt > 0x7fffffff || nch > 65535 || mt > 65535 || (MR == 8 && T > 8))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "n, k or T too large for the grid");
     mma_decode_kernel<F, MR, MT>
         <<<dim3((unsigned)nt, (unsigned)(nch > 0 ? nch : 1), (unsigned)mt), C::THREADS, 0, st>>>(y, part, a, w, s, T, n,
-                                                                                             k, ld_b, s_ld, pair);
+                                                                                             k, ld_b, s_ld, pair, pr);
 }
 
 /* Every 32-bit word of weight codes through the in-register decodes, against tables of the
@@ -871,9 +891,10 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
     cuda_linear_mma_tiling(CUDA_MMA_AUTO, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
 }
 
-extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
-                                       const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
-                                       void *stream) {
+/* One call: a weight of n rows, or (pr.n1 < n) the decode tiling over two weights' rows. */
+static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
+                            const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
+                            void *stream, dpair pr) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
     const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0;
@@ -909,23 +930,25 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
-    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= MMA_DECODE_AUTO_T);
+    const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
+    if (pr.n1 < n && !decode)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_pair", "a pair call takes the decode tiling");
     if (decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_BF16) {
-            if (T <= 8) launch_decode<K_BF16, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode<K_BF16, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else if (fmt == WF_FP8) {
-            if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else if (T <= MMA_MT1_T) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else if (T <= MMA_MT2_T) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= MMA_MT1_T) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= MMA_MT2_T) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else {
-            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
-            else launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair);
+            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         }
     } else {
         switch (fmt) {
@@ -946,6 +969,22 @@ extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const u
         }
         KERNEL_CHECK();
     }
+}
+
+extern "C" void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
+                                       const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
+                                       void *stream) {
+    linear_mma_call(tiling, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, stream, dpair{nullptr, nullptr, n});
+}
+
+extern "C" void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w1,
+                                     const uint8_t *s1, int64_t n1, const void *w2, const uint8_t *s2, int64_t n2, int64_t k,
+                                     int64_t ld, int64_t s_ld, void *workspace, void *stream) {
+    if (n1 <= 0 || n2 <= 0 || n1 % 32 || ((uintptr_t)w2 & 15) || (fmt != WF_BF16 && !s2))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_pair",
+                 "the first weight's rows must be a positive multiple of 32, the second weight 16-byte aligned with scales");
+    linear_mma_call(tiling, fmt, y, x, T, w1, s1, n1 + n2, k, ld, s_ld, workspace, stream,
+                    dpair{(const uint8_t *)w2, s2, n1});
 }
 
 extern "C" int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first) {

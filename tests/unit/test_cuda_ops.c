@@ -5,6 +5,11 @@
  * mHC, Engram and attention ops are in test_cuda_ops_misc.c; the harness, the rounding model and
  * how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
+#ifdef DS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/linear_mma.h"
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Host weights, shaped and quantized like the checkpoint's */
@@ -1268,6 +1273,70 @@ static void test_linear_mma_kernels_agree(void **st) {
     mma_switch(false);
 }
 
+/* Two weights in one launch (cuda_linear_mma_pair: the shared expert's w1 and w3) against each
+ * weight's own call on the same quantized x: the same bits for every output, in every decode form
+ * (T = 1, 3, 8 the split kernel; 9, 16 one m16 tile a CTA; 24 two; 64 four), FP8 and FP4, at the
+ * real seam (2,304 rows) and at the smallest one (32 rows), with a second weight of another size. */
+static void test_linear_mma_pair(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* the tensor-core entry points called directly: no CPU stand-in */
+    const int64_t Ts[] = {1, 3, 8, 9, 16, 24, 64};
+    const struct {
+        bool fp4;
+        int64_t n1, n2, k;
+        const char *name;
+    } cs[] = {{false, MOE_INTER, MOE_INTER, DIM, "FP8 w1 | w3 [2304 | 2304, 5120]"},
+              {false, 32, 37, 160, "FP8 [32 | 37, 160]"},
+              {true, 64, 48, 96, "FP4 [64 | 48, 96]"}};
+    seed_tag("mma pair");
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int64_t n1 = cs[ci].n1, n2 = cs[ci].n2, k = cs[ci].k, n = n1 + n2;
+        struct hw a = cs[ci].fp4 ? hw_fp4(n1, k) : hw_fp8(n1, k, 0, k, 0.02f);
+        struct hw b = cs[ci].fp4 ? hw_fp4(n2, k) : hw_fp8(n2, k, 0, k, 0.02f);
+        struct qweight ga = g_weight(&a.q, false), gb = g_weight(&b.q, false);
+        assert_true(ga.ld == gb.ld && ga.s_ld == gb.s_ld);
+        const int fmt = (int)ga.fmt;
+        for (int ti = 0; ti < (int)(sizeof Ts / sizeof Ts[0]); ti++) {
+            const int64_t T = Ts[ti];
+            bf16_t *x = NEW(bf16_t, T * k), *yp = NEW(bf16_t, T * n), *ya = NEW(bf16_t, T * n1), *yb = NEW(bf16_t, T * n2);
+            fill_act(x, T * k, 1.0f);
+            void *dx = g_in(x, (size_t)(T * k) * 2), *dq = g_out(cuda_linear_mma_act_bytes(T, k), PZ_16);
+            void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16);
+            void *dyp = g_out((size_t)(T * n) * 2, PZ_16), *dya = g_out((size_t)(T * n1) * 2, PZ_16),
+                 *dyb = g_out((size_t)(T * n2) * 2, PZ_16);
+            const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
+            cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+            cuda_linear_mma_pair(tl, fmt, dyp, dq, T, ga.w, ga.s, n1, gb.w, gb.s, n2, k, ga.ld, ga.s_ld, ws, NULL);
+            cuda_linear_mma_tiling(tl, fmt, dya, dq, T, ga.w, ga.s, n1, k, ga.ld, ga.s_ld, ws, NULL);
+            cuda_linear_mma_tiling(tl, fmt, dyb, dq, T, gb.w, gb.s, n2, k, gb.ld, gb.s_ld, ws, NULL);
+            /* these ran on the legacy default stream, which the backend's own (non-blocking) stream,
+             * where g_get downloads, does not wait for */
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            g_get(yp, dyp, (size_t)(T * n) * 2);
+            g_get(ya, dya, (size_t)(T * n1) * 2);
+            g_get(yb, dyb, (size_t)(T * n2) * 2);
+            struct cmp c;
+            cmp_begin(&c, "linear pair", "%s T=%lld", cs[ci].name, (long long)T);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = 0; j < n; j++) {
+                    const bf16_t r = j < n1 ? ya[t * n1 + j] : yb[t * n2 + j - n1];
+                    cmp_bits(&c, t * n + j, yp[t * n + j], r, bf16_to_f32(yp[t * n + j]), bf16_to_f32(r));
+                }
+            cmp_end(&c);
+            g_free(dx), g_free(dq), g_free(ws), g_free(dyp), g_free(dya), g_free(dyb);
+            free(x), free(yp), free(ya), free(yb);
+        }
+        GPU->weight_release(&gpu_be, &ga);
+        GPU->weight_release(&gpu_be, &gb);
+        hw_free(&a);
+        hw_free(&b);
+    }
+#endif
+}
+
 static void test_batch_invariance_head(void **st) {
     NEED_GPU(st);
     struct hw h;
@@ -1345,6 +1414,7 @@ int main(void) {
         cmocka_unit_test(test_batch_invariance_linear),
         cmocka_unit_test(test_linear_mma),
         cmocka_unit_test(test_linear_mma_kernels_agree),
+        cmocka_unit_test(test_linear_mma_pair),
         cmocka_unit_test(test_batch_invariance_head),
         cmocka_unit_test(test_batch_invariance_moe_experts),
     };

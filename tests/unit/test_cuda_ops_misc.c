@@ -7,6 +7,8 @@
  * and how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
 #ifdef DS_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "cuda/linear_mma.h"
 #endif
 
@@ -627,6 +629,8 @@ static void test_mma_act_quant(void **st) {
         }
     void *dx = g_in(x, (size_t)n * 2), *dq = g_out((size_t)n * 2, PZ_16);
     cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+    /* the legacy default stream: the backend's own stream, where g_get downloads, does not wait for it */
+    assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
     g_get(xg, dq, (size_t)n * 2);
     struct cmp c;
     cmp_begin(&c, "mma act quant", "every bf16 pattern, n=%lld", (long long)n);
