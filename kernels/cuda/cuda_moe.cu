@@ -157,7 +157,12 @@ static __device__ float mo_log1pf(float x) {
  * runs on lane 0 in slot order, as the CPU's. Tried and not kept: without a NaN (a warp vote), a
  * lane kept the best (value, lower id) key of its untaken ids as one 64-bit word, a round was one
  * 64-bit warp max and only the winner's lane rescanned its ids — H200, Nsight at batch 1 (384
- * experts, top 6): 11.2 -> 14.2 µs a call, so the rounds below are not what the kernel waits on. */
+ * experts, top 6): 11.2 -> 14.2 µs a call, so the rounds below are not what the kernel waits on.
+ * Also not kept: the gate's fold (dense_fold_kernel, and at one row dense_seg_kernel) moved into
+ * this kernel's score loop, the segment sums read where the scores are made (one launch fewer on
+ * the routed chain, the same bits: router op test differ 0): each score's 40 dependent L2 reads
+ * made the call 13.5 -> 28.5 µs (Nsight, batch 1, clocks locked), the step at batch 1 4.34 4.32
+ * 4.35 -> 4.41 4.46 4.45 ms, batch 8 unchanged, batch 64 15.0 -> 14.9 ms (three runs alternated). */
 __global__ void __launch_bounds__(RT_WARPS * 32)
     router_select_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
                          const float *__restrict__ bias, int64_t T, int E, int k, float temp, int norm,
