@@ -1,7 +1,8 @@
 /* The CUDA backend against the CPU reference backend: memory ops (alloc/upload/copy/download),
  * weight_prepare (FP8, FP4, BF16, F32, dequant_bf16) and tensor_prepare, the dense family (linear on
  * FP8, FP4 and BF16 weights, linear_f32, grouped_linear, head), the MoE ops (router, moe_experts,
- * moe_combine, shared_expert), and batch invariance of linear, head and moe_experts. The elementwise,
+ * moe_combine, shared_expert), the tensor-core linears' pair call (two weights in one launch, bit
+ * for bit the two calls), and batch invariance of linear, head and moe_experts. The elementwise,
  * mHC, Engram and attention ops are in test_cuda_ops_misc.c; the harness, the rounding model and
  * how each kind of op is compared are in cuda_ops_common.h. */
 #include "cuda_ops_common.h"
