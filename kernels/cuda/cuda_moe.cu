@@ -711,18 +711,20 @@ __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__re
  * of 32; hq [T, I]. */
 __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *__restrict__ g,
                                                                const uint16_t *__restrict__ u, __nv_bfloat16 *__restrict__ hq,
-                                                               int64_t I2, int64_t ld2, float limit) {
-    /* grid y: the token row; g and u rows ld2 32-bit words apart (I2 = I / 2 pairs a row) */
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, i = (int64_t)blockIdx.y * I2 + j;
+                                                               int64_t T, int64_t I2, int64_t ld2, float limit) {
+    /* grid y strides over the T token rows; g and u rows ld2 32-bit words apart (I2 = I / 2 pairs a row) */
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const bool ok = j < I2; /* a 32-group is all in or all out: every lane takes part in the shuffles */
-    const int64_t o = (int64_t)blockIdx.y * ld2 + j;
-    uint32_t wg = 0, wu = 0;
-    if (ok) wg = __ldg(reinterpret_cast<const uint32_t *>(g) + o), wu = __ldg(reinterpret_cast<const uint32_t *>(u) + o);
-    const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)wg), ds_bf16f((uint16_t)wu), limit, false, 0.0f)));
-    const float v1 =
-        ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)(wg >> 16)), ds_bf16f((uint16_t)(wu >> 16)), limit, false, 0.0f)));
-    const uint32_t w = mma_quant2(v0, v1);
-    if (ok) mma_store_perm2(reinterpret_cast<uint32_t *>(hq) + (i >> 4) * 16, (int)(i & 15), w);
+    for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+        const int64_t i = t * I2 + j, o = t * ld2 + j;
+        uint32_t wg = 0, wu = 0;
+        if (ok) wg = __ldg(reinterpret_cast<const uint32_t *>(g) + o), wu = __ldg(reinterpret_cast<const uint32_t *>(u) + o);
+        const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)wg), ds_bf16f((uint16_t)wu), limit, false, 0.0f)));
+        const float v1 =
+            ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)(wg >> 16)), ds_bf16f((uint16_t)(wu >> 16)), limit, false, 0.0f)));
+        const uint32_t w = mma_quant2(v0, v1);
+        if (ok) mma_store_perm2(reinterpret_cast<uint32_t *>(hq) + (i >> 4) * 16, (int)(i & 15), w);
+    }
 }
 
 static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
@@ -751,8 +753,8 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     void *ws = u + gi;
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
-    const bool pair = T <= CUDA_MMA_DECODE_AUTO_T && I % 32 == 0 && w1->fmt == w3->fmt && w1->ld == w3->ld &&
-                      w1->s_ld == w3->s_ld;
+    /* (I % 32 == 0, which the pair's seam needs, is this path's own condition) */
+    const bool pair = T <= CUDA_MMA_DECODE_AUTO_T && w1->fmt == w3->fmt && w1->ld == w3->ld && w1->s_ld == w3->s_ld;
     int64_t ld2 = I / 2; /* g and u rows, in 32-bit words */
     if (pair) { /* g [T, 2I] with u the second half of each row */
         cuda_linear_mma_pair(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, w3->w, w3->s, I, D, w1->ld, w1->s_ld, ws, st);
@@ -763,9 +765,8 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
         cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, st);
     }
     const int64_t I2 = I / 2;
-    if (T > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "more than 65535 rows");
-    moe_swiglu_quant_kernel<<<dim3((unsigned)((I2 + 255) / 256), (unsigned)T), 256, 0, st>>>(g, u, (__nv_bfloat16 *)hq,
-                                                                                           I2, ld2, limit);
+    moe_swiglu_quant_kernel<<<dim3((unsigned)((I2 + 255) / 256), (unsigned)(T < 65535 ? T : 65535)), 256, 0, st>>>(
+        g, u, (__nv_bfloat16 *)hq, T, I2, ld2, limit);
     KERNEL_CHECK();
     cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, st);
     cuda_be_scratch_free(be, buf);
