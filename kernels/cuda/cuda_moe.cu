@@ -37,6 +37,7 @@
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
 #include "cuda_linear.h"
+#include "cuda_router.h"
 #include "linear_mma.h"
 #include "mma_sm80.cuh"
 #include "moe_common.cuh"
@@ -147,46 +148,24 @@ static __device__ float mo_log1pf(float x) {
 #define RT_WARPS 4
 #define RT_MAX_E 2048 /* experts: a lane holds its taken flags in one 64-bit mask */
 #define RT_MAX_K 64
+#define RR_MAX_E 1024 /* router_rank_kernel: one thread an expert */
+#define RR_MAX_K 32   /* ... and a warp's candidates are its lanes of local rank < k */
 
-/* One warp per token row (4 per CTA). Shared memory per warp: s [E] and s + bias [E] fp32, the
- * chosen weights [k]. Scores by the whole CTA, then per warp k rounds of an exact arg-max (max
- * involves no arithmetic, so the warp reduction's order cannot matter): the CPU scans ids upward
- * keeping the first candidate and replacing it only on a strictly greater value, i.e. the largest
- * value with ties to the lower id, except that a NaN first candidate is never replaced; the
- * reduction does the same (NaN values only win as that first candidate). The normalization sum
- * runs on lane 0 in slot order, as the CPU's. Tried and not kept: without a NaN (a warp vote), a
- * lane kept the best (value, lower id) key of its untaken ids as one 64-bit word, a round was one
- * 64-bit warp max and only the winner's lane rescanned its ids — H200, Nsight at batch 1 (384
- * experts, top 6): 11.2 -> 14.2 µs a call, so the rounds below are not what the kernel waits on.
- * Also not kept: the gate's fold (dense_fold_kernel, and at one row dense_seg_kernel) moved into
- * this kernel's score loop, the segment sums read where the scores are made (one launch fewer on
- * the routed chain, the same bits: router op test differ 0): each score's 40 dependent L2 reads
- * made the call 13.5 -> 28.5 µs (Nsight, batch 1, clocks locked), the step at batch 1 4.34 4.32
- * 4.35 -> 4.41 4.46 4.45 ms, batch 8 unchanged, batch 64 15.0 -> 14.9 ms (three runs alternated). */
-__global__ void __launch_bounds__(RT_WARPS * 32)
-    router_select_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
-                         const float *__restrict__ bias, int64_t T, int E, int k, float temp, int norm,
-                         float route_scale, int tpc) {
-    extern __shared__ float rt_sm[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *s = rt_sm + (size_t)warp * (2 * E + RT_MAX_K), *v = s + E, *wsel = v + E;
-    /* tpc tokens per CTA (1 or RT_WARPS), warp w selecting for token w; warps past tpc only score */
-    const int64_t t = warp < tpc ? (int64_t)blockIdx.x * tpc + warp : T;
-    /* the scores of the CTA's tokens by all its threads (at T = 1 a lone warp's 12 softplus per
-     * lane were the kernel's latency), each element's arithmetic as before */
-    const int64_t t0 = (int64_t)blockIdx.x * tpc;
-    const int nt = (int)(T - t0 < tpc ? T - t0 : tpc);
-    for (int q = threadIdx.x; q < nt * E; q += RT_WARPS * 32) {
-        const int tw = q / E, e = q % E;
-        float *sw = rt_sm + (size_t)tw * (2 * E + RT_MAX_K);
-        float zt = __fdiv_rn(z[(t0 + tw) * E + e], temp);
-        float sp = zt > 20.0f ? zt : mo_log1pf(ds_expf(zt)); /* torch softplus, threshold 20 */
-        float sv = __fsqrt_rn(sp);
-        sw[e] = sv;
-        sw[E + e] = bias ? __fadd_rn(sv, bias[e]) : sv;
-    }
-    __syncthreads();
-    if (t >= T) return; /* no block-wide barrier below */
+/* sqrt(softplus(z / temp)) of one gate logit (torch's softplus, threshold 20), the CPU's arithmetic */
+static __device__ __forceinline__ float rt_score(float z, float temp) {
+    const float zt = __fdiv_rn(z, temp);
+    const float sp = zt > 20.0f ? zt : mo_log1pf(ds_expf(zt));
+    return __fsqrt_rn(sp);
+}
+
+/* The CPU's selection for one token, by one warp: k rounds of an exact arg-max over s + bias (v).
+ * The CPU scans ids upward keeping the first candidate and replacing it only on a strictly greater
+ * value, i.e. the largest value with ties to the lower id, except that a NaN first candidate is
+ * never replaced; the reduction does the same (NaN values only win as that first candidate), and
+ * max involves no arithmetic, so the warp reduction's order cannot matter. Lane 0 writes the ids
+ * (idx_row [k]) and the chosen scores (wsel [k], shared). */
+static __device__ void rt_select_serial(int32_t *idx_row, float *wsel, const float *s, const float *v, int E, int k,
+                                        int lane) {
     const int J = (E + 31) / 32;
     uint64_t taken = 0;
     for (int slot = 0; slot < k; slot++) {
@@ -216,19 +195,169 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
         const int chosen = vf != vf ? first : best;
         if ((chosen & 31) == lane) taken |= 1ull << (chosen >> 5);
         if (lane == 0) {
-            idx[t * k + slot] = chosen;
+            idx_row[slot] = chosen;
             wsel[slot] = s[chosen];
         }
     }
-    if (lane == 0) {
-        if (norm && k > 1) {
-            float sum = 0.0f;
-            for (int slot = 0; slot < k; slot++) sum = __fadd_rn(sum, wsel[slot]);
-            float den = __fadd_rn(sum, 1e-20f);
-            for (int slot = 0; slot < k; slot++) wsel[slot] = __fdiv_rn(wsel[slot], den);
-        }
-        for (int slot = 0; slot < k; slot++) wts[t * k + slot] = __fmul_rn(wsel[slot], route_scale);
+}
+
+/* Slot `slot`'s routing weight from the chosen scores wsel [k] (shared): with norm, divided by
+ * (their sum in slot order + 1e-20), then times route_scale, as the CPU. Every slot's thread sums
+ * on its own in the one order, so the slots need no barrier between the sum and the divisions. */
+static __device__ __forceinline__ float rt_weight(const float *wsel, int slot, int k, int norm, float route_scale) {
+    float w = wsel[slot];
+    if (norm && k > 1) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum = __fadd_rn(sum, wsel[j]);
+        w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
     }
+    return __fmul_rn(w, route_scale);
+}
+
+/* The fallback selection kernel (more than RR_MAX_E experts or RR_MAX_K slots; and the test
+ * hook's reference): one warp per token row (4 per CTA). Shared memory per warp: s [E] and
+ * s + bias [E] fp32, the chosen weights [k]. Scores by the whole CTA, then rt_select_serial.
+ * Tried and not kept: without a NaN (a warp vote), a lane kept the best (value, lower id) key of
+ * its untaken ids as one 64-bit word, a round was one 64-bit warp max and only the winner's lane
+ * rescanned its ids — H200, Nsight at batch 1 (384 experts, top 6): 11.2 -> 14.2 µs a call.
+ * Also not kept: the gate's fold (dense_fold_kernel, and at one row dense_seg_kernel) moved into
+ * this kernel's score loop, the segment sums read where the scores are made (one launch fewer on
+ * the routed chain, the same bits: router op test differ 0): each score's 40 dependent L2 reads
+ * made the call 13.5 -> 28.5 µs (Nsight, batch 1, clocks locked), the step at batch 1 4.34 4.32
+ * 4.35 -> 4.41 4.46 4.45 ms, batch 8 unchanged, batch 64 15.0 -> 14.9 ms (three runs alternated). */
+__global__ void __launch_bounds__(RT_WARPS * 32)
+    router_select_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
+                         const float *__restrict__ bias, int64_t T, int E, int k, float temp, int norm,
+                         float route_scale, int tpc) {
+    extern __shared__ float rt_sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *s = rt_sm + (size_t)warp * (2 * E + RT_MAX_K), *v = s + E, *wsel = v + E;
+    /* tpc tokens per CTA (1 or RT_WARPS), warp w selecting for token w; warps past tpc only score */
+    const int64_t t = warp < tpc ? (int64_t)blockIdx.x * tpc + warp : T;
+    /* the scores of the CTA's tokens by all its threads (at T = 1 a lone warp's 12 softplus per
+     * lane were the kernel's latency), each element's arithmetic as before */
+    const int64_t t0 = (int64_t)blockIdx.x * tpc;
+    const int nt = (int)(T - t0 < tpc ? T - t0 : tpc);
+    for (int q = threadIdx.x; q < nt * E; q += RT_WARPS * 32) {
+        const int tw = q / E, e = q % E;
+        float *sw = rt_sm + (size_t)tw * (2 * E + RT_MAX_K);
+        const float sv = rt_score(z[(t0 + tw) * E + e], temp);
+        sw[e] = sv;
+        sw[E + e] = bias ? __fadd_rn(sv, bias[e]) : sv;
+    }
+    __syncthreads();
+    if (t >= T) return; /* no block-wide barrier below */
+    rt_select_serial(idx + t * k, wsel, s, v, E, k, lane);
+    __syncwarp();
+    for (int slot = lane; slot < k; slot += 32) wts[t * k + slot] = rt_weight(wsel, slot, k, norm, route_scale);
+}
+
+/* The selection as ranks (E <= RR_MAX_E, k <= RR_MAX_K): one CTA per token, one thread per expert.
+ * Without a NaN among the token's v = s + bias, the CPU's scan picks the top k of one total order,
+ * "a before b" = v_a > v_b or (v_a == v_b and a < b) (ties, -0 = +0 included, to the lower id), in
+ * that order, so slot r holds the expert that exactly r others come before. Each warp's lanes of
+ * local rank < k (rank among the warp's 32 experts, by shuffles) are the candidates: every expert
+ * of the top k is one (whatever comes before it is in the top k as well, so fewer than k of its
+ * warp do), every top-k expert comes before any other, so a candidate's rank among the candidates
+ * is its rank among all experts where that is < k, and >= k otherwise. With a NaN anywhere (a CTA
+ * vote), warp 0 runs rt_select_serial instead, the NaN rules and all. The same ids and weights as
+ * router_select_kernel, bit for bit (test_router_select: crafted ties, signed zeros, infinities and
+ * NaNs, every E and k form). What it replaces at one token a CTA: the 128 threads' 3 scores each and
+ * warp 0's k rounds of 12 dependent shared reads and 5 shuffle steps — a ~20k-cycle chain on the
+ * routed experts' critical path. H200, 384 experts top 6: Nsight (eager, clocks as they run) 13.7 ->
+ * 9.5 µs a call at batch 1 and 64; in the step (graphs, tests/gpu/kernel_times.sh) 10.0 -> 7.0 µs;
+ * bench_step decode ms, three runs alternated, batch 1 4.39 4.38 4.39 -> 4.28 4.35 4.35, batch 8
+ * and 64 unchanged (6.81 6.81 6.84 -> 6.80 6.86 6.80, 14.85 14.84 14.91 -> 14.85 14.99 14.84). */
+__global__ void __launch_bounds__(RR_MAX_E)
+    router_rank_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
+                       const float *__restrict__ bias, int E, int k, float temp, int norm, float route_scale) {
+    __shared__ float s[RR_MAX_E], v[RR_MAX_E]; /* [E] the scores, s + bias */
+    __shared__ float2 cand[RR_MAX_E];         /* [warps][k] (v, id as int bits); id -1: no candidate */
+    __shared__ float wsel[RR_MAX_K];          /* [k] the chosen scores */
+    const int64_t t = blockIdx.x;
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nc = (int)(blockDim.x >> 5) * k;
+    const bool live = e < E;
+    float vv = 0.0f;
+    if (live) {
+        const float sv = rt_score(z[t * E + e], temp);
+        vv = bias ? __fadd_rn(sv, bias[e]) : sv;
+        s[e] = sv;
+        v[e] = vv;
+    }
+    if (e < nc) cand[e] = make_float2(0.0f, __int_as_float(-1)); /* nc <= blockDim.x (k <= 32) */
+    if (__syncthreads_or(live && vv != vv)) {
+        if (warp == 0) {
+            rt_select_serial(idx + t * k, wsel, s, v, E, k, lane);
+            __syncwarp();
+            for (int slot = lane; slot < k; slot += 32) wts[t * k + slot] = rt_weight(wsel, slot, k, norm, route_scale);
+        }
+        return;
+    }
+    const int nl = E - warp * 32 < 32 ? E - warp * 32 : 32; /* the warp's experts */
+    int r = 0;
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        const float vj = __shfl_sync(0xffffffffu, vv, j);
+        r += j < nl && (vj > vv || (vj == vv && j < lane));
+    }
+    if (live && r < k) cand[warp * k + r] = make_float2(vv, __int_as_float(e));
+    __syncthreads();
+    if (e < nc) {
+        const float2 me = cand[e];
+        const int ei = __float_as_int(me.y);
+        if (ei >= 0) {
+            int R = 0;
+#pragma unroll 8
+            for (int j = 0; j < nc; j++) {
+                const float2 o = cand[j];
+                const int ej = __float_as_int(o.y);
+                R += ej >= 0 && (o.x > me.x || (o.x == me.x && ej < ei));
+            }
+            if (R < k) {
+                idx[t * k + R] = ei;
+                wsel[R] = s[ei];
+            }
+        }
+    }
+    __syncthreads();
+    if (e < k) wts[t * k + e] = rt_weight(wsel, e, k, norm, route_scale);
+}
+
+/* The selection from gate logits z [T, E] fp32 (device) by the given form (cuda_router.h). */
+static void router_select_launch(int form, int32_t *idx, float *wts, const float *z, const float *bias, int64_t T,
+                                 int64_t E, int64_t k, float temp, bool norm, float route_scale, int sms,
+                                 cudaStream_t st) {
+    if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
+    const bool rank_ok = E <= RR_MAX_E && k <= RR_MAX_K && T <= 0x7fffffff;
+    if (form == CUDA_ROUTER_AUTO) form = rank_ok ? CUDA_ROUTER_RANK : CUDA_ROUTER_SERIAL;
+    if (form == CUDA_ROUTER_RANK) {
+        if (!rank_ok)
+            ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "the rank form takes <= 1024 experts, top <= 32");
+        router_rank_kernel<<<(unsigned)T, (unsigned)((E + 31) / 32 * 32), 0, st>>>(idx, wts, z, bias, (int)E, (int)k, temp,
+                                                                                 norm ? 1 : 0, route_scale);
+    } else {
+        size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
+        if (smem > 48 * 1024)
+            ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "too many experts for shared memory");
+        /* a token a CTA while that fills the GPU: its scores by all 128 threads, 3 a thread for 384
+         * experts, where 4 tokens a CTA gave each thread 12 (H200, Nsight at batch 8: 17.6 -> 11.3 µs
+         * a call; bench_step decode ms, two runs alternated, batch 8 8.37 8.32 -> 8.24 8.27, batch 64
+         * 18.09 17.98 -> 17.60 17.70, batch 1 unchanged) */
+        const int tpc = T <= 2 * (int64_t)sms ? 1 : RT_WARPS;
+        router_select_kernel<<<(unsigned)((T + tpc - 1) / tpc), RT_WARPS * 32, smem, st>>>(
+            idx, wts, z, bias, T, (int)E, (int)k, temp, norm ? 1 : 0, route_scale, tpc);
+    }
+    KERNEL_CHECK();
+}
+
+extern "C" void cuda_router_select(int form, int32_t *idx, float *wts, const float *z, const float *bias, int64_t T,
+                                   int64_t E, int64_t k, float temp, int norm, float route_scale, void *stream) {
+    if (T <= 0) return;
+    int dev = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    router_select_launch(form, idx, wts, z, bias, T, E, k, temp, norm != 0, route_scale, sms, (cudaStream_t)stream);
 }
 
 void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
@@ -238,20 +367,10 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
     if (T <= 0) return;
     if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
-    cudaStream_t st = cuda_be_stream(be);
     float *z = (float *)cuda_be_scratch_raw(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
     cuda_op_linear_f32(be, z, x, T, gate); /* fp32, BE_DOT_SEG segments: the CPU's linear_f32 */
-    size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
-    if (smem > 48 * 1024)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "too many experts for shared memory");
-    /* a token a CTA while that fills the GPU: its scores by all 128 threads, 3 a thread for 384
-     * experts, where 4 tokens a CTA gave each thread 12 (H200, Nsight at batch 8: 17.6 -> 11.3 µs
-     * a call; bench_step decode ms, two runs alternated, batch 8 8.37 8.32 -> 8.24 8.27, batch 64
-     * 18.09 17.98 -> 17.60 17.70, batch 1 unchanged) */
-    const int tpc = T <= 2 * (int64_t)cuda_be_sms(be) ? 1 : RT_WARPS;
-    router_select_kernel<<<(unsigned)((T + tpc - 1) / tpc), RT_WARPS * 32, smem, st>>>(
-        idx, wts, z, bias, T, (int)E, (int)k, temp, norm ? 1 : 0, route_scale, tpc);
-    KERNEL_CHECK();
+    router_select_launch(CUDA_ROUTER_AUTO, idx, wts, z, bias, T, E, k, temp, norm, route_scale, cuda_be_sms(be),
+                         cuda_be_stream(be));
     cuda_be_scratch_free(be, z);
 }
 

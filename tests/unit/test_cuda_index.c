@@ -18,6 +18,11 @@
  * block maximum, always the last visible one; idx_remap and copy_segs write their ranges and
  * nothing else (the poison around them survives). The harness is cuda_ops_common.h. */
 #include "cuda_ops_common.h"
+#ifdef DS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_router.h"
+#endif
 
 _Static_assert(TOL_GPU_DATA_EXACT == 0 && TOL_GPU_INDEX_SELECT_EXACT == 0,
                "copy_segs, idx_remap, index_topk and cand_mask are compared bit for bit");
@@ -619,6 +624,132 @@ static void test_memory_reuse_and_ring(void **st) {
     free(h);
 }
 
+/* =============================================================================================
+ * The router's selection (cuda_router.h): the rank kernel against the serial arg-max kernel, and
+ * both against the CPU's scan (cpu_op_router's loop, here on the same logits), on crafted gate
+ * logits a gate linear rarely makes: exact ties (repeated values, -0 beside +0), +-inf, NaN at
+ * the first id (which the CPU's scan then keeps) and elsewhere (never chosen unless first), rows
+ * of one value, and the score's z > 20 switch. Ids must agree exactly and weights bit for bit:
+ * a different order of ties, a NaN rule broken, a candidate lost between the rank kernel's two
+ * passes or a weight summed in another order would each fail. */
+
+#ifdef DS_HAVE_CUDA
+/* cpu_op_router's selection and weights for one row of logits */
+static void router_select_host(int32_t *ir, float *wr, const float *z, const float *bias, int64_t E, int64_t k,
+                               float temp, bool norm, float rs) {
+    float *s = NEW(float, E);
+    unsigned char *taken = calloc((size_t)E, 1);
+    assert_non_null(taken);
+    for (int64_t e = 0; e < E; e++) {
+        float zt = z[e] / temp;
+        float sp = zt > 20.0f ? zt : log1pf(expf(zt));
+        s[e] = sqrtf(sp);
+    }
+    for (int64_t slot = 0; slot < k; slot++) {
+        int64_t best = -1;
+        float bv = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            if (taken[e]) continue;
+            float v = bias ? s[e] + bias[e] : s[e];
+            if (best < 0 || v > bv) best = e, bv = v;
+        }
+        taken[best] = 1;
+        ir[slot] = (int32_t)best;
+        wr[slot] = s[best];
+    }
+    if (norm && k > 1) {
+        float sum = 0.0f;
+        for (int64_t slot = 0; slot < k; slot++) sum += wr[slot];
+        float den = sum + 1e-20f;
+        for (int64_t slot = 0; slot < k; slot++) wr[slot] /= den;
+    }
+    for (int64_t slot = 0; slot < k; slot++) wr[slot] *= rs;
+    free(s);
+    free(taken);
+}
+
+/* Row r of the crafted logits (kind r % 8) */
+static void router_crafted_row(float *z, int64_t E, int64_t r) {
+    static const float few[] = {0.75f, -0.0f, 0.0f, 1.5f, -2.0f};
+    for (int64_t e = 0; e < E; e++) {
+        switch (r % 8) {
+        case 0: z[e] = (float)(4.0 * urand() - 2.0); break;                    /* distinct */
+        case 1: z[e] = few[irand(5)]; break;                                    /* ties, signed zeros */
+        case 2: z[e] = irand(9) == 0 ? (irand(2) ? INFINITY : -INFINITY) : (float)(urand() - 0.5); break;
+        case 3: z[e] = e == 0 || irand(11) == 0 ? NAN : (float)(urand() - 0.5); break; /* NaN first */
+        case 4: z[e] = e < 3 || irand(40) == 0 ? NAN : few[irand(5)]; break;
+        case 5: z[e] = e == E / 2 ? NAN : (float)(2.0 * urand()); break;      /* NaN never first */
+        case 6: z[e] = 1.25f; break;                                            /* one value */
+        default: z[e] = (float)(10.0 + 20.0 * urand()); if (irand(4) == 0) z[e] = 25.0f; break; /* z > 20 */
+        }
+    }
+}
+
+static void router_select_case(int64_t T, int64_t E, int64_t k, bool with_bias, float temp, bool norm, float rs) {
+    char tag[128];
+    snprintf(tag, sizeof tag, "router select E=%lld k=%lld T=%lld", (long long)E, (long long)k, (long long)T);
+    seed_tag(tag);
+    float *z = NEW(float, T * E), *bias = with_bias ? NEW(float, E) : NULL;
+    for (int64_t t = 0; t < T; t++) router_crafted_row(z + t * E, E, t);
+    if (bias)
+        for (int64_t e = 0; e < E; e++) bias[e] = irand(3) == 0 ? 0.5f : (float)(0.25 * urand()); /* ties in v too */
+    int32_t *ih = NEW(int32_t, T * k), *ig[2];
+    float *wh = NEW(float, T * k), *wg[2];
+    for (int64_t t = 0; t < T; t++)
+        router_select_host(ih + t * k, wh + t * k, z + t * E, bias, E, k, temp, norm, rs);
+    void *dz = g_in(z, (size_t)(T * E) * 4), *db = bias ? g_in(bias, (size_t)E * 4) : NULL;
+    const int forms[2] = {CUDA_ROUTER_SERIAL, CUDA_ROUTER_RANK};
+    for (int f = 0; f < 2; f++) {
+        void *di = g_out((size_t)(T * k) * 4, PZ_32I), *dw = g_out((size_t)(T * k) * 4, PZ_32F);
+        cuda_router_select(forms[f], di, dw, dz, db, T, E, k, temp, norm, rs, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+        ig[f] = NEW(int32_t, T * k);
+        wg[f] = NEW(float, T * k);
+        g_get(ig[f], di, (size_t)(T * k) * 4);
+        g_get(wg[f], dw, (size_t)(T * k) * 4);
+        g_free(di);
+        g_free(dw);
+    }
+    long long bad_rank = 0, bad_serial = 0;
+    for (int64_t i = 0; i < T * k; i++) {
+        bad_rank += ig[1][i] != ig[0][i] || memcmp(&wg[1][i], &wg[0][i], 4) != 0;
+        /* NaN weights as NaN: CUDA's arithmetic makes the canonical NaN, x86 keeps the input's */
+        const bool both_nan = isnan(wg[0][i]) && isnan(wh[i]);
+        bad_serial += ig[0][i] != ih[i] || (!both_nan && memcmp(&wg[0][i], &wh[i], 4) != 0);
+        if ((ig[1][i] != ig[0][i] || ig[0][i] != ih[i]) && bad_rank + bad_serial < 4)
+            fprintf(stderr, "  %s row %lld slot %lld: rank %d, serial %d, cpu %d\n", tag, (long long)(i / k),
+                    (long long)(i % k), ig[1][i], ig[0][i], ih[i]);
+    }
+    print_message("  %-15s E=%-5lld k=%-3lld T=%-4lld bias=%d: rank vs serial %lld, serial vs CPU %lld of %lld slots differ\n",
+                  "router select", (long long)E, (long long)k, (long long)T, with_bias, bad_rank, bad_serial,
+                  (long long)(T * k));
+    assert_int_equal(bad_rank, 0);
+    assert_int_equal(bad_serial, 0);
+    g_free(dz);
+    if (db) g_free(db);
+    for (int f = 0; f < 2; f++) free(ig[f]), free(wg[f]);
+    free(z), free(bias), free(ih), free(wh);
+}
+#endif
+
+static void test_router_select(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* CUDA kernels called directly: no CPU stand-in */
+    router_select_case(40, 384, 6, true, 1.0f, true, 1.5f);  /* V4.1: 384 experts, top 6 */
+    router_select_case(300, 384, 6, true, 1.0f, true, 1.5f); /* > 2 rows per SM: the serial form's 4 a CTA */
+    router_select_case(24, 128, 3, true, 1.0f, true, 1.5f);  /* DSpark */
+    router_select_case(16, 37, 1, false, 2.0f, true, 1.0f);
+    router_select_case(16, 33, 4, true, 1.0f, false, 1.0f);
+    router_select_case(16, 1000, 32, true, 1.0f, true, 2.5f); /* the rank form's largest k */
+    router_select_case(8, 1024, 8, false, 1.0f, true, 1.0f);
+    router_select_case(8, 32, 32, true, 1.0f, true, 1.0f);    /* k = E: everything ranked */
+#endif
+}
+
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_index_topk),
@@ -629,6 +760,7 @@ int main(void) {
         cmocka_unit_test(test_idx_remap),
         cmocka_unit_test(test_copy_segs),
         cmocka_unit_test(test_memory_reuse_and_ring),
+        cmocka_unit_test(test_router_select),
     };
     cuda_ops_test_filters();
     return cmocka_run_group_tests(tests, cuda_ops_group_setup, cuda_ops_group_teardown);
