@@ -9,7 +9,7 @@
  *  - every rounding point is an explicit __f*_rn intrinsic, so nvcc cannot contract a product and
  *    a sum into an FMA (the CPU is built with -ffp-contract=off);
  *  - the row sums the CPU takes with torch's 16-lane cascade (cpu_reduce.c: RMSNorm, the mHC norm,
- *    the Engram statistics) run here in exactly that order, one warp per row (torch_sum_warp);
+ *    the Engram statistics) run here in exactly that order, one CTA per row (torch_sum_block);
  *  - the mHC mix dot products, sequential sums on the CPU, stay sequential: one thread per output;
  *  - expf / sinf / cosf are ports of the glibc algorithms the CPU calls (double-precision
  *    polynomials, with the contractions of glibc's x86-64 FMA build), checked equal to glibc 2.36
@@ -145,7 +145,7 @@ __device__ __forceinline__ float ds_rstd(float ss, float n, float eps) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * torch's fp32 row sum (cpu_reduce.c) in its exact order, by one warp.
+ * torch's fp32 row sum (cpu_reduce.c) in its exact order, a lane per column pair.
  *
  * The row is groups of 64 = 4 ILP vectors × 16 lanes; column (k, l) of group i is element
  * 64i + 16k + l. Each column runs its own 4-level cascade over the groups, which needs nothing
@@ -226,62 +226,12 @@ __device__ __forceinline__ void torch_finish(int64_t n, float c0[NS], float c1[N
         }
 }
 
-/* NS row sums at once (the Engram gate needs three over the same elements). */
-template <int NS, class Pair, class One>
-__device__ __forceinline__ void torch_sum_warp(int64_t n, Pair pair, One one, float out[NS]) {
-    const int lane = threadIdx.x & 31;
-    const int64_t size = (n / 16) / 4;
-    float c0[NS], c1[NS], a[NS], b[NS];
-    torch_levels s0[NS], s1[NS];
-#pragma unroll
-    for (int q = 0; q < NS; q++) {
-        tl_zero(s0[q]);
-        tl_zero(s1[q]);
-    }
-    if (size > 0) {
-        const int lpow = tl_level_power(size);
-        const int64_t step = (int64_t)1 << lpow;
-        int64_t i = 0;
-        while (i + step <= size) {
-#pragma unroll(NS > 1 ? 4 : 8)
-            for (int64_t j = 0; j < step; j++) {
-                pair((i + j) * 64 + 2 * lane, a, b);
-#pragma unroll
-                for (int q = 0; q < NS; q++) {
-                    s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
-                    s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
-                }
-            }
-            i += step;
-#pragma unroll
-            for (int q = 0; q < NS; q++) {
-                tl_cascade(s0[q], i, lpow);
-                tl_cascade(s1[q], i, lpow);
-            }
-        }
-#pragma unroll 4
-        for (; i < size; i++) {
-            pair(i * 64 + 2 * lane, a, b);
-#pragma unroll
-            for (int q = 0; q < NS; q++) {
-                s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
-                s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
-            }
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < NS; q++) { /* size == 0: ps stays zero, as the CPU's memset */
-        c0[q] = tl_final(s0[q]);
-        c1[q] = tl_final(s1[q]);
-    }
-    torch_finish<NS>(n, c0, c1, pair, one, out);
-}
-
-/* The same sum by a whole CTA (every thread calls it; the result is in warp 0's lanes). The
- * cascade's level-0 accumulator restarts from zero every `step` groups, so each run of `step`
- * groups (the last one possibly short) is an independent sum from 0: the warps compute those runs'
- * column sums in parallel into l0, then warp 0 feeds them through the cascade in order, exactly
- * as torch_sum_warp would have accumulated them. l0: shared [TSB_CAP · 64 · NS] floats. */
+/* NS row sums at once (the Engram gate needs three over the same elements) by a whole CTA (every
+ * thread calls it; the result is in warp 0's lanes). The cascade's level-0 accumulator restarts
+ * from zero every `step` groups, so each run of `step` groups (the last one possibly short) is an
+ * independent sum from 0: the warps compute those runs' column sums in parallel into l0, then
+ * warp 0 feeds them through the cascade in order, exactly as one warp walking the groups in order
+ * (lane = its two columns) would have accumulated them. l0: shared [TSB_CAP · 64 · NS] floats. */
 #define TSB_CAP 32 /* level-0 runs per round */
 
 template <int NS, class Pair, class One>
@@ -750,7 +700,7 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
 #define HC_SMEM_MAX (46 * 1024)
-#define HC_FIN_THREADS 256
+#define HC_FIN_THREADS 640 /* 20 warps: the row statistic's 20 level-0 runs (hc 4, D 5120) in one round */
 #define HC_PS_MAX 2048 /* floats of hc_mix_finish's staged segment sums (hc = 4, D = 4096: 24 x 68) */
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
@@ -1135,7 +1085,7 @@ __global__ void __launch_bounds__(EW_THREADS)
 }
 
 /* hc_collapse with norm_w: the collapse and the rmsnorm after it in one pass per row (a CTA of
- * RMS_WARPS warps, as rmsnorm_kernel): each thread collapses its 8-wide chunks of the row with
+ * HCN_WARPS warps): each thread collapses its 8-wide chunks of the row with
  * every copy's load issued at once (HC is a template parameter, as for hc_mixes), rounds y to bf16
  * in shared memory, and the norm runs there — row_rstd_block's torch-order sum of squares, then
  * w · (y · r) — with the collapse's and rmsnorm_kernel's arithmetic, so the bits are the two ops'.
@@ -1143,12 +1093,19 @@ __global__ void __launch_bounds__(EW_THREADS)
  * rmsnorm_kernel's. D up to HCN_MAX_D (y's row in shared memory); other shapes run the two
  * kernels. */
 #define HCN_MAX_D 8192
+/* 20 warps: at D = 5120 one 8-wide chunk a thread (every load of the collapse in one round) and the
+ * norm's 5 level-0 runs in one round; with RMS_WARPS (4) a thread walked 5 chunks and warp 0 two
+ * rounds of runs. H200, Nsight, batch 1 / 64: 8.7 / 9.5 -> 7.1 / 7.6 µs a call, with
+ * HC_FIN_THREADS 256 -> 640 hc_mix_finish 15.2 / 15.4 -> 13.3 / 13.5 µs; bench_step decode ms, three
+ * runs alternated (both changes over the router's rank kernel): b1 4.28 4.35 4.35 -> 4.28 4.29 4.31,
+ * b8 6.80 6.86 6.80 -> 6.77 6.76 6.76, b64 14.85 14.99 14.84 -> 14.59 14.60 14.68. */
+#define HCN_WARPS 20
 
 template <int HC>
-__global__ void __launch_bounds__(RMS_WARPS * 32)
+__global__ void __launch_bounds__(HCN_WARPS * 32)
     hc_collapse_norm_kernel(uint16_t *__restrict__ y, const uint16_t *__restrict__ X, const float *__restrict__ p,
                             const uint16_t *__restrict__ w, int64_t D, float eps) {
-    constexpr int STEP = RMS_WARPS * 32 * 8, NP = HCN_MAX_D / STEP;
+    constexpr int STEP = HCN_WARPS * 32 * 8, NP = (HCN_MAX_D + STEP - 1) / STEP;
     __shared__ __align__(16) uint16_t ys[HCN_MAX_D]; /* the row's collapsed y [D] bf16 */
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float r_s;
@@ -1201,7 +1158,7 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
         bool done = true;
         switch (hc) {
 #define HCN_CASE(H)                                                                                                    \
-    case H: hc_collapse_norm_kernel<H><<<(unsigned)T, RMS_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps); break;
+    case H: hc_collapse_norm_kernel<H><<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps); break;
             HCN_CASE(1)
             HCN_CASE(2)
             HCN_CASE(3)
@@ -1420,16 +1377,21 @@ void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids,
     KERNEL_CHECK();
 }
 
-/* Engram gate: one warp per (t, copy c). The three statistics (Σh², Σkey², Σ(h·w)·key) share one
- * pass in torch's order, then the warp rewrites the row in place: h is read whole before the
- * final shuffles of the sums, and each lane reads its elements before writing them. */
+/* Engram gate: one CTA of EG_WARPS warps per (t, copy c). The three statistics (Σh², Σkey²,
+ * Σ(h·w)·key) share one pass in torch's order (torch_sum_block: the warps sum the cascade's
+ * level-0 runs side by side, warp 0 folds them in order — the bits of the one-warp sum), then the
+ * CTA rewrites the row in place: every read of the sum pass is before the barrier that publishes
+ * the gate, and each thread reads its elements before writing them. One warp per row walked the
+ * 80 groups of a 5,120-wide row alone: 20.5 µs a call at every batch, 9.5 µs with 8 warps (H200,
+ * in the step: tests/gpu/kernel_times.sh). */
+#define EG_WARPS 8
 template <int VEC>
-__global__ void __launch_bounds__(ROW_WARPS * 32)
+__global__ void __launch_bounds__(EG_WARPS * 32)
     engram_gate_kernel(uint16_t *X, const uint16_t *__restrict__ kv, const float *__restrict__ w, int64_t T,
                        int64_t hc, int64_t D, float eps, float inv_sqrt_d, int al_pairs) {
-    const int64_t row = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= T * hc) return; /* whole warps */
+    __shared__ float l0[TSB_CAP * 64 * 3];
+    __shared__ float g_s;
+    const int64_t row = blockIdx.x;
     const int64_t t = row / hc, c = row % hc;
     uint16_t *h = X + row * D;                         /* X [T, hc, D] bf16 */
     const uint16_t *key = kv + t * (hc + 1) * D + c * D; /* kv [T, hc + 1, D] bf16: keys, then the value */
@@ -1437,7 +1399,7 @@ __global__ void __launch_bounds__(ROW_WARPS * 32)
     const float *wc = w + c * D; /* w [hc, D] f32 */
     const bool al = al_pairs != 0;
     float st[3];
-    torch_sum_warp<3>(
+    torch_sum_block<3>(
         D,
         [&](int64_t e, float *a, float *b) {
             float h0, h1, k0, k1, w0, w1;
@@ -1464,12 +1426,16 @@ __global__ void __launch_bounds__(ROW_WARPS * 32)
             a[1] = __fmul_rn(k0, k0);
             a[2] = __fmul_rn(__fmul_rn(h0, wc[e]), k0);
         },
-        st);
-    const float fd = (float)D;
-    const float rstd = __fmul_rn(ds_rstd(st[0], fd, eps), ds_rstd(st[1], fd, eps));
-    const float dot = __fmul_rn(__fmul_rn(st[2], rstd), inv_sqrt_d);
-    const float g = ds_sigmoid(copysignf(__fsqrt_rn(fmaxf(fabsf(dot), 1e-6f)), dot));
-    for (int64_t e = (int64_t)lane * VEC; e < D; e += 32 * VEC) {
+        st, l0);
+    if (threadIdx.x == 0) { /* warp 0 holds the sums */
+        const float fd = (float)D;
+        const float rstd = __fmul_rn(ds_rstd(st[0], fd, eps), ds_rstd(st[1], fd, eps));
+        const float dot = __fmul_rn(__fmul_rn(st[2], rstd), inv_sqrt_d);
+        g_s = ds_sigmoid(copysignf(__fsqrt_rn(fmaxf(fabsf(dot), 1e-6f)), dot));
+    }
+    __syncthreads();
+    const float g = g_s;
+    for (int64_t e = (int64_t)threadIdx.x * VEC; e < D; e += EG_WARPS * 32 * VEC) {
         float hv[VEC], vv[VEC];
         load_bf<VEC>(h + e, hv);
         load_bf<VEC>(value + e, vv);
@@ -1485,13 +1451,15 @@ void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const 
     const float inv_sqrt_d = (float)(1.0 / sqrt((double)D)); /* as the CPU: in double, then rounded */
     /* pairs (e even) are 4-byte (bf16) / 8-byte (w) aligned when D is even and the bases are */
     const int al_pairs = D % 2 == 0 && ((uintptr_t)X & 3) == 0 && ((uintptr_t)kv & 3) == 0 && ((uintptr_t)w & 7) == 0;
-    const unsigned grid = ew_blocks(T * hc, ROW_WARPS);
+    if (T * hc > 0x7fffffff)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda engram_gate", "more than 2^31 - 1 rows");
+    const unsigned grid = (unsigned)(T * hc);
     if (D % 8 == 0 && al16(X) && al16(kv))
-        engram_gate_kernel<8><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
-                                                                              al_pairs);
+        engram_gate_kernel<8><<<grid, EG_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
+                                                                             al_pairs);
     else
-        engram_gate_kernel<1><<<grid, ROW_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
-                                                                              al_pairs);
+        engram_gate_kernel<1><<<grid, EG_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
+                                                                             al_pairs);
     KERNEL_CHECK();
 }
 

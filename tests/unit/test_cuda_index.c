@@ -1,5 +1,6 @@
 /* The CUDA backend against the CPU reference backend: the indexer's selection ops (index_topk,
- * cand_mask), the index-list assembly (idx_remap) and the batched device copy (copy_segs). All four
+ * cand_mask), the index-list assembly (idx_remap) and the batched device copy (copy_segs); and the
+ * router's two selection kernels against each other and the CPU's scan (test_router_select). All four
  * are comparisons and moves only, so the GPU must match the CPU bit for bit (TOL_GPU_DATA_EXACT, TOL_GPU_INDEX_SELECT_EXACT).
  *
  * The selection is where the two backends could part: the scores are bf16 and relu makes exact
