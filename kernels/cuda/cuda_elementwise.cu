@@ -9,7 +9,8 @@
  *  - every rounding point is an explicit __f*_rn intrinsic, so nvcc cannot contract a product and
  *    a sum into an FMA (the CPU is built with -ffp-contract=off);
  *  - the row sums the CPU takes with torch's 16-lane cascade (cpu_reduce.c: RMSNorm, the mHC norm,
- *    the Engram statistics) run here in exactly that order, one CTA per row (torch_sum_block);
+ *    the Engram statistics) run here in exactly that order, by a warp or a CTA per row
+ *    (torch_sum_warp, torch_sum_block);
  *  - the mHC mix dot products, sequential sums on the CPU, stay sequential: one thread per output;
  *  - expf / sinf / cosf are ports of the glibc algorithms the CPU calls (double-precision
  *    polynomials, with the contractions of glibc's x86-64 FMA build), checked equal to glibc 2.36
@@ -24,6 +25,11 @@
 
 #define EW_THREADS 256     /* elementwise kernels: one item per thread              */
 #define ROW_WARPS 4        /* warp-per-row kernels: rows per CTA                    */
+
+/* Row kernels whose CTA is one row take more warps per row for calls of up to this many rows (a
+ * decode step's: each row is a latency chain, and the GPU has CTAs to spare) than for larger ones
+ * (prefill chunks, which fill the GPU with rows). The bits do not depend on the choice. */
+#define ROW_WIDE_T 256
 
 static inline unsigned ew_blocks(int64_t items, int threads) { return (unsigned)((items + threads - 1) / threads); }
 static inline bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
@@ -145,7 +151,7 @@ __device__ __forceinline__ float ds_rstd(float ss, float n, float eps) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * torch's fp32 row sum (cpu_reduce.c) in its exact order, a lane per column pair.
+ * torch's fp32 row sum (cpu_reduce.c) in its exact order, by one warp.
  *
  * The row is groups of 64 = 4 ILP vectors × 16 lanes; column (k, l) of group i is element
  * 64i + 16k + l. Each column runs its own 4-level cascade over the groups, which needs nothing
@@ -226,12 +232,62 @@ __device__ __forceinline__ void torch_finish(int64_t n, float c0[NS], float c1[N
         }
 }
 
-/* NS row sums at once (the Engram gate needs three over the same elements) by a whole CTA (every
- * thread calls it; the result is in warp 0's lanes). The cascade's level-0 accumulator restarts
- * from zero every `step` groups, so each run of `step` groups (the last one possibly short) is an
- * independent sum from 0: the warps compute those runs' column sums in parallel into l0, then
- * warp 0 feeds them through the cascade in order, exactly as one warp walking the groups in order
- * (lane = its two columns) would have accumulated them. l0: shared [TSB_CAP · 64 · NS] floats. */
+/* NS row sums at once (the Engram gate needs three over the same elements), by one warp. */
+template <int NS, class Pair, class One>
+__device__ __forceinline__ void torch_sum_warp(int64_t n, Pair pair, One one, float out[NS]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t size = (n / 16) / 4;
+    float c0[NS], c1[NS], a[NS], b[NS];
+    torch_levels s0[NS], s1[NS];
+#pragma unroll
+    for (int q = 0; q < NS; q++) {
+        tl_zero(s0[q]);
+        tl_zero(s1[q]);
+    }
+    if (size > 0) {
+        const int lpow = tl_level_power(size);
+        const int64_t step = (int64_t)1 << lpow;
+        int64_t i = 0;
+        while (i + step <= size) {
+#pragma unroll(NS > 1 ? 4 : 8)
+            for (int64_t j = 0; j < step; j++) {
+                pair((i + j) * 64 + 2 * lane, a, b);
+#pragma unroll
+                for (int q = 0; q < NS; q++) {
+                    s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
+                    s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
+                }
+            }
+            i += step;
+#pragma unroll
+            for (int q = 0; q < NS; q++) {
+                tl_cascade(s0[q], i, lpow);
+                tl_cascade(s1[q], i, lpow);
+            }
+        }
+#pragma unroll 4
+        for (; i < size; i++) {
+            pair(i * 64 + 2 * lane, a, b);
+#pragma unroll
+            for (int q = 0; q < NS; q++) {
+                s0[q].a0 = __fadd_rn(s0[q].a0, a[q]);
+                s1[q].a0 = __fadd_rn(s1[q].a0, b[q]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < NS; q++) { /* size == 0: ps stays zero, as the CPU's memset */
+        c0[q] = tl_final(s0[q]);
+        c1[q] = tl_final(s1[q]);
+    }
+    torch_finish<NS>(n, c0, c1, pair, one, out);
+}
+
+/* The same sums by a whole CTA (every thread calls it; the result is in warp 0's lanes). The
+ * cascade's level-0 accumulator restarts from zero every `step` groups, so each run of `step`
+ * groups (the last one possibly short) is an independent sum from 0: the warps compute those runs'
+ * column sums in parallel into l0, then warp 0 feeds them through the cascade in order, exactly
+ * as torch_sum_warp would have accumulated them. l0: shared [TSB_CAP · 64 · NS] floats. */
 #define TSB_CAP 32 /* level-0 runs per round */
 
 template <int NS, class Pair, class One>
@@ -700,7 +756,11 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
 #define HC_SMEM_MAX (46 * 1024)
-#define HC_FIN_THREADS 640 /* 20 warps: the row statistic's 20 level-0 runs (hc 4, D 5120) in one round */
+/* hc_mix_finish's CTA: 640 threads (20 warps: the row statistic's 20 level-0 runs at hc 4, D 5120
+ * in one round) for calls of up to ROW_WIDE_T rows, 256 above (a prefill chunk's rows fill the GPU
+ * anyway, and there the wide CTA cost more: 1.57 -> 2.51 ms a 2K-token prefill, kernel_times.sh) */
+#define HC_FIN_THREADS 640
+#define HC_FIN_THREADS_NARROW 256
 #define HC_PS_MAX 2048 /* floats of hc_mix_finish's staged segment sums (hc = 4, D = 4096: 24 x 68) */
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
@@ -953,14 +1013,14 @@ __global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
         for (int jj = 0; jj < JB; jj++) part[((t0 + r) * NM + jg * JB + jj) * nseg + seg] = acc[jj];
 }
 
-template <int HC>
-__global__ void __launch_bounds__(HC_FIN_THREADS)
+template <int HC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
     hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
                          const float *__restrict__ part, const uint16_t *__restrict__ X, int64_t D, int nseg,
                          const float *__restrict__ scale, const float *__restrict__ base, int iters,
                          float norm_eps, float hc_eps, bool staged) {
     constexpr int NM = hc_cfg<HC>::NM;
-    static_assert(3 + NM <= HC_FIN_THREADS, "one thread per mix (and per Sinkhorn parameter)");
+    static_assert(3 + NM <= THREADS, "one thread per mix (and per Sinkhorn parameter)");
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float m_s[NM];
     __shared__ float prm_s[3 + NM]; /* scale [3], base [NM]: fetched first, so their latency hides under the row's */
@@ -972,7 +1032,7 @@ __global__ void __launch_bounds__(HC_FIN_THREADS)
     if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
         const float *pr = part + t * NM * nseg; /* [NM][nseg] */
         const int nc = nseg / 4;
-        for (int q = tid; q < NM * nc; q += HC_FIN_THREADS) ds_cp16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
+        for (int q = tid; q < NM * nc; q += THREADS) ds_cp16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
         ds_cp_commit();
     }
     if (tid < 3 + NM) prm_s[tid] = tid < 3 ? scale[tid] : base[tid - 3];
@@ -1030,8 +1090,15 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
         hc_mix_part_launch<HC, HC_R>(be, part, X, T, D, fn, nseg);
     /* the segment sums staged in shared memory by 16-byte copies where they fit and align */
     const bool staged = nseg % 4 == 0 && hc_cfg<HC>::NM * (nseg + 4) <= HC_PS_MAX && al16(part);
-    hc_mix_finish_kernel<HC><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
-        pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
+    /* the wide CTA where the Sinkhorn runs on a warp (hc² <= 32); thread 0's C in registers (hc 6, 8)
+     * spills under the wide CTA's register cap */
+    constexpr int WIDE = HC * HC <= 32 ? HC_FIN_THREADS : HC_FIN_THREADS_NARROW;
+    if (T <= ROW_WIDE_T)
+        hc_mix_finish_kernel<HC, WIDE><<<(unsigned)T, WIDE, 0, cuda_be_stream(be)>>>(
+            pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
+    else
+        hc_mix_finish_kernel<HC, HC_FIN_THREADS_NARROW><<<(unsigned)T, HC_FIN_THREADS_NARROW, 0, cuda_be_stream(be)>>>(
+            pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, part);
 }
@@ -1085,10 +1152,11 @@ __global__ void __launch_bounds__(EW_THREADS)
 }
 
 /* hc_collapse with norm_w: the collapse and the rmsnorm after it in one pass per row (a CTA of
- * HCN_WARPS warps): each thread collapses its 8-wide chunks of the row with
- * every copy's load issued at once (HC is a template parameter, as for hc_mixes), rounds y to bf16
- * in shared memory, and the norm runs there — row_rstd_block's torch-order sum of squares, then
- * w · (y · r) — with the collapse's and rmsnorm_kernel's arithmetic, so the bits are the two ops'.
+ * HCN_WARPS warps, HCN_WARPS_NARROW above ROW_WIDE_T rows): each thread collapses its 8-wide
+ * chunks of the row with every copy's load issued at once (HC is a template parameter, as for
+ * hc_mixes), rounds y to bf16 in shared memory, and the norm runs there — row_rstd_block's
+ * torch-order sum of squares, then w · (y · r) — with the collapse's and rmsnorm_kernel's
+ * arithmetic, so the bits are the two ops'.
  * It saves the norm's launch and its read of y; the norm weights are loaded before the sum, as
  * rmsnorm_kernel's. D up to HCN_MAX_D (y's row in shared memory); other shapes run the two
  * kernels. */
@@ -1100,12 +1168,13 @@ __global__ void __launch_bounds__(EW_THREADS)
  * runs alternated (both changes over the router's rank kernel): b1 4.28 4.35 4.35 -> 4.28 4.29 4.31,
  * b8 6.80 6.86 6.80 -> 6.77 6.76 6.76, b64 14.85 14.99 14.84 -> 14.59 14.60 14.68. */
 #define HCN_WARPS 20
+#define HCN_WARPS_NARROW RMS_WARPS /* above ROW_WIDE_T rows: 1.54 -> 2.05 ms a 2K-token prefill with 20 */
 
-template <int HC>
-__global__ void __launch_bounds__(HCN_WARPS * 32)
+template <int HC, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
     hc_collapse_norm_kernel(uint16_t *__restrict__ y, const uint16_t *__restrict__ X, const float *__restrict__ p,
                             const uint16_t *__restrict__ w, int64_t D, float eps) {
-    constexpr int STEP = HCN_WARPS * 32 * 8, NP = (HCN_MAX_D + STEP - 1) / STEP;
+    constexpr int STEP = WARPS * 32 * 8, NP = (HCN_MAX_D + STEP - 1) / STEP;
     __shared__ __align__(16) uint16_t ys[HCN_MAX_D]; /* the row's collapsed y [D] bf16 */
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float r_s;
@@ -1158,7 +1227,13 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
         bool done = true;
         switch (hc) {
 #define HCN_CASE(H)                                                                                                    \
-    case H: hc_collapse_norm_kernel<H><<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps); break;
+    case H:                                                                                                            \
+        if (T <= ROW_WIDE_T)                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS><<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps);    \
+        else                                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW>                                                               \
+                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, X, p, norm_w, D, eps);                              \
+        break;
             HCN_CASE(1)
             HCN_CASE(2)
             HCN_CASE(3)
@@ -1377,65 +1452,75 @@ void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids,
     KERNEL_CHECK();
 }
 
-/* Engram gate: one CTA of EG_WARPS warps per (t, copy c). The three statistics (Σh², Σkey²,
- * Σ(h·w)·key) share one pass in torch's order (torch_sum_block: the warps sum the cascade's
- * level-0 runs side by side, warp 0 folds them in order — the bits of the one-warp sum), then the
- * CTA rewrites the row in place: every read of the sum pass is before the barrier that publishes
- * the gate, and each thread reads its elements before writing them. One warp per row walked the
- * 80 groups of a 5,120-wide row alone: 20.5 µs a call at every batch, 9.5 µs with 8 warps (H200,
- * in the step: tests/gpu/kernel_times.sh). */
+/* Engram gate, per (t, copy c): the three statistics (Σh², Σkey², Σ(h·w)·key) share one pass in
+ * torch's order, then the row is rewritten in place: every read of the sum pass comes before the
+ * gate is known (WIDE: the barrier that publishes it; a warp: the final shuffles of the sums), and
+ * each thread reads its elements before writing them. WIDE, for up to EG_WIDE_ROWS rows: a CTA of
+ * EG_WARPS warps per row (torch_sum_block: the warps sum the cascade's level-0 runs side by side,
+ * warp 0 folds them in order); otherwise a warp per row, ROW_WARPS rows a CTA (torch_sum_warp),
+ * the same bits. A warp walked the 80 groups of a 5,120-wide row alone: 20.5 µs a call at
+ * decode batches, 9.5 µs with 8 warps (H200, in the step: tests/gpu/kernel_times.sh); a prefill
+ * chunk's 8,192 rows took 200 -> 309 µs with them. */
 #define EG_WARPS 8
-template <int VEC>
-__global__ void __launch_bounds__(EG_WARPS * 32)
+template <int VEC, bool WIDE>
+__global__ void __launch_bounds__(WIDE ? EG_WARPS * 32 : ROW_WARPS * 32)
     engram_gate_kernel(uint16_t *X, const uint16_t *__restrict__ kv, const float *__restrict__ w, int64_t T,
                        int64_t hc, int64_t D, float eps, float inv_sqrt_d, int al_pairs) {
-    __shared__ float l0[TSB_CAP * 64 * 3];
+    __shared__ float l0[WIDE ? TSB_CAP * 64 * 3 : 1];
     __shared__ float g_s;
-    const int64_t row = blockIdx.x;
+    const int64_t row = WIDE ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (!WIDE && row >= T * hc) return; /* whole warps; a warp needs no other */
     const int64_t t = row / hc, c = row % hc;
     uint16_t *h = X + row * D;                         /* X [T, hc, D] bf16 */
     const uint16_t *key = kv + t * (hc + 1) * D + c * D; /* kv [T, hc + 1, D] bf16: keys, then the value */
     const uint16_t *value = kv + t * (hc + 1) * D + hc * D;
     const float *wc = w + c * D; /* w [hc, D] f32 */
     const bool al = al_pairs != 0;
+    auto pair = [&](int64_t e, float *a, float *b) {
+        float h0, h1, k0, k1, w0, w1;
+        load_bf_pair(h, e, al, h0, h1);
+        load_bf_pair(key, e, al, k0, k1);
+        if (al) {
+            const float2 ww = *reinterpret_cast<const float2 *>(wc + e);
+            w0 = ww.x;
+            w1 = ww.y;
+        } else {
+            w0 = wc[e];
+            w1 = wc[e + 1];
+        }
+        a[0] = __fmul_rn(h0, h0);
+        b[0] = __fmul_rn(h1, h1);
+        a[1] = __fmul_rn(k0, k0);
+        b[1] = __fmul_rn(k1, k1);
+        a[2] = __fmul_rn(__fmul_rn(h0, w0), k0);
+        b[2] = __fmul_rn(__fmul_rn(h1, w1), k1);
+    };
+    auto one = [&](int64_t e, float *a) {
+        const float h0 = ds_bf16f(h[e]), k0 = ds_bf16f(key[e]);
+        a[0] = __fmul_rn(h0, h0);
+        a[1] = __fmul_rn(k0, k0);
+        a[2] = __fmul_rn(__fmul_rn(h0, wc[e]), k0);
+    };
     float st[3];
-    torch_sum_block<3>(
-        D,
-        [&](int64_t e, float *a, float *b) {
-            float h0, h1, k0, k1, w0, w1;
-            load_bf_pair(h, e, al, h0, h1);
-            load_bf_pair(key, e, al, k0, k1);
-            if (al) {
-                const float2 ww = *reinterpret_cast<const float2 *>(wc + e);
-                w0 = ww.x;
-                w1 = ww.y;
-            } else {
-                w0 = wc[e];
-                w1 = wc[e + 1];
-            }
-            a[0] = __fmul_rn(h0, h0);
-            b[0] = __fmul_rn(h1, h1);
-            a[1] = __fmul_rn(k0, k0);
-            b[1] = __fmul_rn(k1, k1);
-            a[2] = __fmul_rn(__fmul_rn(h0, w0), k0);
-            b[2] = __fmul_rn(__fmul_rn(h1, w1), k1);
-        },
-        [&](int64_t e, float *a) {
-            const float h0 = ds_bf16f(h[e]), k0 = ds_bf16f(key[e]);
-            a[0] = __fmul_rn(h0, h0);
-            a[1] = __fmul_rn(k0, k0);
-            a[2] = __fmul_rn(__fmul_rn(h0, wc[e]), k0);
-        },
-        st, l0);
-    if (threadIdx.x == 0) { /* warp 0 holds the sums */
+    if constexpr (WIDE) torch_sum_block<3>(D, pair, one, st, l0);
+    else torch_sum_warp<3>(D, pair, one, st);
+    auto gate = [&]() {
         const float fd = (float)D;
         const float rstd = __fmul_rn(ds_rstd(st[0], fd, eps), ds_rstd(st[1], fd, eps));
         const float dot = __fmul_rn(__fmul_rn(st[2], rstd), inv_sqrt_d);
-        g_s = ds_sigmoid(copysignf(__fsqrt_rn(fmaxf(fabsf(dot), 1e-6f)), dot));
+        return ds_sigmoid(copysignf(__fsqrt_rn(fmaxf(fabsf(dot), 1e-6f)), dot));
+    };
+    float g;
+    if constexpr (WIDE) {
+        if (threadIdx.x == 0) g_s = gate(); /* warp 0 holds the sums */
+        __syncthreads();
+        g = g_s;
+    } else {
+        g = gate(); /* every lane holds them */
     }
-    __syncthreads();
-    const float g = g_s;
-    for (int64_t e = (int64_t)threadIdx.x * VEC; e < D; e += EG_WARPS * 32 * VEC) {
+    const int64_t e0 = (int64_t)(WIDE ? threadIdx.x : lane) * VEC, step = (WIDE ? EG_WARPS * 32 : 32) * VEC;
+    for (int64_t e = e0; e < D; e += step) {
         float hv[VEC], vv[VEC];
         load_bf<VEC>(h + e, hv);
         load_bf<VEC>(value + e, vv);
@@ -1445,21 +1530,30 @@ __global__ void __launch_bounds__(EG_WARPS * 32)
     }
 }
 
+/* rows (T·hc) up to which the gate takes a CTA per row: a decode step's */
+#define EG_WIDE_ROWS (4 * ROW_WIDE_T)
+
 void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
                          int64_t hc, int64_t D, float eps) {
     if (T <= 0 || hc <= 0 || D <= 0) return;
     const float inv_sqrt_d = (float)(1.0 / sqrt((double)D)); /* as the CPU: in double, then rounded */
     /* pairs (e even) are 4-byte (bf16) / 8-byte (w) aligned when D is even and the bases are */
     const int al_pairs = D % 2 == 0 && ((uintptr_t)X & 3) == 0 && ((uintptr_t)kv & 3) == 0 && ((uintptr_t)w & 7) == 0;
-    if (T * hc > 0x7fffffff)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda engram_gate", "more than 2^31 - 1 rows");
-    const unsigned grid = (unsigned)(T * hc);
-    if (D % 8 == 0 && al16(X) && al16(kv))
-        engram_gate_kernel<8><<<grid, EG_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
-                                                                             al_pairs);
-    else
-        engram_gate_kernel<1><<<grid, EG_WARPS * 32, 0, cuda_be_stream(be)>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d,
-                                                                             al_pairs);
+    const int64_t rows = T * hc;
+    const bool v8 = D % 8 == 0 && al16(X) && al16(kv), wide = rows <= EG_WIDE_ROWS;
+    cudaStream_t st = cuda_be_stream(be);
+    const unsigned grid = wide ? (unsigned)rows : ew_blocks(rows, ROW_WARPS);
+    const int threads = (wide ? EG_WARPS : ROW_WARPS) * 32;
+#define EG_LAUNCH(V, W) \
+    engram_gate_kernel<V, W><<<grid, threads, 0, st>>>(X, kv, w, T, hc, D, eps, inv_sqrt_d, al_pairs)
+    if (wide) {
+        if (v8) EG_LAUNCH(8, true);
+        else EG_LAUNCH(1, true);
+    } else {
+        if (v8) EG_LAUNCH(8, false);
+        else EG_LAUNCH(1, false);
+    }
+#undef EG_LAUNCH
     KERNEL_CHECK();
 }
 

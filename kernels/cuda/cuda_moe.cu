@@ -330,7 +330,9 @@ static void router_select_launch(int form, int32_t *idx, float *wts, const float
     if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
     const bool rank_ok = E <= RR_MAX_E && k <= RR_MAX_K && T <= 0x7fffffff;
-    if (form == CUDA_ROUTER_AUTO) form = rank_ok ? CUDA_ROUTER_RANK : CUDA_ROUTER_SERIAL;
+    /* ranks while a token a CTA leaves the GPU CTAs to spare (a decode step); above, the serial
+     * kernel's 4 tokens a CTA (a 2K-token prefill's 20 calls: 455 µs, against 595 as ranks) */
+    if (form == CUDA_ROUTER_AUTO) form = rank_ok && T <= 2 * (int64_t)sms ? CUDA_ROUTER_RANK : CUDA_ROUTER_SERIAL;
     if (form == CUDA_ROUTER_RANK) {
         if (!rank_ok)
             ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "the rank form takes <= 1024 experts, top <= 32");

@@ -11,7 +11,7 @@
 extern "C" {
 #endif
 
-/* AUTO: RANK where E <= 1024 and k <= 32, else SERIAL. SERIAL: k rounds of a warp arg-max per
+/* AUTO: RANK where E <= 1024, k <= 32 and T <= 2 x the multiprocessors, else SERIAL. SERIAL: k rounds of a warp arg-max per
  * token (router_select_kernel). RANK: every expert's rank in one pass (router_rank_kernel). */
 enum { CUDA_ROUTER_AUTO = 0, CUDA_ROUTER_SERIAL = 1, CUDA_ROUTER_RANK = 2 };
 

@@ -766,6 +766,7 @@ static void test_hc_mixes(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) hc_mixes_case(T_REAL[i], DIM, 20);
     hc_mixes_case(100, DIM, 20); /* from HC_R_BIG_T rows on, the larger row blocks (the last one partial) */
+    hc_mixes_case(300, DIM, 20); /* above ROW_WIDE_T (256) rows: the finish kernel's narrow CTA */
     const int64_t odd[] = {1, 33, 129};
     for (int i = 0; i < 3; i++) {
         hc_mixes_case(3, odd[i], 20);
@@ -868,6 +869,7 @@ static void test_hc_collapse_expand_init(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) hc_elementwise_case(T_REAL[i], DIM);
     hc_elementwise_case(64, DIM);
+    hc_elementwise_case(300, DIM); /* above ROW_WIDE_T (256) rows: the collapse + norm's narrow CTA */
     const int64_t odd[] = {1, 37, 129};
     for (int i = 0; i < 3; i++) hc_elementwise_case(i == 1 ? 17 : 3, odd[i]);
     hc_elementwise_case(3, 8200); /* above the fused collapse + norm's 8192: the two kernels */
@@ -1015,6 +1017,8 @@ static void test_engram_gate(void **st) {
     for (int i = 0; i < NT_REAL; i++) engram_gate_case(T_REAL[i], DIM);
     const int64_t odd[] = {1, 33, 129};
     for (int i = 0; i < 3; i++) engram_gate_case(3, odd[i]);
+    engram_gate_case(300, DIM); /* 1,200 rows, above EG_WIDE_ROWS: a warp per row */
+    engram_gate_case(300, 33);
 }
 
 /* =============================================================================================
