@@ -80,6 +80,13 @@ void cpu_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const in
                       const int32_t *at, int64_t T, int64_t k);
 
 /* ---- cpu_moe.c ---- */
+/* The router's selection for one token from its gate logits z [E] (cpu_op_router's per-row step,
+ * also the oracle of the GPU selection kernels' test): s [E] = sqrt(softplus(z / temp)) (s may be
+ * z itself), the top k of s + bias scanning ids upward with a strictly-greater replace (ties keep
+ * the lower id; a NaN first candidate is kept), ir [k] the ids, wr [k] the weights (s, divided by
+ * their sum + 1e-20 when norm and k > 1, times route_scale); taken: [E] bytes of scratch. */
+void cpu_router_select_row(int32_t *ir, float *wr, float *s, unsigned char *taken, const float *z, const float *bias,
+                           int64_t E, int64_t k, float temp, bool norm, float route_scale);
 void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
                    float route_scale);

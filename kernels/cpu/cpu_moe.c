@@ -13,6 +13,39 @@
 #include "cpu_internal.h"
 #include "log.h"
 
+void cpu_router_select_row(int32_t *ir, float *wr, float *s, unsigned char *taken, const float *z, const float *bias,
+                           int64_t E, int64_t k, float temp, bool norm, float route_scale) {
+    for (int64_t e = 0; e < E; e++) {
+        float zt = z[e] / temp;
+        float sp = zt > 20.0f ? zt : log1pf(expf(zt)); /* torch softplus, threshold 20 */
+        s[e] = sqrtf(sp);
+    }
+    memset(taken, 0, (size_t)E);
+    for (int64_t slot = 0; slot < k; slot++) {
+        /* Strictly greater while scanning up from id 0: a tie keeps the lower id. */
+        int64_t best = -1;
+        float bv = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            if (taken[e]) continue;
+            float v = bias ? s[e] + bias[e] : s[e];
+            if (best < 0 || v > bv) {
+                best = e;
+                bv = v;
+            }
+        }
+        taken[best] = 1;
+        ir[slot] = (int32_t)best;
+        wr[slot] = s[best];
+    }
+    if (norm && k > 1) {
+        float sum = 0.0f;
+        for (int64_t slot = 0; slot < k; slot++) sum += wr[slot];
+        float den = sum + 1e-20f;
+        for (int64_t slot = 0; slot < k; slot++) wr[slot] /= den;
+    }
+    for (int64_t slot = 0; slot < k; slot++) wr[slot] *= route_scale;
+}
+
 void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                    const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm,
                    float route_scale) {
@@ -25,47 +58,14 @@ void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x
     {
         unsigned char *taken = ds_malloc((size_t)E);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            float *s = z + t * E;
-            for (int64_t e = 0; e < E; e++) {
-                float zt = s[e] / temp;
-                float sp = zt > 20.0f ? zt : log1pf(expf(zt)); /* torch softplus, threshold 20 */
-                s[e] = sqrtf(sp);
-            }
-            memset(taken, 0, (size_t)E);
-            int32_t *ir = idx + t * k;
-            float *wr = wts + t * k;
-            for (int64_t slot = 0; slot < k; slot++) {
-                /* Strictly greater while scanning up from id 0: a tie keeps the lower id. */
-                int64_t best = -1;
-                float bv = 0.0f;
-                for (int64_t e = 0; e < E; e++) {
-                    if (taken[e]) continue;
-                    float v = bias ? s[e] + bias[e] : s[e];
-                    if (best < 0 || v > bv) {
-                        best = e;
-                        bv = v;
-                    }
-                }
-                taken[best] = 1;
-                ir[slot] = (int32_t)best;
-                wr[slot] = s[best];
-            }
-            if (norm && k > 1) {
-                float sum = 0.0f;
-                for (int64_t slot = 0; slot < k; slot++) sum += wr[slot];
-                float den = sum + 1e-20f;
-                for (int64_t slot = 0; slot < k; slot++) wr[slot] /= den;
-            }
-            for (int64_t slot = 0; slot < k; slot++) wr[slot] *= route_scale;
-        }
+        for (int64_t t = 0; t < T; t++) /* the scores overwrite the row's logits */
+            cpu_router_select_row(idx + t * k, wts + t * k, z + t * E, taken, z + t * E, bias, E, k, temp, norm,
+                                  route_scale);
         free(taken);
     }
     free(z);
 }
 
-/* h = bf16(wt · silu(min(g, limit)) · clamp(u, ±limit)) for `rows` rows of width I; g and u are
- * the bf16 GEMM outputs, widened. wt may be NULL (shared expert: no routing weight). */
 static void swiglu_rows(bf16_t *h, const bf16_t *g, const bf16_t *u, const float *wt, int64_t rows, int64_t I,
                         float limit) {
 #pragma omp parallel for schedule(static)

@@ -22,6 +22,7 @@
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cpu/cpu_internal.h"
 #include "cuda/cuda_router.h"
 #endif
 
@@ -627,48 +628,14 @@ static void test_memory_reuse_and_ring(void **st) {
 
 /* =============================================================================================
  * The router's selection (cuda_router.h): the rank kernel against the serial arg-max kernel, and
- * both against the CPU's scan (cpu_op_router's loop, here on the same logits), on crafted gate
- * logits a gate linear rarely makes: exact ties (repeated values, -0 beside +0), +-inf, NaN at
- * the first id (which the CPU's scan then keeps) and elsewhere (never chosen unless first), rows
- * of one value, and the score's z > 20 switch. Ids must agree exactly and weights bit for bit:
+ * both against the CPU's scan (cpu_router_select_row, cpu_op_router's per-token step, on the same
+ * logits), on crafted gate logits a gate linear rarely makes: exact ties (repeated values, -0
+ * beside +0), +-inf, NaN at the first id (which the CPU's scan then keeps) and elsewhere (never
+ * chosen unless first), rows of one value, and the score's z > 20 switch. Ids must agree exactly and weights bit for bit:
  * a different order of ties, a NaN rule broken, a candidate lost between the rank kernel's two
  * passes or a weight summed in another order would each fail. */
 
 #ifdef DS_HAVE_CUDA
-/* cpu_op_router's selection and weights for one row of logits */
-static void router_select_host(int32_t *ir, float *wr, const float *z, const float *bias, int64_t E, int64_t k,
-                               float temp, bool norm, float rs) {
-    float *s = NEW(float, E);
-    unsigned char *taken = calloc((size_t)E, 1);
-    assert_non_null(taken);
-    for (int64_t e = 0; e < E; e++) {
-        float zt = z[e] / temp;
-        float sp = zt > 20.0f ? zt : log1pf(expf(zt));
-        s[e] = sqrtf(sp);
-    }
-    for (int64_t slot = 0; slot < k; slot++) {
-        int64_t best = -1;
-        float bv = 0.0f;
-        for (int64_t e = 0; e < E; e++) {
-            if (taken[e]) continue;
-            float v = bias ? s[e] + bias[e] : s[e];
-            if (best < 0 || v > bv) best = e, bv = v;
-        }
-        taken[best] = 1;
-        ir[slot] = (int32_t)best;
-        wr[slot] = s[best];
-    }
-    if (norm && k > 1) {
-        float sum = 0.0f;
-        for (int64_t slot = 0; slot < k; slot++) sum += wr[slot];
-        float den = sum + 1e-20f;
-        for (int64_t slot = 0; slot < k; slot++) wr[slot] /= den;
-    }
-    for (int64_t slot = 0; slot < k; slot++) wr[slot] *= rs;
-    free(s);
-    free(taken);
-}
-
 /* Row r of the crafted logits (kind r % 8) */
 static void router_crafted_row(float *z, int64_t E, int64_t r) {
     static const float few[] = {0.75f, -0.0f, 0.0f, 1.5f, -2.0f};
@@ -695,9 +662,13 @@ static void router_select_case(int64_t T, int64_t E, int64_t k, bool with_bias, 
     if (bias)
         for (int64_t e = 0; e < E; e++) bias[e] = irand(3) == 0 ? 0.5f : (float)(0.25 * urand()); /* ties in v too */
     int32_t *ih = NEW(int32_t, T * k), *ig[2];
-    float *wh = NEW(float, T * k), *wg[2];
-    for (int64_t t = 0; t < T; t++)
-        router_select_host(ih + t * k, wh + t * k, z + t * E, bias, E, k, temp, norm, rs);
+    float *wh = NEW(float, T * k), *wg[2], *sh = NEW(float, E);
+    unsigned char *taken = calloc((size_t)E, 1);
+    assert_non_null(taken);
+    for (int64_t t = 0; t < T; t++) /* the CPU backend's own per-token selection */
+        cpu_router_select_row(ih + t * k, wh + t * k, sh, taken, z + t * E, bias, E, k, temp, norm, rs);
+    free(sh);
+    free(taken);
     void *dz = g_in(z, (size_t)(T * E) * 4), *db = bias ? g_in(bias, (size_t)E * 4) : NULL;
     const int forms[2] = {CUDA_ROUTER_SERIAL, CUDA_ROUTER_RANK};
     for (int f = 0; f < 2; f++) {
