@@ -214,8 +214,8 @@ static __device__ __forceinline__ float rt_weight(const float *wsel, int slot, i
     return __fmul_rn(w, route_scale);
 }
 
-/* The fallback selection kernel (more than RR_MAX_E experts or RR_MAX_K slots; and the test
- * hook's reference): one warp per token row (4 per CTA). Shared memory per warp: s [E] and
+/* The selection kernel of calls of more than 2 x SMs tokens (4 a CTA) and of more than RR_MAX_E
+ * experts or RR_MAX_K slots (the test hook's reference too): one warp per token row. Shared memory per warp: s [E] and
  * s + bias [E] fp32, the chosen weights [k]. Scores by the whole CTA, then rt_select_serial.
  * Tried and not kept: without a NaN (a warp vote), a lane kept the best (value, lower id) key of
  * its untaken ids as one 64-bit word, a round was one 64-bit warp max and only the winner's lane
