@@ -31,7 +31,7 @@ static inline int64_t moe_mma_pass_tokens(int64_t T, int64_t k, int64_t D, int64
 
 static inline int64_t moe_mma_align(int64_t b) { return (b + 255) & ~(int64_t)255; }
 
-#define MOE_MMA_TILE 16 /* pairs per tile: one m16 mma tile */
+#define MOE_MMA_TILE 8 /* pairs per tile: one n8 mma tile (moe_mma_sm80.cu) */
 
 /* The most tiles of at most P pairs of one expert that M pairs over n_local experts can make:
  * sum over experts of ceil(cnt / P) <= (M + min(n_local, M) (P - 1)) / P. */
@@ -60,6 +60,12 @@ static inline int moe_mma_is_wide(int64_t T, int64_t I) { return T > MOE_MMA_DEC
 static inline int moe_mma_chunks_per_cta(int64_t T, int64_t s_ld, int nch) {
     return T >= MOE_MMA_WHOLE_K_T && s_ld % 4 == 0 ? nch : 1;
 }
+
+/* The decode path's CTA: 8 warps of 16 weight rows each where its CTAs run every k-chunk of their
+ * rows (from MOE_MMA_WHOLE_K_T tokens), 4 below, where a CTA runs one chunk and twice the CTAs of
+ * half the rows keep more weight loads in flight. Same bits either way (a row's sums do not depend
+ * on the CTA that computes them). */
+static inline int moe_mma_warps(int64_t T) { return T >= MOE_MMA_WHOLE_K_T ? 8 : 4; }
 
 /* Tokens of one prefill-path pass: its quantized x, plan entries and quantized h under
  * MOE_MMA_PASS_BYTES. */

@@ -16,15 +16,16 @@
  * the chunk partials added in registers, SwiGLU and h's quantization in the gate/up epilogue).
  * A decode-sized call, per pass of at most moe_mma_pass_tokens tokens (moe_mma.h bounds the
  * partials' memory):
- *  1. moe_begin_kernel: its CTA 0 buckets the pass's local pairs by expert, tiles of <= 16 pairs
- *     (one m16 mma tile; moe_plan_body), the other CTAs quantize x (mma_act_quant_body);
- *  2. moe_mma_kernel<2> (gate/up): CTA = (one tile) x (64 rows of w1 or of w3) x (one k-chunk, or
- *     from MOE_MMA_WHOLE_K_T tokens on all of them in turn);
+ *  1. moe_begin_kernel: its CTA 0 buckets the pass's local pairs by expert, tiles of <= 8 pairs
+ *     (one n8 mma tile; moe_plan_body), the other CTAs quantize x (mma_act_quant_body);
+ *  2. moe_mma_kernel<2, W> (gate/up): CTA = (one tile) x (16 W rows of w1 or of w3) x (one
+ *     k-chunk, W = 4; or from MOE_MMA_WHOLE_K_T tokens on all of them in turn, W = 8);
  *     the CTA finds its tile with one load of the plan's tile table, the tile's x rows are gathered
- *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the 64
- *     weight rows stream through a 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
- *     in registers, the chunk's weight scales sit decoded in shared memory; 8 warps of one n8 tile
- *     each, 3 CTAs per SM; fp32 partials [chunk][list position][2I];
+ *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the weight
+ *     rows stream through a 3- or 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
+ *     in registers, the chunk's weight scales sit decoded in shared memory; each warp is one m16
+ *     tile of weight rows (the mma's A operand) against the tile's pairs (B, n8), so a lane decodes
+ *     16 weights a k-block for one ldmatrix and two mma; fp32 partials [chunk][list position][2I];
  *  3. moe_gateup_finish_kernel: chunk sums, bf16 g and u, the SwiGLU with the routing weight, bf16
  *     h, its act quant in the k-permuted layout [list position][I];
  *  4. moe_mma_kernel<1> (down) over h the same way, partials [chunk][list position][Dout];
@@ -67,33 +68,48 @@
 
 namespace {
 
-constexpr int XP = MOE_MMA_TILE;      /* pairs per tile: one m16 tile */
-constexpr int XW = 8;                 /* warps per CTA, one n8 tile of weight rows each */
-constexpr int XBN = 8 * XW;           /* weight rows per CTA */
-constexpr int XTHREADS = 32 * XW;
-constexpr int XMINB = 4;              /* CTAs per SM asked of the register allocator: 64 registers (62-64
-                                       * used, no spills for sm_80/86/90), 4 CTAs of 47.4 KB on the
-                                       * H200 (the A800's shared memory holds 3); against 3: moe_experts
-                                       * per decode step b8 2.62 -> 2.50 ms, b64 10.1 -> 9.9 ms.
-                                       * Again with the table decode of e2m1: 3 CTAs of 75-78
-                                       * registers issue 0.4 % fewer instructions (ptxas re-makes
-                                       * loop constants and addresses either way), the step at b8 /
-                                       * 64 6.94 6.90 / 15.18 15.22 -> 7.11 7.18 / 15.61 15.80 ms
-                                       * (H200). An A100/A800 holds 3 of these CTAs whatever the
-                                       * budget, so the cap costs it ~0.4 % of the instructions. */
+constexpr int XP = MOE_MMA_TILE;      /* pairs per tile: one n8 tile, the mma's B operand */
 constexpr int XKB = 4;                /* k-blocks per cp.async stage */
-constexpr int XB_LD = XKB * 16 + 16;  /* FP4 weight row of a stage, padded: the lanes' 4-byte reads hit distinct banks */
+constexpr int XB_LD = XKB * 16;       /* FP4 weight row of a stage, unpadded: its 16-byte k-block c sits at
+                                       * position c ^ ((row >> 1) & 3), so the lanes' 4-byte reads of 8
+                                       * rows hit distinct banks (xb_pos) */
 constexpr int XA_LD = XKB * 64 + 16;  /* activation row of a stage, padded: ldmatrix rows on distinct banks */
-constexpr int XA_BYTES = XP * XA_LD, XB_BYTES = XBN * XB_LD, XSTAGE = XA_BYTES + XB_BYTES;
-constexpr int XS_LD = XBN + 2;        /* the scale table's row: the decode's stores (32 blocks of one row per
-                                         * warp) 2-way conflicted at most, a lane's pair 8-byte aligned */
-constexpr int XS_BYTES = KCH * XS_LD * 4; /* the CTA's weight scales of its chunk as fp32 [KCH][XS_LD] */
-constexpr int XSTAGES = (48 * 1024 - XS_BYTES - 256) / XSTAGE > 4 ? 4 : (48 * 1024 - XS_BYTES - 256) / XSTAGE;
-static_assert(XSTAGES >= 2 && XSTAGE % 16 == 0 && XBN * XKB == XTHREADS, "expert tile");
+constexpr int XA_BYTES = XP * XA_LD;
+
+/* The CTA of W warps, each one m16 tile of weight rows (the A operand): W = 8 (128 rows) for calls
+ * whose CTAs run every k-chunk of their rows, W = 4 (64 rows) for the one-chunk CTAs of small
+ * calls, where twice the CTAs keep more loads in flight (moe_mma_warps). */
+template <int W> struct xtile {
+    static constexpr int BN = 16 * W;     /* weight rows per CTA */
+    static constexpr int THREADS = 32 * W;
+    static constexpr int MINB = 32 / W;   /* CTAs per SM asked of the register allocator: 64 registers */
+    static constexpr int STAGE = XA_BYTES + BN * XB_LD;
+    static constexpr int S_LD = BN + 2;   /* the scale table's row in bf16 halfwords: the fill's stores (32
+                                           * blocks of one row per warp) on distinct banks, a lane's pair
+                                           * 4-byte aligned */
+    static constexpr int S_BYTES = KCH * S_LD * 2; /* the chunk's weight scales as bf16 [KCH][S_LD] */
+    static constexpr int R_BYTES = BN * KCH;       /* a later chunk's raw scale bytes [BN][KCH] */
+    static constexpr int FIT = (48 * 1024 - S_BYTES - R_BYTES - 256) / STAGE;
+    static constexpr int STAGES = FIT > 4 ? 4 : FIT;
+    static_assert(STAGES >= 3 && STAGE % 64 == 0 && XA_BYTES % 64 == 0 && BN * XKB == 2 * THREADS && XB_LD == 64 &&
+                      R_BYTES / 4 == 4 * THREADS && XP * XKB * 4 <= THREADS && KCH == 32,
+                  "expert tile: two weight chunks, four scale words, at most one activation chunk a thread per "
+                  "stage; 64-byte swizzled weight rows");
+};
+
+/* Byte offset in a stage's weight rows of k-block c of CTA row r (the swizzle above). */
+__device__ __forceinline__ int xb_pos(int r, int c) { return r * XB_LD + ((c ^ ((r >> 1) & 3)) << 4); }
+
+/* Column of CTA row r in the scale table: the rows g and g + 8 of a warp's 16 side by side, so a
+ * lane reads its two rows' scales as one 32-bit word. */
+__device__ __forceinline__ int xs_col(int r) { return (r & ~15) | ((r & 7) << 1) | ((r >> 3) & 1); }
+
+/* e8m0f's value as bf16 bits: its fp32 has no bits in the low half (2^(b-127), 2^-127, NaN, 0). */
+__device__ __forceinline__ uint16_t e8m0h(uint32_t b) { return (uint16_t)(__float_as_uint(e8m0f(b)) >> 16); }
 
 /* Activation rows r0 .. r1 - 1 of every stage's tile (stride LD bytes from the stage's start)
- * zeroed, in 16-byte words by the CTA's NT threads: the rows of a tile's last m16 tile past its
- * pairs, which no stage loads. */
+ * zeroed, in 16-byte words by the CTA's NT threads: the rows of a tile past its pairs, which no
+ * stage loads. */
 template <int NST, int STAGE, int LD, int NT>
 __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, int tid) {
     const int nz = r1 - r0;
@@ -104,28 +120,35 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
     }
 }
 
-/* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 63 of
- * matrix m (grid x = NM matrices x ceil(N / 64) row tiles; gate/up: m = 0 w1, 1 w3), the cpc
+/* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 16 W - 1
+ * of matrix m (grid x = NM matrices x ceil(N / 16 W) row tiles; gate/up: m = 0 w1, 1 w3), the cpc
  * k-chunks from cpc·blockIdx.y on, one after the other through one cp.async pipeline (each chunk's
  * sum from +0 and its partial stored at its end, as one CTA per chunk would: the same bits). a:
- * k-permuted quantized activations, K values per row; the tile's row r is a's row list[first + r]
- * / a_div (gate/up: the pair's token) or first + r (down, a_div = 0: h is stored by list
+ * k-permuted quantized activations, K values per row; the tile's pair j is a's row list[first + j]
+ * / a_div (gate/up: the pair's token) or first + j (down, a_div = 0: h is stored by list
  * position). part [nch][mcap][NM N] fp32, row = list position.
+ * Warp w computes rows n0 + 16 w .. + 15 against the tile's pairs as mma(A = the 16 weight rows,
+ * B = the 8 pair columns): a lane decodes 4 bytes (8 weights) of each of its rows g and g + 8 a
+ * k-block, each FP4 weight once per tile, and one ldmatrix.x4 gives both mma their B fragments.
+ * Output (row, pair) sees the products of the activations-as-A form in the same k order, and
+ * the same fold, so the bits are those of the linears (the op test's composition).
  * The prologue is a chain of dependent loads (the chunk's tile range, the tile's entry, the list)
  * before the activations can be fetched, so the weights' first stages, which need only the
  * expert, are issued before the list is read. With cpc > 1 that prologue (and the scale table's
  * first fill) is paid once per cpc chunks, and the pipeline runs on across the chunk boundaries:
  * a later chunk's raw scale bytes arrive by cp.async with the loads of its first stage (s_ld % 4
  * == 0, the caller's condition for cpc > 1) and are decoded into the table at that stage. */
-template <int NM>
-__global__ void __launch_bounds__(XTHREADS, XMINB)
+template <int NM, int W>
+__global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
                    int n_local, const __nv_bfloat16 *__restrict__ a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
                    int64_t s_ld, float *__restrict__ part, int64_t mcap, int cpc) {
-    __shared__ __align__(16) uint8_t smem[XSTAGES * XSTAGE];
-    __shared__ __align__(16) float s_sm[KCH][XS_LD]; /* decoded once per chunk: the fold reads a lane's two with one load */
-    __shared__ __align__(16) uint8_t s_raw[XBN * KCH]; /* a later chunk's raw scales [XBN][KCH] (cpc > 1) */
-    __shared__ int64_t srow[XP]; /* byte offset of each tile row in a */
+    constexpr int XBN = xtile<W>::BN, XTHREADS = xtile<W>::THREADS, XSTAGE = xtile<W>::STAGE;
+    constexpr int XSTAGES = xtile<W>::STAGES, XS_LD = xtile<W>::S_LD, XR_BYTES = xtile<W>::R_BYTES;
+    __shared__ __align__(128) uint8_t smem[XSTAGES * XSTAGE];
+    __shared__ __align__(16) uint16_t s_sm[KCH][XS_LD]; /* decoded once per chunk, bf16 bits, columns xs_col */
+    __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a later chunk's raw scales [XBN][KCH] (cpc > 1) */
+    __shared__ int64_t srow[XP]; /* byte offset of each tile pair's row in a */
     const int64_t j = (int64_t)plan[c0] + blockIdx.z;
     if (j >= plan[c0 + cn]) return; /* uniform per CTA, before any barrier */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -142,37 +165,40 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
     const uint32_t sbase = smem_addr(smem);
 
-    /* stage st <- k-blocks [XKB i, XKB i + XKB) of the chunk: the weights (one 16-byte k-block of
-     * one row per thread) and the tile's activation rows; blocks past nb and weight rows past N are
-     * zero-filled */
+    /* stage st <- k-blocks [XKB i, XKB i + XKB) of the chunk: the weights (16-byte k-block cb of
+     * rows rb and rb + XBN / 2 per thread) and the tile's activation rows; blocks past nb and weight rows
+     * past N are zero-filled */
     const int rb = tid / XKB, cb = tid % XKB;
-    const bool row_ok = n0 + rb < N;
-    const uint8_t *const wsrc = w + (row_ok ? (n0 + rb) * ld + (int64_t)(kb0 + cb) * 16 : 0);
-    const uint32_t bdst = sbase + (uint32_t)(XA_BYTES + rb * XB_LD + cb * 16);
+    const bool ok0 = n0 + rb < N, ok1 = n0 + rb + XBN / 2 < N;
+    const uint8_t *const wsrc0 = w + (ok0 ? (n0 + rb) * ld + (int64_t)(kb0 + cb) * 16 : 0);
+    const uint8_t *const wsrc1 = w + (ok1 ? (n0 + rb + XBN / 2) * ld + (int64_t)(kb0 + cb) * 16 : 0);
+    const uint32_t bdst = sbase + (uint32_t)(XA_BYTES + xb_pos(rb, cb)); /* row rb + XBN / 2: the same swizzle */
     auto load_b = [&](int st, int i) {
-        const bool v = row_ok && i * XKB + cb < nb;
-        cp_async16(bdst + (uint32_t)(st * XSTAGE), v ? wsrc + i * XKB * 16 : w, v);
+        const bool v = i * XKB + cb < nb;
+        cp_async16(bdst + (uint32_t)(st * XSTAGE), v && ok0 ? wsrc0 + i * XKB * 16 : w, v && ok0);
+        cp_async16(bdst + (uint32_t)(st * XSTAGE + XBN / 2 * XB_LD), v && ok1 ? wsrc1 + i * XKB * 16 : w, v && ok1);
     };
     /* chunk cc's raw scale bytes (cc > 0), 4 per copy: thread tid takes word tid % 8 of rows tid / 8
-     * and tid / 8 + 32 (smem bytes 4 tid and 4 tid + 1024); words past the CTA's blocks or rows
-     * past N are not fetched (their scales decode as 0 below). The CTA's scale base is read from
-     * shared memory when needed: kept in registers through the main loop it spilled under the
-     * SM90 compiler (64 registers, XMINB). */
-    static_assert(XBN * KCH / 4 == 2 * XTHREADS && KCH == 32, "two scale words per thread");
+     * + q XTHREADS / 8, q = 0..3 (smem bytes 4 tid + 4 q XTHREADS); words past the CTA's blocks or rows past N are not
+     * fetched (their scales decode as 0 below). The CTA's scale base is read from shared memory
+     * when needed (kept in registers through the main loop it spilled under the SM90 compiler). */
     const int sw = 4 * (tid % 8);
     const int nrows = N - n0 < XBN ? (int)(N - n0) : XBN; /* the CTA's weight rows inside N */
     __shared__ const uint8_t *s_cta;
     if (tid == 0) s_cta = s + n0 * s_ld + kb0;
     auto load_s = [&](int cc) {
-        const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw;
+        const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
         const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
-        const bool v0 = tid / 8 < nrows && cc * KCH + sw < nb, v1 = tid / 8 + 32 < nrows && cc * KCH + sw < nb;
-        cp_async4(s_dst, v0 ? s_src + cc * KCH : s_src, v0);
-        cp_async4(s_dst + 1024, v1 ? s_src + 32 * s_ld + cc * KCH : s_src, v1);
+        const bool vb = cc * KCH + sw < nb;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
+            cp_async4(s_dst + 4 * XTHREADS * q, v ? s_src + q * (XTHREADS / 8) * s_ld : s_cta, v);
+        }
     };
-    /* the tile's activation rows: thread tid copies 16-byte chunk ac of row ar of every stage (a
-     * tile's np <= 16 rows of XKB blocks are at most one chunk a thread); a_src is set once srow is */
-    static_assert(XP * XKB * 4 <= XTHREADS, "one activation chunk a thread per stage");
+    /* the tile's activation rows: thread tid < 128 copies 16-byte chunk ac of pair row ar of every
+     * stage (a tile's np <= 8 rows of XKB blocks are at most one chunk a thread); a_src is set once
+     * srow is */
     const int ar = tid / (XKB * 4), ac = tid % (XKB * 4);
     const bool a_live = ar < np;
     const uint8_t *a_src = abase;
@@ -189,21 +215,21 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         const int64_t row = a_div ? (int64_t)plan[2 * (n_local + 1) + first + tid] / a_div : first + tid;
         srow[tid] = row * K * 2 + (int64_t)kb0 * 64;
     }
-    /* rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
+    /* pair rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
     zero_tile_rows<XSTAGES, XSTAGE, XA_LD, XTHREADS>(smem, np, XP, tid);
     __syncthreads(); /* srow */
     if (a_live) a_src = abase + srow[ar] + ac * 16;
-    const int sr0 = warp * 8 + 2 * t; /* the lane's scale rows sr0, sr0 + 1 (output columns 2t, 2t+1) */
-    const float *const srow_s = &s_sm[0][sr0];
-    /* the fragment address of the decode tiling's MR = 16 form (linear_mma_sm80.cu), whatever np:
-     * rows past np read the zeros stored above (a branch to the MR = 8 form for np <= 8 was
-     * if-converted into both forms plus register moves, ~15 instructions a k-block) */
-    const uint32_t ldA = (uint32_t)((((lane >> 3) & 1) * 8 + (lane & 7)) * XA_LD + (lane >> 4) * 16);
-    const int rdB = XA_BYTES + (warp * 8 + g) * XB_LD + t * 4;
+    /* B fragments by ldmatrix.x4: lane L gives row L % 8 (a pair) of matrix L / 8 (the k-block's
+     * 16-byte quarter), so lane (g, t) receives words t, 4 + t, 8 + t, 12 + t of pair g: the
+     * k-permuted k values 8t .. 8t + 7, in the order of its two rows' decoded weights */
+    const uint32_t ldB = (uint32_t)((lane & 7) * XA_LD + (lane >> 3) * 16);
+    const int wr = warp * 16 + g; /* the lane's rows wr and wr + 8, relative to n0 */
+    const int rdB = XA_BYTES + wr * XB_LD + t * 4, swz = (g >> 1) & 3;
+    const uint32_t *const srow_s = reinterpret_cast<const uint32_t *>(&s_sm[0][warp * 16 + 2 * g]);
 
-    /* the lane's partial of its first row and column in the CTA's first chunk */
-    float *const pbase = part + ((int64_t)ci0 * mcap + first + g) * (NM * N) + (int64_t)m * N + n0 + warp * 8 + 2 * t;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    /* the lane's partial of its first row and pair in the CTA's first chunk */
+    float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
 #pragma unroll
     for (int st = 0; st < XSTAGES - 1; st++) {
         if (st < nst) load_a(st, st);
@@ -214,7 +240,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
 #pragma unroll 1
     for (int q = tid; q < KCH * XBN; q += XTHREADS) {
         const int r = q / KCH, b = q % KCH;
-        s_sm[b][r] = e8m0f(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
+        s_sm[b][xs_col(r)] = e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
     }
     for (int i = 0; i < nst; i++) {
         cp_async_wait<XSTAGES - 2>();
@@ -233,7 +259,7 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
 #pragma unroll 1
             for (int q = tid; q < KCH * XBN; q += XTHREADS) {
                 const int r = q / KCH, b = q % KCH;
-                s_sm[b][r] = e8m0f(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
+                s_sm[b][xs_col(r)] = e8m0h(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
             }
             __syncthreads();
         }
@@ -243,33 +269,34 @@ __global__ void __launch_bounds__(XTHREADS, XMINB)
         float p[XKB][4]; /* the stage's block products first, then the ordered fold */
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
-            uint32_t b[4];
-            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + jb * 16), b);
-            uint32_t a0[4], a1[4];
-            decode_a_frags<16>(so + ldA + (uint32_t)(jb * 64), a0, a1);
-            mma_bf16(p[jb], a0[0], a0[1], a0[2], a0[3], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
-            mma_bf16(p[jb], a1[0], a1[1], a1[2], a1[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
+            const int cpos = (jb ^ swz) << 4;
+            uint32_t lo[4], hi[4], b[4];
+            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + cpos), lo);
+            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + 8 * XB_LD + cpos), hi);
+            ldmatrix_x4(b, so + ldB + (uint32_t)(jb * 64));
+            mma_bf16(p[jb], lo[0], hi[0], lo[1], hi[1], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+            mma_bf16(p[jb], lo[2], hi[2], lo[3], hi[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
         }
         /* no branch or select for a block past nb: it multiplied zero-filled tiles (p = 0), its
          * table entry is 0 (the fills decode 0x100 there), and acc + 0·0 = acc exactly (acc is
          * never -0: it starts at +0 and a sum is -0 only if both terms are) */
-        const float *const sq = srow_s + ((i * XKB) % KCH) * XS_LD;
+        const uint32_t *const sq = srow_s + ((i * XKB) % KCH) * (XS_LD / 2);
 #pragma unroll
         for (int jb = 0; jb < XKB; jb++) {
-            const float2 q = *reinterpret_cast<const float2 *>(sq + jb * XS_LD);
-            acc[0] = __fmaf_rn(p[jb][0], q.x, acc[0]);
-            acc[1] = __fmaf_rn(p[jb][1], q.y, acc[1]);
-            acc[2] = __fmaf_rn(p[jb][2], q.x, acc[2]);
-            acc[3] = __fmaf_rn(p[jb][3], q.y, acc[3]);
+            const uint32_t q = sq[jb * (XS_LD / 2)];
+            const float s0 = __uint_as_float(q << 16), s1 = __uint_as_float(q & 0xffff0000u);
+            acc[0] = __fmaf_rn(p[jb][0], s0, acc[0]);
+            acc[1] = __fmaf_rn(p[jb][1], s0, acc[1]);
+            acc[2] = __fmaf_rn(p[jb][2], s1, acc[2]);
+            acc[3] = __fmaf_rn(p[jb][3], s1, acc[3]);
         }
         if (((i + 1) * XKB) % KCH == 0 || i == nst - 1) { /* the chunk's last stage: its partial */
-            const int cl = warp * 8 + 2 * t; /* the lane's first column, relative to n0 */
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                if (g + 8 * h >= np) continue;
-                float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)(8 * h) * (NM * N);
-                if (cl < nrows) pr[0] = acc[2 * h];
-                if (cl + 1 < nrows) pr[1] = acc[2 * h + 1];
+                if (2 * t + h >= np) continue;
+                float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)h * (NM * N);
+                if (wr < nrows) pr[0] = acc[h];
+                if (wr + 8 < nrows) pr[8] = acc[2 + h];
             }
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[e] = 0.0f;
@@ -676,6 +703,15 @@ static void moe_pass_begin(cudaStream_t st, const moe_scr &r, const int32_t *idx
     KERNEL_CHECK();
 }
 
+/* One decode-path launch of moe_mma_kernel<NM, W> (its CTA's threads from xtile<W>). */
+template <int NM, int W>
+static void moe_mma_launch(dim3 grid, cudaStream_t st, const moe_wtab &tab, int c0, int cn, const moe_scr &r,
+                           int n_local, const __nv_bfloat16 *a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
+                           int64_t s_ld, int64_t mcap, int cpc) {
+    moe_mma_kernel<NM, W><<<grid, xtile<W>::THREADS, 0, st>>>(tab, c0, cn, r.plan, r.tiles, n_local, a, a_div, N, K, ld,
+                                                              s_ld, r.part, mcap, cpc);
+}
+
 /* Calls of at most MOE_MMA_DECODE_T tokens: k-chunks spread over CTAs, partials in memory. */
 static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                             int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
@@ -687,7 +723,8 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
     cudaStream_t st = cuda_be_stream(be);
     const moe_scr r = moe_scr_take(be, T, tp, k, n_local, D, I, Dout, XP);
 
-    const int64_t ntg = (I + XBN - 1) / XBN, ntd = (Dout + XBN - 1) / XBN;
+    const int W = moe_mma_warps(T);
+    const int64_t rows = 16 * W, ntg = (I + rows - 1) / rows, ntd = (Dout + rows - 1) / rows;
     if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
         const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
@@ -700,12 +737,15 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
                 const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, pass ? sd : sg, nch);
                 const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), (unsigned)nt);
+                const __nv_bfloat16 *const act = pass ? r.qh : r.qx;
+                const int64_t a_div = pass ? 0 : k, N = pass ? Dout : I, K = pass ? I : D;
+                const int64_t ld = pass ? ldd : ldg, s_ld = pass ? sd : sg;
                 if (pass == 0)
-                    moe_mma_kernel<2><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qx, k,
-                                                                 I, D, ldg, sg, r.part, mcap, cpc);
+                    (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>)(grid, st, tab, (int)c0, cn, r, (int)n_local, act,
+                                                                         a_div, N, K, ld, s_ld, mcap, cpc);
                 else
-                    moe_mma_kernel<1><<<grid, XTHREADS, 0, st>>>(tab, (int)c0, cn, r.plan, r.tiles, (int)n_local, r.qh, 0,
-                                                                 Dout, I, ldd, sd, r.part, mcap, cpc);
+                    (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)(grid, st, tab, (int)c0, cn, r, (int)n_local, act,
+                                                                         a_div, N, K, ld, s_ld, mcap, cpc);
                 KERNEL_CHECK();
             }
             if (pass == 0) {

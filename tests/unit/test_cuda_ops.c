@@ -1119,6 +1119,8 @@ static void test_moe_experts_mma(void **st) {
     moe_experts_case("mma odd 3 of 37 [64,96] top-4 no limit", &ex, 3, 4, 0.0f);
     moe_mma_composition_case("odd 3 of 37 [64,96] top-2 limit 0.5", &ex, 40, 2, 0.5f);
     moe_mma_composition_case("odd 3 of 37 [64,96] top-1", &ex, 64, 1, 10.0f);
+    /* under 16 tokens: the 4-warp CTAs of 64 rows, y's 96 rows cutting the second one short */
+    moe_mma_composition_case("odd 3 of 37 [64,96] top-4", &ex, 3, 4, 0.0f);
     /* the prefill path: y's 96 columns cut its second 64-column tile short */
     moe_experts_case("mma odd 3 of 37 [64,96] top-2 prefill path", &ex, 300, 2, 0.5f);
     moe_mma_composition_case("odd 3 of 37 [64,96] top-2 prefill path", &ex, 300, 2, 0.5f);
@@ -1126,6 +1128,8 @@ static void test_moe_experts_mma(void **st) {
     seed_tag("experts odd wide");
     ex = make_experts(2, 1088, 1056, 0, 9); /* k past one chunk, row tiles cut short: 1088 = 1024 + 64, 1056 = 16·66 */
     moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3", &ex, 37, 3, 10.0f);
+    /* under 16 tokens (one k-chunk a CTA, 4-warp CTAs): ~10 pairs an expert, so two 8-pair tiles */
+    moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3", &ex, 15, 3, 10.0f);
     /* the prefill path: ~250 pairs per expert (several 64-pair tiles, the last one partial), w1's
      * scale rows 34 bytes apart (the byte-wise scale reads) */
     moe_mma_composition_case("odd 2 of 9 [1056,1088] top-3 prefill path", &ex, 400, 3, 10.0f);
