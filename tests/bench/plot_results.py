@@ -150,11 +150,15 @@ def main():
     alt = os.path.join(d, "cuda_step_alternated.csv")
     if os.path.exists(alt):
         r = rows(alt)
+        # one series per binary and GPU: the device tool lends H200s and H100s, and a rev's numbers
+        # compare only with those of the binaries alternated with it on the same card
+        for x in r:
+            x["series"] = "%s (%s)" % (x["rev"], x["device"].replace("NVIDIA ", "").split()[0])
         revs = []
         for x in r:
-            if x["rev"] not in revs:
-                revs.append(x["rev"])
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            if x["series"] not in revs:
+                revs.append(x["series"])
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         for ax, kind in zip(axes, ("decode", "prefill")):
             ns = sorted({int(x["batch_or_tokens"]) for x in r if x["kind"] == kind})
             w = 0.8 / len(revs)
@@ -162,10 +166,11 @@ def main():
                 vals, errs = [], []
                 for n in ns:
                     v = [100 * float(x["fraction_of_copy"]) if kind == "decode" else float(x["tokens_per_s"])
-                         for x in r if x["rev"] == rev and x["kind"] == kind and int(x["batch_or_tokens"]) == n]
+                         for x in r if x["series"] == rev and x["kind"] == kind and int(x["batch_or_tokens"]) == n]
                     vals.append(sum(v) / len(v) if v else 0)
                     errs.append((max(v) - min(v)) / 2 if v else 0)
-                ax.bar([j + i * w for j in range(len(ns))], vals, w, yerr=errs, capsize=2, label=rev)
+                ax.bar([j + i * w for j in range(len(ns))], vals, w, yerr=errs, capsize=2, label=rev,
+                       color=plt.cm.tab20(i % 20))
             ax.set_xticks([j + w * (len(revs) - 1) / 2 for j in range(len(ns))])
             ax.set_xticklabels([str(n) for n in ns])
             if kind == "decode":
@@ -178,7 +183,8 @@ def main():
                 ax.set_ylabel("tokens/s")
             ax.set_title("%s, binaries alternated in one run (mean, range)" % kind, fontsize=9)
             ax.legend(fontsize=8)
-        fig.suptitle("bench_step, TP8xPP2 rank 0 shard (20 layers), H200 running the SM80 code", fontsize=10)
+        fig.suptitle("bench_step, TP8xPP2 rank 0 shard (20 layers), the SM80 code JIT-compiled on the card named "
+                     "in each label (% of that card's copy bandwidth)", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(os.path.join(d, "cuda_step_alternated.png"), dpi=110)
 

@@ -2,10 +2,11 @@
 """Collects alternated bench_step runs (two binaries run in turn in one device call, so that they see
 the same machine state) into one CSV: each run's printed table, decode and prefill rows alike.
 
-Usage: step_alternated.py --copy-gbps GBPS --out results/cuda_step_alternated.csv [--append] REV=STDOUT [REV=STDOUT ...]
+Usage: step_alternated.py --copy-gbps GBPS --device NAME --out results/cuda_step_alternated.csv [--append] REV=STDOUT [REV=STDOUT ...]
 
 STDOUT is what one `bench_step` run printed; REV names the binary (a commit); the runs of one REV
-are numbered in the order given, decode and prefill separately. Columns: rev, run, kind,
+are numbered in the order given, decode and prefill separately. Columns: device (the GPU the call
+ran on, as nvidia-smi names it: the device tool lends H200s and H100s, whose bandwidths differ), rev, run, kind,
 batch_or_tokens, ctx, ms, weight_mb, gbps, fraction_of_copy (gbps / GBPS, the device-to-device copy bandwidth measured on the same machine),
 tokens_per_s and tflops (prefill rows: bench_step's own figures). plot_results.py draws
 cuda_step_alternated.png from it. --append keeps the rows already in --out (an earlier device call's
@@ -41,11 +42,12 @@ def parse(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--copy-gbps", type=float, required=True)
+    ap.add_argument("--device", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--append", action="store_true")
     ap.add_argument("runs", nargs="+", metavar="REV=STDOUT")
     a = ap.parse_args()
-    cols = ["rev", "run", "kind", "batch_or_tokens", "ctx", "ms", "weight_mb", "gbps", "fraction_of_copy",
+    cols = ["device", "rev", "run", "kind", "batch_or_tokens", "ctx", "ms", "weight_mb", "gbps", "fraction_of_copy",
             "tokens_per_s", "tflops"]
     rows = []
     if a.append:
@@ -55,7 +57,7 @@ def main():
             sys.exit("step_alternated.py: %s has other columns than %s" % (a.out, cols))
     seen = {}
     for r in rows:
-        k = (r["rev"], r["kind"])
+        k = (r["device"], r["rev"], r["kind"])
         seen[k] = max(seen.get(k, 0), int(r["run"]))
     for spec in a.runs:
         if "=" not in spec:
@@ -63,9 +65,9 @@ def main():
         rev, path = spec.split("=", 1)
         got = parse(path)
         for kind in sorted({r["kind"] for r in got}):
-            seen[(rev, kind)] = seen.get((rev, kind), 0) + 1
+            seen[(a.device, rev, kind)] = seen.get((a.device, rev, kind), 0) + 1
         for r in got:
-            r.update(rev=rev, run=seen[(rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps))
+            r.update(device=a.device, rev=rev, run=seen[(a.device, rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps))
             rows.append(r)
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
