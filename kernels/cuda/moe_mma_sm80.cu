@@ -20,7 +20,8 @@
  *     (one n8 mma tile; moe_plan_body), the other CTAs quantize x (mma_act_quant_body);
  *  2. moe_mma_kernel<2, W> (gate/up): CTA = (one tile) x (16 W rows of w1 or of w3) x (one
  *     k-chunk, W = 4; or from MOE_MMA_WHOLE_K_T tokens on all of them in turn, W = 8);
- *     the CTA finds its tile with one load of the plan's tile table, the tile's x rows are gathered
+ *     the CTA finds its tile with one load of the plan's tile table (and takes tiles gridDim.z
+ *     apart in turn where the grid's tile slots are capped: MOE_MMA_Z_WAVES), the tile's x rows are gathered
  *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the weight
  *     rows stream through a 3- or 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
  *     in registers, the chunk's weight scales sit decoded in shared memory; each warp is one m16
@@ -149,160 +150,168 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     __shared__ __align__(16) uint16_t s_sm[KCH][XS_LD]; /* decoded once per chunk, bf16 bits, columns xs_col */
     __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a later chunk's raw scales [XBN][KCH] (cpc > 1) */
     __shared__ int64_t srow[XP]; /* byte offset of each tile pair's row in a */
-    const int64_t j = (int64_t)plan[c0] + blockIdx.z;
-    if (j >= plan[c0 + cn]) return; /* uniform per CTA, before any barrier */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int2 te = tiles[j];
-    const int le = te.x & 0xffff, np = te.x >> 16;
-    const int64_t first = te.y;
-    const int64_t ntm = (N + XBN - 1) / XBN;
-    const int m = (int)(blockIdx.x / ntm);
-    const int64_t n0 = (int64_t)(blockIdx.x % ntm) * XBN;
-    const uint8_t *const w = tab.w[le - c0][m], *const s = tab.s[le - c0][m];
-    const int ci0 = (int)blockIdx.y * cpc, kb0 = ci0 * KCH, nbt = (int)(K / 32);
-    const int nb = nbt - kb0 < cpc * KCH ? nbt - kb0 : cpc * KCH, nst = (nb + XKB - 1) / XKB; /* blocks, stages */
-    const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
-    const uint32_t sbase = smem_addr(smem);
-
-    /* stage st <- k-blocks [XKB i, XKB i + XKB) of the chunk: the weights (16-byte k-block cb of
-     * rows rb and rb + XBN / 2 per thread) and the tile's activation rows; blocks past nb and weight rows
-     * past N are zero-filled */
-    const int rb = tid / XKB, cb = tid % XKB;
-    const bool ok0 = n0 + rb < N, ok1 = n0 + rb + XBN / 2 < N;
-    const uint8_t *const wsrc0 = w + (ok0 ? (n0 + rb) * ld + (int64_t)(kb0 + cb) * 16 : 0);
-    const uint8_t *const wsrc1 = w + (ok1 ? (n0 + rb + XBN / 2) * ld + (int64_t)(kb0 + cb) * 16 : 0);
-    const uint32_t bdst = sbase + (uint32_t)(XA_BYTES + xb_pos(rb, cb)); /* row rb + XBN / 2: the same swizzle */
-    auto load_b = [&](int st, int i) {
-        const bool v = i * XKB + cb < nb;
-        cp_async16(bdst + (uint32_t)(st * XSTAGE), v && ok0 ? wsrc0 + i * XKB * 16 : w, v && ok0);
-        cp_async16(bdst + (uint32_t)(st * XSTAGE + XBN / 2 * XB_LD), v && ok1 ? wsrc1 + i * XKB * 16 : w, v && ok1);
-    };
-    /* chunk cc's raw scale bytes (cc > 0), 4 per copy: thread tid takes word tid % 8 of rows tid / 8
-     * + q XTHREADS / 8, q = 0..3 (smem bytes 4 tid + 4 q XTHREADS); words past the CTA's blocks or rows past N are not
-     * fetched (their scales decode as 0 below). The CTA's scale base is read from shared memory
-     * when needed (kept in registers through the main loop it spilled under the SM90 compiler). */
-    const int sw = 4 * (tid % 8);
-    const int nrows = N - n0 < XBN ? (int)(N - n0) : XBN; /* the CTA's weight rows inside N */
     __shared__ const uint8_t *s_cta;
-    if (tid == 0) s_cta = s + n0 * s_ld + kb0;
-    auto load_s = [&](int cc) {
-        const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
-        const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
-        const bool vb = cc * KCH + sw < nb;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
-            cp_async4(s_dst + 4 * XTHREADS * q, v ? s_src + q * (XTHREADS / 8) * s_ld : s_cta, v);
-        }
-    };
-    /* the tile's activation rows: thread tid < 128 copies 16-byte chunk ac of pair row ar of every
-     * stage (a tile's np <= 8 rows of XKB blocks are at most one chunk a thread); a_src is set once
-     * srow is */
-    const int ar = tid / (XKB * 4), ac = tid % (XKB * 4);
-    const bool a_live = ar < np;
-    const uint8_t *a_src = abase;
-    const uint32_t a_dst = sbase + (uint32_t)(ar * XA_LD + ac * 16);
-    auto load_a = [&](int st, int i) {
-        if (!a_live) return;
-        const bool v = i * XKB + ac / 4 < nb;
-        cp_async16(a_dst + (uint32_t)(st * XSTAGE), v ? a_src + (int64_t)i * (XKB * 64) : abase, v);
-    };
-#pragma unroll
-    for (int st = 0; st < XSTAGES - 1; st++)
-        if (st < nst) load_b(st, st); /* in the first commit group below */
-    if (tid < np) {
-        const int64_t row = a_div ? (int64_t)plan[2 * (n_local + 1) + first + tid] / a_div : first + tid;
-        srow[tid] = row * K * 2 + (int64_t)kb0 * 64;
-    }
-    /* pair rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
-    zero_tile_rows<XSTAGES, XSTAGE, XA_LD, XTHREADS>(smem, np, XP, tid);
-    __syncthreads(); /* srow */
-    if (a_live) a_src = abase + srow[ar] + ac * 16;
-    /* B fragments by ldmatrix.x4: lane L gives row L % 8 (a pair) of matrix L / 8 (the k-block's
-     * 16-byte quarter), so lane (g, t) receives words t, 4 + t, 8 + t, 12 + t of pair g: the
-     * k-permuted k values 8t .. 8t + 7, in the order of its two rows' decoded weights */
-    const uint32_t ldB = (uint32_t)((lane & 7) * XA_LD + (lane >> 3) * 16);
-    const int wr = warp * 16 + g; /* the lane's rows wr and wr + 8, relative to n0 */
-    const int rdB = XA_BYTES + wr * XB_LD + t * 4, swz = (g >> 1) & 3;
-    const uint32_t *const srow_s = reinterpret_cast<const uint32_t *>(&s_sm[0][warp * 16 + 2 * g]);
+    const int64_t jfirst = plan[c0], jend = plan[c0 + cn];
+    /* tiles blockIdx.z, + gridDim.z, ...: the grid's z is the tile bound capped (moe_mma_zslots), so
+     * the CTAs of slots the plan leaves empty, which only read the plan and exit, do not outnumber
+     * the working ones */
+    for (int64_t z = blockIdx.z;; z += gridDim.z) {
+        const int64_t j = jfirst + z;
+        if (j >= jend) return; /* uniform per CTA, before any barrier */
+        if (z != blockIdx.z) __syncthreads(); /* the tile before is read out of shared memory by all */
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int g = lane >> 2, t = lane & 3;
+        const int2 te = tiles[j];
+        const int le = te.x & 0xffff, np = te.x >> 16;
+        const int64_t first = te.y;
+        const int64_t ntm = (N + XBN - 1) / XBN;
+        const int m = (int)(blockIdx.x / ntm);
+        const int64_t n0 = (int64_t)(blockIdx.x % ntm) * XBN;
+        const uint8_t *const w = tab.w[le - c0][m], *const s = tab.s[le - c0][m];
+        const int ci0 = (int)blockIdx.y * cpc, kb0 = ci0 * KCH, nbt = (int)(K / 32);
+        const int nb = nbt - kb0 < cpc * KCH ? nbt - kb0 : cpc * KCH, nst = (nb + XKB - 1) / XKB; /* blocks, stages */
+        const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
+        const uint32_t sbase = smem_addr(smem);
 
-    /* the lane's partial of its first row and pair in the CTA's first chunk */
-    float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
+        /* stage st <- k-blocks [XKB i, XKB i + XKB) of the chunk: the weights (16-byte k-block cb of
+         * rows rb and rb + XBN / 2 per thread) and the tile's activation rows; blocks past nb and weight rows
+         * past N are zero-filled */
+        const int rb = tid / XKB, cb = tid % XKB;
+        const bool ok0 = n0 + rb < N, ok1 = n0 + rb + XBN / 2 < N;
+        const uint8_t *const wsrc0 = w + (ok0 ? (n0 + rb) * ld + (int64_t)(kb0 + cb) * 16 : 0);
+        const uint8_t *const wsrc1 = w + (ok1 ? (n0 + rb + XBN / 2) * ld + (int64_t)(kb0 + cb) * 16 : 0);
+        const uint32_t bdst = sbase + (uint32_t)(XA_BYTES + xb_pos(rb, cb)); /* row rb + XBN / 2: the same swizzle */
+        auto load_b = [&](int st, int i) {
+            const bool v = i * XKB + cb < nb;
+            cp_async16(bdst + (uint32_t)(st * XSTAGE), v && ok0 ? wsrc0 + i * XKB * 16 : w, v && ok0);
+            cp_async16(bdst + (uint32_t)(st * XSTAGE + XBN / 2 * XB_LD), v && ok1 ? wsrc1 + i * XKB * 16 : w, v && ok1);
+        };
+        /* chunk cc's raw scale bytes (cc > 0), 4 per copy: thread tid takes word tid % 8 of rows
+         * tid / 8 + q XTHREADS / 8, q = 0..3 (smem bytes 4 tid + 4 q XTHREADS); words past the CTA's
+         * blocks or rows past N are not fetched (their scales decode as 0 below). The CTA's scale
+         * base is read from shared memory when needed (kept in registers through the main loop it
+         * spilled under the SM90 compiler). */
+        const int sw = 4 * (tid % 8);
+        const int nrows = N - n0 < XBN ? (int)(N - n0) : XBN; /* the CTA's weight rows inside N */
+        if (tid == 0) s_cta = s + n0 * s_ld + kb0;
+        auto load_s = [&](int cc) {
+            const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
+            const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
+            const bool vb = cc * KCH + sw < nb;
 #pragma unroll
-    for (int st = 0; st < XSTAGES - 1; st++) {
-        if (st < nst) load_a(st, st);
-        cp_async_commit();
-    }
-    /* the chunk's scales of the CTA's rows, plain loads while the first stages are in flight, decoded
-     * once (e8m0f, as the linears); rows past N read as 0 (never stored) */
-#pragma unroll 1
-    for (int q = tid; q < KCH * XBN; q += XTHREADS) {
-        const int r = q / KCH, b = q % KCH;
-        s_sm[b][xs_col(r)] = e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
-    }
-    for (int i = 0; i < nst; i++) {
-        cp_async_wait<XSTAGES - 2>();
-        __syncthreads();
-        if (i + XSTAGES - 1 < nst) {
-            const int in = i + XSTAGES - 1;
-            load_b(in % XSTAGES, in);
-            load_a(in % XSTAGES, in);
-            if ((in * XKB) % KCH == 0) load_s(in * XKB / KCH); /* a later chunk's first stage (in > 0) */
-        }
-        cp_async_commit();
-        const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
-        if (i > 0 && (i * XKB) % KCH == 0) {
-            /* its first stage: the barrier above saw every fold of the chunk before; its raw scales
-             * came with this stage's group */
-#pragma unroll 1
-            for (int q = tid; q < KCH * XBN; q += XTHREADS) {
-                const int r = q / KCH, b = q % KCH;
-                s_sm[b][xs_col(r)] = e8m0h(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
+            for (int q = 0; q < 4; q++) {
+                const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
+                cp_async4(s_dst + 4 * XTHREADS * q, v ? s_src + q * (XTHREADS / 8) * s_ld : s_cta, v);
             }
+        };
+        /* the tile's activation rows: thread tid < 128 copies 16-byte chunk ac of pair row ar of every
+         * stage (a tile's np <= 8 rows of XKB blocks are at most one chunk a thread); a_src is set once
+         * srow is */
+        const int ar = tid / (XKB * 4), ac = tid % (XKB * 4);
+        const bool a_live = ar < np;
+        const uint8_t *a_src = abase;
+        const uint32_t a_dst = sbase + (uint32_t)(ar * XA_LD + ac * 16);
+        auto load_a = [&](int st, int i) {
+            if (!a_live) return;
+            const bool v = i * XKB + ac / 4 < nb;
+            cp_async16(a_dst + (uint32_t)(st * XSTAGE), v ? a_src + (int64_t)i * (XKB * 64) : abase, v);
+        };
+#pragma unroll
+        for (int st = 0; st < XSTAGES - 1; st++)
+            if (st < nst) load_b(st, st); /* in the first commit group below */
+        if (tid < np) {
+            const int64_t row = a_div ? (int64_t)plan[2 * (n_local + 1) + first + tid] / a_div : first + tid;
+            srow[tid] = row * K * 2 + (int64_t)kb0 * 64;
+        }
+        /* pair rows past np: zeros in every stage (they are never loaded; their outputs are not stored) */
+        zero_tile_rows<XSTAGES, XSTAGE, XA_LD, XTHREADS>(smem, np, XP, tid);
+        __syncthreads(); /* srow */
+        if (a_live) a_src = abase + srow[ar] + ac * 16;
+        /* B fragments by ldmatrix.x4: lane L gives row L % 8 (a pair) of matrix L / 8 (the k-block's
+         * 16-byte quarter), so lane (g, t) receives words t, 4 + t, 8 + t, 12 + t of pair g: the
+         * k-permuted k values 8t .. 8t + 7, in the order of its two rows' decoded weights */
+        const uint32_t ldB = (uint32_t)((lane & 7) * XA_LD + (lane >> 3) * 16);
+        const int wr = warp * 16 + g; /* the lane's rows wr and wr + 8, relative to n0 */
+        const int rdB = XA_BYTES + wr * XB_LD + t * 4, swz = (g >> 1) & 3;
+        const uint32_t *const srow_s = reinterpret_cast<const uint32_t *>(&s_sm[0][warp * 16 + 2 * g]);
+
+        /* the lane's partial of its first row and pair in the CTA's first chunk */
+        float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
+#pragma unroll
+        for (int st = 0; st < XSTAGES - 1; st++) {
+            if (st < nst) load_a(st, st);
+            cp_async_commit();
+        }
+        /* the chunk's scales of the CTA's rows, plain loads while the first stages are in flight, decoded
+         * once (e8m0f, as the linears); rows past N read as 0 (never stored) */
+#pragma unroll 1
+        for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+            const int r = q / KCH, b = q % KCH;
+            s_sm[b][xs_col(r)] = e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
+        }
+        for (int i = 0; i < nst; i++) {
+            cp_async_wait<XSTAGES - 2>();
             __syncthreads();
-        }
-        const int st = i % XSTAGES;
-        const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
-        const uint8_t *const sb = smem + st * XSTAGE + rdB;
-        float p[XKB][4]; /* the stage's block products first, then the ordered fold */
-#pragma unroll
-        for (int jb = 0; jb < XKB; jb++) {
-            const int cpos = (jb ^ swz) << 4;
-            uint32_t lo[4], hi[4], b[4];
-            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + cpos), lo);
-            e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + 8 * XB_LD + cpos), hi);
-            ldmatrix_x4(b, so + ldB + (uint32_t)(jb * 64));
-            mma_bf16(p[jb], lo[0], hi[0], lo[1], hi[1], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
-            mma_bf16(p[jb], lo[2], hi[2], lo[3], hi[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
-        }
-        /* no branch or select for a block past nb: it multiplied zero-filled tiles (p = 0), its
-         * table entry is 0 (the fills decode 0x100 there), and acc + 0·0 = acc exactly (acc is
-         * never -0: it starts at +0 and a sum is -0 only if both terms are) */
-        const uint32_t *const sq = srow_s + ((i * XKB) % KCH) * (XS_LD / 2);
-#pragma unroll
-        for (int jb = 0; jb < XKB; jb++) {
-            const uint32_t q = sq[jb * (XS_LD / 2)];
-            const float s0 = __uint_as_float(q << 16), s1 = __uint_as_float(q & 0xffff0000u);
-            acc[0] = __fmaf_rn(p[jb][0], s0, acc[0]);
-            acc[1] = __fmaf_rn(p[jb][1], s0, acc[1]);
-            acc[2] = __fmaf_rn(p[jb][2], s1, acc[2]);
-            acc[3] = __fmaf_rn(p[jb][3], s1, acc[3]);
-        }
-        if (((i + 1) * XKB) % KCH == 0 || i == nst - 1) { /* the chunk's last stage: its partial */
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (2 * t + h >= np) continue;
-                float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)h * (NM * N);
-                if (wr < nrows) pr[0] = acc[h];
-                if (wr + 8 < nrows) pr[8] = acc[2 + h];
+            if (i + XSTAGES - 1 < nst) {
+                const int in = i + XSTAGES - 1;
+                load_b(in % XSTAGES, in);
+                load_a(in % XSTAGES, in);
+                if ((in * XKB) % KCH == 0) load_s(in * XKB / KCH); /* a later chunk's first stage (in > 0) */
             }
+            cp_async_commit();
+            const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
+            if (i > 0 && (i * XKB) % KCH == 0) {
+                /* its first stage: the barrier above saw every fold of the chunk before; its raw scales
+                 * came with this stage's group */
+#pragma unroll 1
+                for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+                    const int r = q / KCH, b = q % KCH;
+                    s_sm[b][xs_col(r)] = e8m0h(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
+                }
+                __syncthreads();
+            }
+            const int st = i % XSTAGES;
+            const uint32_t so = sbase + (uint32_t)(st * XSTAGE);
+            const uint8_t *const sb = smem + st * XSTAGE + rdB;
+            float p[XKB][4]; /* the stage's block products first, then the ordered fold */
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[e] = 0.0f;
+            for (int jb = 0; jb < XKB; jb++) {
+                const int cpos = (jb ^ swz) << 4;
+                uint32_t lo[4], hi[4], b[4];
+                e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + cpos), lo);
+                e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + 8 * XB_LD + cpos), hi);
+                ldmatrix_x4(b, so + ldB + (uint32_t)(jb * 64));
+                mma_bf16(p[jb], lo[0], hi[0], lo[1], hi[1], b[0], b[1], 0.0f, 0.0f, 0.0f, 0.0f);
+                mma_bf16(p[jb], lo[2], hi[2], lo[3], hi[3], b[2], b[3], p[jb][0], p[jb][1], p[jb][2], p[jb][3]);
+            }
+            /* no branch or select for a block past nb: it multiplied zero-filled tiles (p = 0), its
+             * table entry is 0 (the fills decode 0x100 there), and acc + 0·0 = acc exactly (acc is
+             * never -0: it starts at +0 and a sum is -0 only if both terms are) */
+            const uint32_t *const sq = srow_s + ((i * XKB) % KCH) * (XS_LD / 2);
+#pragma unroll
+            for (int jb = 0; jb < XKB; jb++) {
+                const uint32_t q = sq[jb * (XS_LD / 2)];
+                const float s0 = __uint_as_float(q << 16), s1 = __uint_as_float(q & 0xffff0000u);
+                acc[0] = __fmaf_rn(p[jb][0], s0, acc[0]);
+                acc[1] = __fmaf_rn(p[jb][1], s0, acc[1]);
+                acc[2] = __fmaf_rn(p[jb][2], s1, acc[2]);
+                acc[3] = __fmaf_rn(p[jb][3], s1, acc[3]);
+            }
+            if (((i + 1) * XKB) % KCH == 0 || i == nst - 1) { /* the chunk's last stage: its partial */
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (2 * t + h >= np) continue;
+                    float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)h * (NM * N);
+                    if (wr < nrows) pr[0] = acc[h];
+                    if (wr + 8 < nrows) pr[8] = acc[2 + h];
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[e] = 0.0f;
+            }
         }
+        cp_async_wait<0>();
     }
-    cp_async_wait<0>();
 }
 
 /* The local pairs of the pass (off[n_local] of the plan). */
@@ -703,11 +712,29 @@ static void moe_pass_begin(cudaStream_t st, const moe_scr &r, const int32_t *idx
     KERNEL_CHECK();
 }
 
-/* One decode-path launch of moe_mma_kernel<NM, W> (its CTA's threads from xtile<W>). */
+/* The grid's tile slots (z) of a decode-path launch are capped at MOE_MMA_Z_WAVES times the CTAs
+ * the GPU holds at once, over the CTAs of one tile (x · y); a CTA then runs tiles z, z + gridDim.z,
+ * ... The bound on the tiles (moe_tiles_max) counts every pair of the pass as local, so at batch 8
+ * it asked for 48 tile slots where about 6 tiles exist: some 15,000 of the gate/up launch's 17,280
+ * CTAs only read the plan and exited, after the working ones. At 4 the cap leaves batch 1 as it
+ * was and loops only where a rank's experts draw many more tiles than the balanced share. */
+#define MOE_MMA_Z_WAVES 4
+
+template <int NM, int W> static int moe_mma_ctas_per_sm() {
+    static int n = 0; /* one device per process */
+    if (!n) CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_mma_kernel<NM, W>, xtile<W>::THREADS, 0));
+    return n > 0 ? n : 1;
+}
+
+/* One decode-path launch of moe_mma_kernel<NM, W> (its CTA's threads from xtile<W>) over nt tile
+ * slots. */
 template <int NM, int W>
-static void moe_mma_launch(dim3 grid, cudaStream_t st, const moe_wtab &tab, int c0, int cn, const moe_scr &r,
-                           int n_local, const __nv_bfloat16 *a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
-                           int64_t s_ld, int64_t mcap, int cpc) {
+static void moe_mma_launch(dim3 grid, int64_t nt, int sms, cudaStream_t st, const moe_wtab &tab, int c0, int cn,
+                           const moe_scr &r, int n_local, const __nv_bfloat16 *a, int64_t a_div, int64_t N, int64_t K,
+                           int64_t ld, int64_t s_ld, int64_t mcap, int cpc) {
+    const int64_t per_tile = (int64_t)grid.x * grid.y;
+    const int64_t zcap = (MOE_MMA_Z_WAVES * (int64_t)sms * moe_mma_ctas_per_sm<NM, W>() + per_tile - 1) / per_tile;
+    grid.z = (unsigned)(nt < zcap ? nt : zcap > 0 ? zcap : 1);
     moe_mma_kernel<NM, W><<<grid, xtile<W>::THREADS, 0, st>>>(tab, c0, cn, r.plan, r.tiles, n_local, a, a_div, N, K, ld,
                                                               s_ld, r.part, mcap, cpc);
 }
@@ -723,7 +750,7 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
     cudaStream_t st = cuda_be_stream(be);
     const moe_scr r = moe_scr_take(be, T, tp, k, n_local, D, I, Dout, XP);
 
-    const int W = moe_mma_warps(T);
+    const int W = moe_mma_warps(T), sms = cuda_be_sms(be);
     const int64_t rows = 16 * W, ntg = (I + rows - 1) / rows, ntd = (Dout + rows - 1) / rows;
     if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
@@ -736,16 +763,18 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 if (nt > 65535) MOE_MMA_FAIL("too many tiles");
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
                 const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, pass ? sd : sg, nch);
-                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), (unsigned)nt);
+                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), 1);
                 const __nv_bfloat16 *const act = pass ? r.qh : r.qx;
                 const int64_t a_div = pass ? 0 : k, N = pass ? Dout : I, K = pass ? I : D;
                 const int64_t ld = pass ? ldd : ldg, s_ld = pass ? sd : sg;
                 if (pass == 0)
-                    (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>)(grid, st, tab, (int)c0, cn, r, (int)n_local, act,
-                                                                         a_div, N, K, ld, s_ld, mcap, cpc);
+                    (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>)(grid, nt, sms, st, tab, (int)c0, cn, r,
+                                                                         (int)n_local, act, a_div, N, K, ld, s_ld, mcap,
+                                                                         cpc);
                 else
-                    (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)(grid, st, tab, (int)c0, cn, r, (int)n_local, act,
-                                                                         a_div, N, K, ld, s_ld, mcap, cpc);
+                    (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)(grid, nt, sms, st, tab, (int)c0, cn, r,
+                                                                         (int)n_local, act, a_div, N, K, ld, s_ld, mcap,
+                                                                         cpc);
                 KERNEL_CHECK();
             }
             if (pass == 0) {
