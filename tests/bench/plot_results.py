@@ -161,17 +161,20 @@ def main():
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         for ax, kind in zip(axes, ("decode", "prefill")):
             ns = sorted({int(x["batch_or_tokens"]) for x in r if x["kind"] == kind})
-            w = 0.8 / len(revs)
-            for i, rev in enumerate(revs):
+            kr = [s for s in revs if any(x["series"] == s and x["kind"] == kind for x in r)]
+            w = 0.8 / len(kr)
+            top = 0.0
+            for i, rev in enumerate(kr):
                 vals, errs = [], []
                 for n in ns:
                     v = [100 * float(x["fraction_of_copy"]) if kind == "decode" else float(x["tokens_per_s"])
                          for x in r if x["series"] == rev and x["kind"] == kind and int(x["batch_or_tokens"]) == n]
                     vals.append(sum(v) / len(v) if v else 0)
                     errs.append((max(v) - min(v)) / 2 if v else 0)
+                top = max([top] + vals)
                 ax.bar([j + i * w for j in range(len(ns))], vals, w, yerr=errs, capsize=2, label=rev,
-                       color=plt.cm.tab20(i % 20))
-            ax.set_xticks([j + w * (len(revs) - 1) / 2 for j in range(len(ns))])
+                       color=plt.cm.tab20(revs.index(rev) % 20))
+            ax.set_xticks([j + w * (len(kr) - 1) / 2 for j in range(len(ns))])
             ax.set_xticklabels([str(n) for n in ns])
             if kind == "decode":
                 ax.axhline(70, color="k", ls="--", lw=0.8, label="target (batch >= 8)")
@@ -182,7 +185,9 @@ def main():
                 ax.set_xlabel("prompt tokens")
                 ax.set_ylabel("tokens/s")
             ax.set_title("%s, binaries alternated in one run (mean, range)" % kind, fontsize=9)
-            ax.legend(fontsize=8)
+            # many series: the legend in columns, above the bars (room made over the tallest)
+            ax.legend(fontsize=6.5, ncol=3, loc="upper left")
+            ax.set_ylim(0, 100 if kind == "decode" else 1.6 * top)
         fig.suptitle("bench_step, TP8xPP2 rank 0 shard (20 layers), the SM80 code JIT-compiled on the card named "
                      "in each label (% of that card's copy bandwidth)", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
