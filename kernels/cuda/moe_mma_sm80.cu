@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     constexpr int XSTAGES = xtile<W>::STAGES, XS_LD = xtile<W>::S_LD, XR_BYTES = xtile<W>::R_BYTES;
     __shared__ __align__(128) uint8_t smem[XSTAGES * XSTAGE];
     __shared__ __align__(16) uint16_t s_sm[KCH][XS_LD]; /* decoded once per chunk, bf16 bits, columns xs_col */
-    __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a later chunk's raw scales [XBN][KCH] (cpc > 1) */
+    __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a chunk's raw scales [XBN][KCH] (s_cp) */
     __shared__ int64_t srow[XP]; /* byte offset of each tile pair's row in a */
     __shared__ const uint8_t *s_cta;
     const int64_t jfirst = plan[c0], jend = plan[c0 + cn];
@@ -238,17 +238,26 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         /* the lane's partial of its first row and pair in the CTA's first chunk */
         float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
+        /* the first chunk's raw scales come with the first group, as a later chunk's do, where their
+         * rows are whole 4-byte words (the release's: s_ld = 160 or 72) and decode at its first stage;
+         * the plain loads below, one byte a thread at a time, were 16 dependent memory latencies
+         * in front of every CTA's first stage */
+        const bool s_cp = (s_ld & 3) == 0 && (reinterpret_cast<uintptr_t>(s) & 3u) == 0;
+        if (s_cp) load_s(0);
 #pragma unroll
         for (int st = 0; st < XSTAGES - 1; st++) {
             if (st < nst) load_a(st, st);
             cp_async_commit();
         }
-        /* the chunk's scales of the CTA's rows, plain loads while the first stages are in flight, decoded
-         * once (e8m0f, as the linears); rows past N read as 0 (never stored) */
+        /* otherwise the chunk's scales of the CTA's rows by plain loads while the first stages are in
+         * flight, decoded once (e8m0f, as the linears); rows past N read as 0 (never stored) */
+        if (!s_cp) {
 #pragma unroll 1
-        for (int q = tid; q < KCH * XBN; q += XTHREADS) {
-            const int r = q / KCH, b = q % KCH;
-            s_sm[b][xs_col(r)] = e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
+            for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+                const int r = q / KCH, b = q % KCH;
+                s_sm[b][xs_col(r)] =
+                    e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
+            }
         }
         for (int i = 0; i < nst; i++) {
             cp_async_wait<XSTAGES - 2>();
@@ -261,9 +270,9 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             }
             cp_async_commit();
             const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
-            if (i > 0 && (i * XKB) % KCH == 0) {
-                /* its first stage: the barrier above saw every fold of the chunk before; its raw scales
-                 * came with this stage's group */
+            if ((i * XKB) % KCH == 0 && (i > 0 || s_cp)) {
+                /* a chunk's first stage: the barrier above saw every fold of the chunk before; its raw
+                 * scales came with this stage's group */
 #pragma unroll 1
                 for (int q = tid; q < KCH * XBN; q += XTHREADS) {
                     const int r = q / KCH, b = q % KCH;
