@@ -4,8 +4,10 @@
 Each input is BATCH=PATH: ncu --csv output of bench_step --profiler-range over --steps timed decode
 steps, metric gpu__time_duration.sum. Kernels are grouped by name with their template arguments
 (without namespaces and parameters); per group: launches per step, µs per step, mean µs per launch, share of the step's
-kernel time. Writes --out (CSV: batch,kernel,launches_per_step,us_per_step,mean_us,share_pct) and
-prints the top rows per batch.
+kernel time, and the spread of its launches (min, median, max µs: a data-dependent kernel, e.g. the
+routed experts' with or without a local pair in a layer, shows its cases there). Writes --out (CSV:
+batch,kernel,launches_per_step,us_per_step,mean_us,share_pct,min_us,median_us,max_us) and prints the
+top rows per batch.
 
 Usage: kernel_times.py --steps N --out OUT.csv 1=ncu_b1.csv 8=ncu_b8.csv ..."""
 import argparse
@@ -60,21 +62,26 @@ def main():
     a = ap.parse_args()
     with open(a.out, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["batch", "kernel", "launches_per_step", "us_per_step", "mean_us", "share_pct"])
+        w.writerow(["batch", "kernel", "launches_per_step", "us_per_step", "mean_us", "share_pct", "min_us",
+                    "median_us", "max_us"])
         for spec in a.inputs:
             batch, path = spec.split("=", 1)
             ks = read_ncu(path)
             total = sum(us for _, us in ks)
-            agg = {}
+            agg, each = {}, {}
             for name, us in ks:
                 n, t = agg.get(name, (0, 0.0))
                 agg[name] = (n + 1, t + us)
+                each.setdefault(name, []).append(us)
             rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
             print("# batch %s: %d kernels per step, %.1f us of kernel time per step" %
                   (batch, round(len(ks) / a.steps), total / a.steps))
             for name, (n, t) in rows:
+                v = sorted(each[name])
+                med = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
                 w.writerow([batch, name, round(n / a.steps, 1), round(t / a.steps, 1), round(t / n, 2),
-                            round(100 * t / total, 1) if total else 0])
+                            round(100 * t / total, 1) if total else 0, round(v[0], 2), round(med, 2),
+                            round(v[-1], 2)])
             for name, (n, t) in rows[:12]:
                 print("  %-34s %6.1f launches %9.1f us/step %7.2f us each %5.1f %%" %
                       (name, n / a.steps, t / a.steps, t / n, 100 * t / total))
