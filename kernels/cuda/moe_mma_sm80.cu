@@ -21,12 +21,13 @@
  *  2. moe_mma_kernel<2, W> (gate/up): CTA = (one tile) x (16 W rows of w1 or of w3) x (one
  *     k-chunk, W = 4; or from MOE_MMA_WHOLE_K_T tokens on all of them in turn, W = 8);
  *     the CTA finds its tile with one load of the plan's tile table (and takes tiles gridDim.z
- *     apart in turn where the grid's tile slots are capped: MOE_MMA_Z_WAVES), the tile's x rows are gathered
- *     by token into shared memory (rows past the tile's pairs are zeros, never loaded), the weight
- *     rows stream through a 3- or 4-stage cp.async pipeline (4 k-blocks a stage) and are decoded
- *     in registers, the chunk's weight scales sit decoded in shared memory; each warp is one m16
- *     tile of weight rows (the mma's A operand) against the tile's pairs (B, n8), so a lane decodes
- *     16 weights a k-block for one ldmatrix and two mma; fp32 partials [chunk][list position][2I];
+ *     apart in turn where the grid's tile slots are capped: MOE_MMA_Z_WAVES), the tile's x rows
+ *     are gathered by token into shared memory (rows past the tile's pairs are zeros, never
+ *     loaded), the weight rows stream through a 3- or 4-stage cp.async pipeline (4 k-blocks a
+ *     stage) and are decoded in registers, the chunk's weight scales sit decoded in shared memory;
+ *     each warp is one m16 tile of weight rows (the mma's A operand) against the tile's pairs (B,
+ *     n8), so a lane decodes 16 weights a k-block for one ldmatrix and two mma; fp32 partials
+ *     [chunk][list position][2I];
  *  3. moe_gateup_finish_kernel: chunk sums, bf16 g and u, the SwiGLU with the routing weight, bf16
  *     h, its act quant in the k-permuted layout [list position][I];
  *  4. moe_mma_kernel<1> (down) over h the same way, partials [chunk][list position][Dout];
@@ -41,10 +42,11 @@
  *
  * Why tensor cores here: the exact kernels spend ~5 instructions per FP4 weight (the e2m1 decode
  * feeds one FMA per pair), so they were instruction bound at every batch; here a weight is decoded
- * once per 16 pairs into bf16 pairs that feed mma.sync. A decode step has 1-4 pairs per expert,
- * though, and then this kernel is instruction bound as well (Nsight Compute on the H200, batch 64
- * gate/up, before the branch-free fold: issue slots 71-82 % busy, 290 M warp instructions, DRAM
- * 16 %); the per-weight decode is 21 instructions per 8 weights, the stage body 165 SASS
+ * once per tile of pairs (up to 8 now, 16 before 66a30d2) into bf16 pairs that feed mma.sync. A
+ * decode step has 1-4 pairs per expert, though, and then this kernel is instruction bound as well
+ * (Nsight Compute on the H200, batch 64 gate/up, before the branch-free fold: issue slots 71-82 %
+ * busy, 290 M warp instructions, DRAM 16 %); the per-weight decode is 21 instructions per 8
+ * weights, the stage body 165 SASS
  * instructions for 4 k-blocks (sm_90 JIT of this PTX). Later (Nsight Compute source counters, batch
  * 64 gate/up: 210 M warp instructions, 67 per k-block and warp of which the weight decode is 21 and
  * the mma 2): each thread's activation copy address is set once instead of a loop with divisions
@@ -89,7 +91,7 @@ template <int W> struct xtile {
                                            * blocks of one row per warp) on distinct banks, a lane's pair
                                            * 4-byte aligned */
     static constexpr int S_BYTES = KCH * S_LD * 2; /* the chunk's weight scales as bf16 [KCH][S_LD] */
-    static constexpr int R_BYTES = BN * KCH;       /* a later chunk's raw scale bytes [BN][KCH] */
+    static constexpr int R_BYTES = BN * KCH;       /* a chunk's raw scale bytes [BN][KCH] */
     static constexpr int FIT = (48 * 1024 - S_BYTES - R_BYTES - 256) / STAGE;
     static constexpr int STAGES = FIT > 4 ? 4 : FIT;
     static_assert(STAGES >= 3 && STAGE % 64 == 0 && XA_BYTES % 64 == 0 && BN * XKB == 2 * THREADS && XB_LD == 64 &&
@@ -121,13 +123,13 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
     }
 }
 
-/* One CTA: tile blockIdx.z of the experts [c0, c0 + cn) (none: exit), weight rows n0 .. n0 + 16 W - 1
- * of matrix m (grid x = NM matrices x ceil(N / 16 W) row tiles; gate/up: m = 0 w1, 1 w3), the cpc
- * k-chunks from cpc·blockIdx.y on, one after the other through one cp.async pipeline (each chunk's
- * sum from +0 and its partial stored at its end, as one CTA per chunk would: the same bits). a:
- * k-permuted quantized activations, K values per row; the tile's pair j is a's row list[first + j]
- * / a_div (gate/up: the pair's token) or first + j (down, a_div = 0: h is stored by list
- * position). part [nch][mcap][NM N] fp32, row = list position.
+/* One CTA: tiles blockIdx.z, blockIdx.z + gridDim.z, ... of the experts [c0, c0 + cn) (past the
+ * last: exit), weight rows n0 .. n0 + 16 W - 1 of matrix m (grid x = NM matrices x ceil(N / 16 W)
+ * row tiles; gate/up: m = 0 w1, 1 w3), the cpc k-chunks from cpc·blockIdx.y on, one after the other
+ * through one cp.async pipeline (each chunk's sum from +0 and its partial stored at its end, as one
+ * CTA per chunk would: the same bits). a: k-permuted quantized activations, K values per row; the
+ * tile's pair j is a's row list[first + j] / a_div (gate/up: the pair's token) or first + j (down,
+ * a_div = 0: h is stored by list position). part [nch][mcap][NM N] fp32, row = list position.
  * Warp w computes rows n0 + 16 w .. + 15 against the tile's pairs as mma(A = the 16 weight rows,
  * B = the 8 pair columns): a lane decodes 4 bytes (8 weights) of each of its rows g and g + 8 a
  * k-block, each FP4 weight once per tile, and one ldmatrix.x4 gives both mma their B fragments.
@@ -137,8 +139,9 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
  * before the activations can be fetched, so the weights' first stages, which need only the
  * expert, are issued before the list is read. With cpc > 1 that prologue (and the scale table's
  * first fill) is paid once per cpc chunks, and the pipeline runs on across the chunk boundaries:
- * a later chunk's raw scale bytes arrive by cp.async with the loads of its first stage (s_ld % 4
- * == 0, the caller's condition for cpc > 1) and are decoded into the table at that stage. */
+ * a chunk's raw scale bytes arrive by cp.async with the loads of its first stage (s_ld % 4 == 0,
+ * the caller's condition for cpc > 1; the first chunk's also needs a 4-byte aligned scale base,
+ * else plain loads fill the table) and are decoded into the table at that stage. */
 template <int NM, int W>
 __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
@@ -152,9 +155,9 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     __shared__ int64_t srow[XP]; /* byte offset of each tile pair's row in a */
     __shared__ const uint8_t *s_cta;
     const int64_t jfirst = plan[c0], jend = plan[c0 + cn];
-    /* tiles blockIdx.z, + gridDim.z, ...: the grid's z is the tile bound capped (moe_mma_zslots), so
-     * the CTAs of slots the plan leaves empty, which only read the plan and exit, do not outnumber
-     * the working ones */
+    /* tiles blockIdx.z, + gridDim.z, ...: the grid's z is the tile bound capped (MOE_MMA_Z_WAVES,
+     * moe_mma_launch), so the CTAs of slots the plan leaves empty, which only read the plan and
+     * exit, do not outnumber the working ones */
     for (int64_t z = blockIdx.z;; z += gridDim.z) {
         const int64_t j = jfirst + z;
         if (j >= jend) return; /* uniform per CTA, before any barrier */
@@ -186,7 +189,7 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             cp_async16(bdst + (uint32_t)(st * XSTAGE), v && ok0 ? wsrc0 + i * XKB * 16 : w, v && ok0);
             cp_async16(bdst + (uint32_t)(st * XSTAGE + XBN / 2 * XB_LD), v && ok1 ? wsrc1 + i * XKB * 16 : w, v && ok1);
         };
-        /* chunk cc's raw scale bytes (cc > 0), 4 per copy: thread tid takes word tid % 8 of rows
+        /* chunk cc's raw scale bytes, 4 per copy: thread tid takes word tid % 8 of rows
          * tid / 8 + q XTHREADS / 8, q = 0..3 (smem bytes 4 tid + 4 q XTHREADS); words past the CTA's
          * blocks or rows past N are not fetched (their scales decode as 0 below). The CTA's scale
          * base is read from shared memory when needed (kept in registers through the main loop it
@@ -743,7 +746,7 @@ static void moe_mma_launch(dim3 grid, int64_t nt, int sms, cudaStream_t st, cons
                            int64_t ld, int64_t s_ld, int64_t mcap, int cpc) {
     const int64_t per_tile = (int64_t)grid.x * grid.y;
     const int64_t zcap = (MOE_MMA_Z_WAVES * (int64_t)sms * moe_mma_ctas_per_sm<NM, W>() + per_tile - 1) / per_tile;
-    grid.z = (unsigned)(nt < zcap ? nt : zcap > 0 ? zcap : 1);
+    grid.z = (unsigned)(nt < zcap ? nt : zcap); /* zcap >= 1: sms and the occupancy are >= 1 */
     moe_mma_kernel<NM, W><<<grid, xtile<W>::THREADS, 0, st>>>(tab, c0, cn, r.plan, r.tiles, n_local, a, a_div, N, K, ld,
                                                               s_ld, r.part, mcap, cpc);
 }

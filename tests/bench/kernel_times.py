@@ -14,6 +14,7 @@ import argparse
 import csv
 import io
 import re
+import statistics
 import sys
 
 
@@ -77,11 +78,10 @@ def main():
             print("# batch %s: %d kernels per step, %.1f us of kernel time per step" %
                   (batch, round(len(ks) / a.steps), total / a.steps))
             for name, (n, t) in rows:
-                v = sorted(each[name])
-                med = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+                v = each[name]
                 w.writerow([batch, name, round(n / a.steps, 1), round(t / a.steps, 1), round(t / n, 2),
-                            round(100 * t / total, 1) if total else 0, round(v[0], 2), round(med, 2),
-                            round(v[-1], 2)])
+                            round(100 * t / total, 1) if total else 0, round(min(v), 2),
+                            round(statistics.median(v), 2), round(max(v), 2)])
             for name, (n, t) in rows[:12]:
                 print("  %-34s %6.1f launches %9.1f us/step %7.2f us each %5.1f %%" %
                       (name, n / a.steps, t / a.steps, t / n, 100 * t / total))
