@@ -52,14 +52,12 @@ static inline int moe_mma_is_wide(int64_t T, int64_t I) { return T > MOE_MMA_DEC
 /* The decode path's k-chunks per CTA: from MOE_MMA_WHOLE_K_T tokens on, a CTA runs every chunk of
  * its tile's rows one after the other (its prologue, ~3 dependent loads before the activations,
  * paid once per row tile instead of once per chunk), below that one chunk per CTA (more CTAs for
- * the few tiles of a small batch). Same bits either way (per-chunk partials). It needs the scale
- * rows in 4-byte words (s_ld % 4 == 0: the later chunks' scales come by cp.async). H200, a decode
- * step (ms at batch 1 / 8 / 64 / 256, the same run): one chunk 6.62 / 9.54 / 20.61 / 34.10,
- * all chunks 6.77 / 9.51 / 19.36 / 31.12. */
+ * the few tiles of a small batch). Same bits either way (per-chunk partials). Any scale shape:
+ * the kernel fetches a chunk's scales by cp.async where the rows are 4-byte words and by plain
+ * loads otherwise. H200, a decode step (ms at batch 1 / 8 / 64 / 256, the same run): one chunk
+ * 6.62 / 9.54 / 20.61 / 34.10, all chunks 6.77 / 9.51 / 19.36 / 31.12. */
 #define MOE_MMA_WHOLE_K_T 16
-static inline int moe_mma_chunks_per_cta(int64_t T, int64_t s_ld, int nch) {
-    return T >= MOE_MMA_WHOLE_K_T && s_ld % 4 == 0 ? nch : 1;
-}
+static inline int moe_mma_chunks_per_cta(int64_t T, int nch) { return T >= MOE_MMA_WHOLE_K_T ? nch : 1; }
 
 /* The decode path's CTA: 8 warps of 16 weight rows each where its CTAs run every k-chunk of their
  * rows (from MOE_MMA_WHOLE_K_T tokens), 4 below, where a CTA runs one chunk and twice the CTAs of

@@ -139,9 +139,9 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
  * before the activations can be fetched, so the weights' first stages, which need only the
  * expert, are issued before the list is read. With cpc > 1 that prologue (and the scale table's
  * first fill) is paid once per cpc chunks, and the pipeline runs on across the chunk boundaries:
- * a chunk's raw scale bytes arrive by cp.async with the loads of its first stage (s_ld % 4 == 0,
- * the caller's condition for cpc > 1; the first chunk's also needs a 4-byte aligned scale base,
- * else plain loads fill the table) and are decoded into the table at that stage. */
+ * a chunk's raw scale bytes arrive in s_raw with the loads of its first stage (by cp.async where
+ * the scale rows are 4-byte words, else by plain loads) and are decoded into the table at that
+ * stage. */
 template <int NM, int W>
 __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     constexpr int XSTAGES = xtile<W>::STAGES, XS_LD = xtile<W>::S_LD, XR_BYTES = xtile<W>::R_BYTES;
     __shared__ __align__(128) uint8_t smem[XSTAGES * XSTAGE];
     __shared__ __align__(16) uint16_t s_sm[KCH][XS_LD]; /* decoded once per chunk, bf16 bits, columns xs_col */
-    __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a chunk's raw scales [XBN][KCH] (s_cp) */
+    __shared__ __align__(16) uint8_t s_raw[XR_BYTES];   /* a chunk's raw scales [XBN][KCH] */
     __shared__ int64_t srow[XP]; /* byte offset of each tile pair's row in a */
     __shared__ const uint8_t *s_cta;
     const int64_t jfirst = plan[c0], jend = plan[c0 + cn];
@@ -197,14 +197,27 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         const int sw = 4 * (tid % 8);
         const int nrows = N - n0 < XBN ? (int)(N - n0) : XBN; /* the CTA's weight rows inside N */
         if (tid == 0) s_cta = s + n0 * s_ld + kb0;
+        /* where the scale rows are whole 4-byte words (the release's s_ld 160 / 72, an aligned base),
+         * by cp.async with a stage's group; otherwise by plain byte loads into the same s_raw (the
+         * stores are ordered before the decode by the stage's barrier). Either way the chunk's
+         * first stage decodes s_raw into the table. */
+        const bool s_cp = (s_ld & 3) == 0 && (reinterpret_cast<uintptr_t>(s) & 3u) == 0;
         auto load_s = [&](int cc) {
-            const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
-            const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
-            const bool vb = cc * KCH + sw < nb;
+            if (s_cp) {
+                const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
+                const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
+                const bool vb = cc * KCH + sw < nb;
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
-                cp_async4(s_dst + 4 * XTHREADS * q, v ? s_src + q * (XTHREADS / 8) * s_ld : s_cta, v);
+                for (int q = 0; q < 4; q++) {
+                    const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
+                    cp_async4(s_dst + 4 * XTHREADS * q, v ? s_src + q * (XTHREADS / 8) * s_ld : s_cta, v);
+                }
+            } else {
+#pragma unroll 1
+                for (int q = tid; q < KCH * XBN; q += XTHREADS) {
+                    const int r = q / KCH, b = q % KCH;
+                    if (r < nrows && cc * KCH + b < nb) s_raw[q] = __ldg(s_cta + r * s_ld + cc * KCH + b);
+                }
             }
         };
         /* the tile's activation rows: thread tid < 128 copies 16-byte chunk ac of pair row ar of every
@@ -241,27 +254,16 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         /* the lane's partial of its first row and pair in the CTA's first chunk */
         float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
-        /* the first chunk's raw scales come with the first group, as a later chunk's do, where their
-         * rows are whole 4-byte words (the release's: s_ld = 160 or 72) and decode at its first stage;
-         * the plain loads below, one byte a thread at a time, were 16 dependent memory latencies
-         * in front of every CTA's first stage */
-        const bool s_cp = (s_ld & 3) == 0 && (reinterpret_cast<uintptr_t>(s) & 3u) == 0;
+        /* the first chunk's raw scales come with the first group, as a later chunk's do, and decode
+         * at its first stage; plain loads after the table were 16 dependent memory latencies in
+         * front of every CTA's first stage (b3c985d) */
         if (s_cp) load_s(0);
 #pragma unroll
         for (int st = 0; st < XSTAGES - 1; st++) {
             if (st < nst) load_a(st, st);
             cp_async_commit();
         }
-        /* otherwise the chunk's scales of the CTA's rows by plain loads while the first stages are in
-         * flight, decoded once (e8m0f, as the linears); rows past N read as 0 (never stored) */
-        if (!s_cp) {
-#pragma unroll 1
-            for (int q = tid; q < KCH * XBN; q += XTHREADS) {
-                const int r = q / KCH, b = q % KCH;
-                s_sm[b][xs_col(r)] =
-                    e8m0h(n0 + r < N && b < nb ? (uint32_t)__ldg(s + (n0 + r) * s_ld + kb0 + b) : 0x100u);
-            }
-        }
+        if (!s_cp) load_s(0); /* while the first stages are in flight */
         for (int i = 0; i < nst; i++) {
             cp_async_wait<XSTAGES - 2>();
             __syncthreads();
@@ -273,9 +275,9 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             }
             cp_async_commit();
             const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
-            if ((i * XKB) % KCH == 0 && (i > 0 || s_cp)) {
-                /* a chunk's first stage: the barrier above saw every fold of the chunk before; its raw
-                 * scales came with this stage's group */
+            if ((i * XKB) % KCH == 0) {
+                /* a chunk's first stage: the barrier above saw every fold of the chunk before and the
+                 * chunk's raw scales (this stage's group, or plain stores before the barrier) */
 #pragma unroll 1
                 for (int q = tid; q < KCH * XBN; q += XTHREADS) {
                     const int r = q / KCH, b = q % KCH;
@@ -774,7 +776,7 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const int64_t nt = moe_tiles_max(mn, cn, XP); /* the grid's tile slots */
                 if (nt > 65535) MOE_MMA_FAIL("too many tiles");
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
-                const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, pass ? sd : sg, nch);
+                const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, nch);
                 const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), 1);
                 const __nv_bfloat16 *const act = pass ? r.qh : r.qx;
                 const int64_t a_div = pass ? 0 : k, N = pass ? Dout : I, K = pass ? I : D;
