@@ -9,7 +9,8 @@
  * threshold) through a host-side free list by size (cuda_be_scratch): the forward allocates and
  * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are
  * copied once, compactly, into device memory by weight_prepare (TP slices arrive as strided
- * views into the checkpoint mapping); the original description is parked in be_priv so release
+ * views into the checkpoint mapping; FP4 codes are then permuted within each 32-bit word into
+ * the kernels' layout, fp4_layout.h); the original description is parked in be_priv so release
  * restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
  * as mapped pinned memory and read by the kernels over the bus.
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #include "cuda_internal.h"
+#include "cuda_linear.h"
 #include "formats.h"
 
 #include <cuda_profiler_api.h>
@@ -529,6 +531,7 @@ static int cu_weight_prepare(struct backend *be, struct qweight *w, bool dequant
         case WF_FP4: {
             int64_t sc = k / 32;
             w->w = upload_rows(be, w->w, n, (size_t)k / 2, (size_t)w->ld);
+            cuda_fp4_pack((uint8_t *)w->w, n, k / 2, k / 2, cb(be)->stream); /* the kernels' layout (fp4_layout.h) */
             w->s = (const uint8_t *)upload_rows(be, w->s, n, (size_t)sc, (size_t)w->s_ld);
             w->ld = k / 2;
             w->s_ld = sc;

@@ -20,9 +20,15 @@ size_t cuda_linear_workspace_bytes(int64_t T, int64_t k);
 /* W: e4m3 [n, ld] (+ scales e8m0 [ceil(n/32), s_ld]); k a multiple of 32; T <= CUDA_LINEAR_MAX_T. */
 void cuda_linear_fp8(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s, int64_t n,
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
-/* W: packed e2m1 [n, ld bytes] (+ scales e8m0 [n, s_ld]). */
+/* W: packed e2m1 [n, ld bytes] in the device layout (fp4_layout.h: weight_prepare's, or an array
+ * passed through cuda_fp4_pack) (+ scales e8m0 [n, s_ld]). */
 void cuda_linear_fp4(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s, int64_t n,
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
+
+/* Rows of packed e2m1 codes (n rows of row_bytes, stride ld bytes; row_bytes and ld multiples of 4,
+ * w 4-byte aligned) from the checkpoint's layout into the device layout of every FP4 kernel
+ * (fp4_layout.h), in place, on `stream`. */
+void cuda_fp4_pack(uint8_t *w, int64_t n, int64_t row_bytes, int64_t ld, void *stream);
 
 #define CUDA_LINEAR_MAX_T 16
 

@@ -395,20 +395,12 @@ __global__ void moe_quant_kernel(__half *__restrict__ q, float *__restrict__ s, 
     if (lane == 0) s[g] = sc;
 }
 
-/* Eight e2m1 weights of one 32-bit word of packed weights (element e = nibble e, low nibble
- * first), decoded as w·2^-126: the 3 magnitude bits go to float bits 24..22 (exponent low bits and
- * top mantissa bit), which reads 2^(e-127)(1 + m/2), or the subnormal m·2^-127 for e = 0, and the
- * sign to bit 31. One shift puts nibbles j and j+4 (16 bits apart) into the two halves of a word
- * at once, laid out like a bf16 pair: pk[j] << 16 is element j, pk[j] & 0xffff0000 element j+4.
- * 3 integer ops per weight and no multiply. */
-static __device__ __forceinline__ void mo_e2m1x8p(uint32_t w, uint32_t pk[4]) {
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const uint32_t a = j < 2 ? w << (6 - 4 * j) : w >> (4 * j - 6);
-        const uint32_t b = w << (12 - 4 * j);
-        pk[j] = (a & 0x01c001c0u) | (b & 0x80008000u);
-    }
-}
+/* Eight e2m1 weights of one 32-bit word of packed weights in the device layout (fp4_layout.h),
+ * as w·2^-126 (fp4_raw_pairs_j4): each code's 3 magnitude bits at bits 8..6 of its half, which
+ * read 2^(e-127)(1 + m/2) as the top of an fp32, or the subnormal m·2^-127 for e = 0, its sign at
+ * bit 15; pk[j] << 16 is element j and pk[j] & 0xffff0000 element j + 4 of the checkpoint's
+ * word. No multiply. */
+static __device__ __forceinline__ void mo_e2m1x8p(uint32_t p, uint32_t pk[4]) { fp4_raw_pairs_j4(p, pk); }
 
 /* Shared memory of both expert kernels (48 KB): x of the tile's pairs for two rounds (cp.async
  * double buffer; 2 x 4 pairs x 32 blocks x 32 fp16, the four 16-byte chunks of block j stored at

@@ -29,8 +29,9 @@
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
- *    without padding) and decodes them in registers to exact bf16 (prmt + shift/mask + one bf16x2
- *    multiply by 2^120 / 2^126, which also places the e4m3/e2m1 subnormals exactly). So for FP8 /
+ *    without padding; FP4 in the device layout of fp4_layout.h) and decodes them in registers to
+ *    exact bf16 (prmt or shifts and masks, then one bf16x2 multiply by 2^120 / 2^126, which also
+ *    places the e4m3/e2m1 subnormals exactly). So for FP8 /
  *    FP4 the block's first mma sums k = 8t + {0..3} over t, the second k = 8t + {4..7}: a fixed
  *    set of 16 products each, the same for A and B. Weight scales: FP8's one per warp per block
  *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
@@ -805,7 +806,7 @@ void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bf
 
 /* Every 32-bit word of weight codes through the in-register decodes, against tables of the
  * expected bf16 (t2: the 16 e2m1 codes, t8: the 256 e4m3 bytes): FP4, the word's eight e2m1
- * codes; FP8, the word as both halves of a lane's 8 bytes, so every pair of e4m3 bytes at every
+ * codes (packed into the device layout first, so the layout is checked with the decode); FP8, the word as both halves of a lane's 8 bytes, so every pair of e4m3 bytes at every
  * output position. Counts the words whose decode differs anywhere; the lowest in *first. */
 __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *first, const uint16_t *__restrict__ t2,
                                         const uint16_t *__restrict__ t8) {
@@ -819,7 +820,7 @@ __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *f
     for (uint64_t wd = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; wd < (1ull << 32); wd += stride) {
         const uint32_t u = (uint32_t)wd;
         uint32_t o[4], p[4];
-        e2m1x8_to_bf16x2(u, o);
+        e2m1x8_to_bf16x2(fp4_pack_word(u), o); /* u: the checkpoint's word; the decode reads the device layout */
         e4m3x8_to_bf16x2(make_uint2(u, u), p);
         bool ok = true;
 #pragma unroll

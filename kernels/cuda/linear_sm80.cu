@@ -10,9 +10,13 @@
  * of packed FP4, are one coalesced warp-wide load), then lane 0 folds the 32 block partials in
  * block order through shuffles. Products of e4m3 and e4m3/e2m1 values are exact in fp32 and every
  * add/multiply is an explicit round-to-nearest intrinsic, so no reordering or FMA can change bits.
- * Weight-bandwidth bound at decode: each weight byte is read once per call for all T <= 16 rows. */
+ * Weight-bandwidth bound at decode: each weight byte is read once per call for all T <= 16 rows.
+ * FP4 weights are in the device layout of every FP4 kernel (fp4_layout.h); this exact path puts
+ * each word back into the checkpoint's order as it loads it. cuda_fp4_pack, here with the FP4
+ * entry point, makes that layout from the checkpoint's (weight_prepare, tests, benchmarks). */
 #include "cuda_common.cuh"
 #include "cuda_linear.h"
+#include "fp4_layout.h"
 
 #define WARPS_PER_CTA 8
 
@@ -67,8 +71,9 @@ __global__ void __launch_bounds__(WARPS_PER_CTA * 32)
             uint32_t words[8];
             float sw;
             if (FP4) {
-                uint4 raw = __ldg(reinterpret_cast<const uint4 *>(wr + b * 16));
-                words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
+                uint4 raw = __ldg(reinterpret_cast<const uint4 *>(wr + b * 16)); /* device layout */
+                words[0] = fp4_unpack_word(raw.x), words[1] = fp4_unpack_word(raw.y);
+                words[2] = fp4_unpack_word(raw.z), words[3] = fp4_unpack_word(raw.w);
                 sw = ds_e8m0(__ldg(s + row * s_ld + b));
             } else {
                 uint4 a0 = __ldg(reinterpret_cast<const uint4 *>(wr + b * 32));
@@ -156,6 +161,26 @@ static void linear(int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uin
 extern "C" void cuda_linear_fp8(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                                 int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream) {
     linear(0, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
+}
+
+/* One thread per 4-byte word of the rows (fp4_pack_word). */
+__global__ void fp4_pack_kernel(uint8_t *__restrict__ w, int64_t n, int64_t words_per_row, int64_t ld) {
+    const int64_t total = n * words_per_row;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t *const q = reinterpret_cast<uint32_t *>(w + (i / words_per_row) * ld) + i % words_per_row;
+        *q = fp4_pack_word(*q);
+    }
+}
+
+extern "C" void cuda_fp4_pack(uint8_t *w, int64_t n, int64_t row_bytes, int64_t ld, void *stream) {
+    if (n <= 0 || row_bytes <= 0) return;
+    if (row_bytes % 4 || ld % 4 || ((uintptr_t)w & 3) || ld < row_bytes)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_fp4_pack",
+                 "FP4 rows must be whole 4-byte words, 4-byte aligned, the stride at least a row");
+    const int64_t words = n * (row_bytes / 4), blocks = (words + 255) / 256;
+    fp4_pack_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, (cudaStream_t)stream>>>(w, n, row_bytes / 4,
+                                                                                                   ld);
+    KERNEL_CHECK();
 }
 
 extern "C" void cuda_linear_fp4(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,

@@ -9,6 +9,7 @@
 #define DS_MMA_SM80_CUH
 
 #include "cuda_common.cuh"
+#include "fp4_layout.h"
 
 namespace {
 
@@ -87,41 +88,23 @@ __device__ __forceinline__ void e4m3x8_to_bf16x2(uint2 v, uint32_t (&out)[4]) {
     out[3] = e4m3x2_to_bf16x2(v.y, 0x3424u);
 }
 
-/* prmt in its default mode with a register selector (__byte_perm documents 3-bit selectors): the
- * callers' selector nibbles have bit 3 clear, so no byte is sign-replicated. */
-__device__ __forceinline__ uint32_t prmt_reg(uint32_t lo, uint32_t hi, uint32_t sel) {
-    uint32_t d;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-    return d;
-}
-
-/* Eight e2m1 codes (one 32-bit word, byte i = codes 2i (low nibble) and 2i+1 (high)) -> four
- * bf16x2 (code 2i in the low half of out[i]). Table lookups by prmt: the bf16 of the eight
- * magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) has low bytes 00 00 80 C0 00 40 80 C0 and high bytes
- * 00 3F 3F 3F 40 40 40 40, so with the codes' magnitude bits as selector nibbles one prmt looks up
- * four low bytes and one four high bytes; each code's sign (its nibble's bit 3) is moved to bit 7
- * of its own byte by one more prmt (of u and u << 4) and OR'ed into the high bytes; two prmt per
- * output word interleave low and high bytes. No multiply: the form before put each code's bits in
- * the bf16 exponent field and multiplied by 2^126 (PRMT, shifts and masks, HFMA2 per pair). In the
- * routed-expert decode kernel (4 decodes a stage) that is 6 more PRMT, 4 fewer HFMA2 and 5 fewer
- * LOP3 a decode, 8 instructions fewer a function (sm_80 SASS); on the H200 (Nsight Compute, batch
- * 64, first layer, clocks locked) gate/up 184.3 M -> 179.6 M warp instructions, 368.6 -> 347.8 µs,
- * down 100.6 M -> 97.9 M, 201.9 -> 192.4 µs; bench_step decode ms, two runs alternated with the
- * form before: batch 32 10.78 10.90 -> 10.56 10.60, 64 15.65 15.79 -> 15.23 15.40, 256 27.57
- * 27.63 -> 26.93 26.77, batch 1 / 8 and the 2K prefill unchanged. Exact by construction (the
- * tables are the bf16 values); test_cuda_ops_misc runs every 32-bit word through it against the
- * CPU's e2m1 values. */
-__device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t u, uint32_t (&out)[4]) {
-    constexpr uint32_t LO03 = 0xC0800000u, LO47 = 0xC0804000u; /* low bytes of magnitudes 0-3, 4-7 */
-    constexpr uint32_t HI03 = 0x3F3F3F00u, HI47 = 0x40404040u; /* high bytes */
-    const uint32_t m = u & 0x77777777u, u4 = u << 4;
-    const uint32_t s03 = __byte_perm(u4, u, 0x5140u), s47 = __byte_perm(u4, u, 0x7362u); /* byte j: code j's sign at bit 7 */
-    const uint32_t l03 = prmt_reg(LO03, LO47, m), h03 = prmt_reg(HI03, HI47, m) | (s03 & 0x80808080u);
-    const uint32_t l47 = prmt_reg(LO03, LO47, m >> 16), h47 = prmt_reg(HI03, HI47, m >> 16) | (s47 & 0x80808080u);
-    out[0] = __byte_perm(l03, h03, 0x5140u);
-    out[1] = __byte_perm(l03, h03, 0x7362u);
-    out[2] = __byte_perm(l47, h47, 0x5140u);
-    out[3] = __byte_perm(l47, h47, 0x7362u);
+/* Eight e2m1 codes (one 32-bit word of the device layout, fp4_layout.h) -> four bf16x2, code 2i of
+ * the checkpoint's word in the low half of out[i] and 2i + 1 in the high half: the raw pairs
+ * (x·2^-126 as bf16) times 2^126, exact (-0 as the addend keeps the sign of zeros).
+ * History: the form before ba7fc88 placed each code's bits by prmt, shifts and masks on the
+ * checkpoint's layout and multiplied (21 instructions a word); ba7fc88 looked the bf16 bytes up
+ * in prmt tables (10 prmt + 3 lop3 + 1 shift), which left the routed-expert kernels' integer pipe
+ * 74 % busy at batch 64 (Nsight Compute, H100) with math-pipe-throttle the top stall. On the
+ * device layout a word takes 6 lop3 + 2 shifts on that pipe and 3 shifts + 4 bf16 multiplies on
+ * the others: bench_step decode ms on the H100, three runs each alternated with the table form in
+ * one device call: batch 1 4.35 4.35 4.37 -> 4.30 4.27 4.34, 8 6.01 6.00 6.09 -> 5.91 5.82 6.00,
+ * 64 13.98 13.99 14.14 -> 13.70 13.59 13.83, 256 26.86 26.54 26.90 -> 26.19 26.37 26.35.
+ * test_cuda_ops_misc runs every 32-bit word through it (packed) against the CPU's e2m1 values. */
+__device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t p, uint32_t (&out)[4]) {
+    uint32_t r[4];
+    fp4_raw_pairs(p, r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = fma_bf16x2(r[i], 0x7E807E80u, 0x80008000u); /* 2^126 */
 }
 
 /* Two 8x8 b16 matrices (lanes 0-15 give the row addresses): r[0] from lanes 0-7's rows, r[1] from

@@ -9,6 +9,7 @@
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/fp4_layout.h"
 #include "cuda/linear_mma.h"
 #endif
 
@@ -333,7 +334,8 @@ static size_t w_row_bytes(const struct qweight *w) {
 }
 
 /* The prepared (device) weight holds the same values as the host description, whatever its layout:
- * read it back row by row through its own ld / s_ld. */
+ * read it back row by row through its own ld / s_ld (FP4 words from the device layout back into
+ * the checkpoint's, fp4_layout.h). */
 static void cmp_prepared(struct cmp *c, const struct qweight *h, const struct qweight *g) {
     if (g->fmt != h->fmt || g->n != h->n || g->k != h->k) {
         cmp_fail(c, "prepared weight describes fmt %d [%lld, %lld], host fmt %d [%lld, %lld]", (int)g->fmt,
@@ -344,6 +346,13 @@ static void cmp_prepared(struct cmp *c, const struct qweight *h, const struct qw
     uint8_t *row = NEW(uint8_t, rb);
     for (int64_t j = 0; j < h->n; j++) {
         g_get(row, (const uint8_t *)g->w + (size_t)(j * g->ld) * esz, rb);
+        if (h->fmt == WF_FP4)
+            for (size_t i = 0; i + 4 <= rb; i += 4) {
+                uint32_t u;
+                memcpy(&u, row + i, 4);
+                u = fp4_unpack_word(u);
+                memcpy(row + i, &u, 4);
+            }
         const uint8_t *hr = (const uint8_t *)h->w + (size_t)(j * h->ld) * esz;
         for (size_t i = 0; i < rb; i++) cmp_bits(c, (long long)(j * (int64_t)rb + (int64_t)i), row[i], hr[i], row[i], hr[i]);
     }
