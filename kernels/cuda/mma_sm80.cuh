@@ -96,9 +96,10 @@ __device__ __forceinline__ void e4m3x8_to_bf16x2(uint2 v, uint32_t (&out)[4]) {
  * in prmt tables (10 prmt + 3 lop3 + 1 shift), which left the routed-expert kernels' integer pipe
  * 74 % busy at batch 64 (Nsight Compute, H100) with math-pipe-throttle the top stall. On the
  * device layout a word takes 6 lop3 + 2 shifts on that pipe and 3 shifts + 4 bf16 multiplies on
- * the others: bench_step decode ms on the H100, three runs each alternated with the table form in
- * one device call: batch 1 4.35 4.35 4.37 -> 4.30 4.27 4.34, 8 6.01 6.00 6.09 -> 5.91 5.82 6.00,
- * 64 13.98 13.99 14.14 -> 13.70 13.59 13.83, 256 26.86 26.54 26.90 -> 26.19 26.37 26.35.
+ * the others: bench_step decode ms on the H200, three runs each alternated with the table form in
+ * one device call: batch 1 4.24 4.16 4.23 -> 4.18 4.18 4.12, 8 5.95 5.87 5.91 -> 5.77 5.76 5.72,
+ * 64 13.57 13.43 13.51 -> 12.78 12.74 12.71, 256 25.45 25.07 25.23 -> 24.15 24.04 24.02 (on an
+ * H100 -1 to -2 %); the 2K prefill unchanged.
  * test_cuda_ops_misc runs every 32-bit word through it (packed) against the CPU's e2m1 values. */
 __device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t p, uint32_t (&out)[4]) {
     uint32_t r[4];
