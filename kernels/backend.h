@@ -35,7 +35,9 @@ enum wfmt {
 
 /* A weight as the backend holds it. `ld`/`s_ld` are row strides (elements / scale bytes) so a
  * TP slice of the K dimension (row-parallel) can point into the full matrix without copying.
- * For WF_FP4, ld is in bytes of the packed row (k/2 for a whole row). */
+ * For WF_FP4, ld is in bytes of the packed row (k/2 for a whole row); the codes are in the
+ * checkpoint's order until weight_prepare, after which a backend may hold them permuted within
+ * each 32-bit word (the CUDA backend does: kernels/cuda/fp4_layout.h). */
 struct qweight {
     enum wfmt fmt;
     int64_t n, k;

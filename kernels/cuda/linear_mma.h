@@ -24,7 +24,8 @@ size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k);
 
 /* fmt: enum wfmt of kernels/backend.h (WF_BF16, WF_FP8, WF_FP4; WF_F32 is refused).
  *  WF_FP8: w = e4m3 [n, ld bytes], s = e8m0 [ceil(n/32), s_ld] (one per 32x32 tile);
- *  WF_FP4: w = packed e2m1 [n, ld bytes] (low nibble = even k), s = e8m0 [n, s_ld];
+ *  WF_FP4: w = packed e2m1 [n, ld bytes] in the device layout (fp4_layout.h: weight_prepare's,
+ *          or cuda_fp4_pack of the checkpoint's low-nibble-first words), s = e8m0 [n, s_ld];
  *  WF_BF16: w = bf16 [n, ld elements], s unused (may be NULL).
  * x [T, k] bf16 (contiguous), y [T, n] bf16. k a multiple of 32; x, w and workspace 16-byte
  * aligned and the weight row stride (ld bytes; ld * 2 for BF16) a multiple of 16 — true of every
