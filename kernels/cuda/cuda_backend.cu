@@ -531,7 +531,7 @@ static int cu_weight_prepare(struct backend *be, struct qweight *w, bool dequant
         case WF_FP4: {
             int64_t sc = k / 32;
             w->w = upload_rows(be, w->w, n, (size_t)k / 2, (size_t)w->ld);
-            cuda_fp4_pack((uint8_t *)w->w, n, k / 2, k / 2, cb(be)->stream); /* the kernels' layout (fp4_layout.h) */
+            cuda_fp4_pack((uint8_t *)w->w, n * (k / 2), cb(be)->stream); /* the kernels' layout (fp4_layout.h) */
             w->s = (const uint8_t *)upload_rows(be, w->s, n, (size_t)sc, (size_t)w->s_ld);
             w->ld = k / 2;
             w->s_ld = sc;

@@ -25,10 +25,10 @@ void cuda_linear_fp8(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w
 void cuda_linear_fp4(uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s, int64_t n,
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
 
-/* Rows of packed e2m1 codes (n rows of row_bytes, stride ld bytes; row_bytes and ld multiples of 4,
- * w 4-byte aligned) from the checkpoint's layout into the device layout of every FP4 kernel
- * (fp4_layout.h), in place, on `stream`. */
-void cuda_fp4_pack(uint8_t *w, int64_t n, int64_t row_bytes, int64_t ld, void *stream);
+/* A compact array of packed e2m1 codes (`bytes` a multiple of 4, w 4-byte aligned; rows of k/2
+ * bytes are whole words since k % 32 == 0) from the checkpoint's layout into the device layout of
+ * every FP4 kernel (fp4_layout.h), in place, on `stream`. */
+void cuda_fp4_pack(uint8_t *w, int64_t bytes, void *stream);
 
 #define CUDA_LINEAR_MAX_T 16
 

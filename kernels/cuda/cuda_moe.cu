@@ -395,12 +395,6 @@ __global__ void moe_quant_kernel(__half *__restrict__ q, float *__restrict__ s, 
     if (lane == 0) s[g] = sc;
 }
 
-/* Eight e2m1 weights of one 32-bit word of packed weights in the device layout (fp4_layout.h),
- * as w·2^-126 (fp4_raw_pairs_j4): each code's 3 magnitude bits at bits 8..6 of its half, which
- * read 2^(e-127)(1 + m/2) as the top of an fp32, or the subnormal m·2^-127 for e = 0, its sign at
- * bit 15; pk[j] << 16 is element j and pk[j] & 0xffff0000 element j + 4 of the checkpoint's
- * word. No multiply. */
-static __device__ __forceinline__ void mo_e2m1x8p(uint32_t p, uint32_t pk[4]) { fp4_raw_pairs_j4(p, pk); }
 
 /* Shared memory of both expert kernels (48 KB): x of the tile's pairs for two rounds (cp.async
  * double buffer; 2 x 4 pairs x 32 blocks x 32 fp16, the four 16-byte chunks of block j stored at
@@ -419,8 +413,11 @@ struct moe_smem {
  * Round r (32 blocks): x of round r+1 goes into the other buffer by cp.async and the weights of
  * round r+1 into registers while round r is computed; lane j forms the 4 x NP partials of block
  * 32r + j, stores them scaled, and lane d·NP + t folds (d, t)'s 32 in block order.
- * The weights are decoded as w·2^-126 (mo_e2m1x8p), so the partial is formed in that scaled
- * domain: every product and running sum is a multiple of 2^-136 (e4m3 = multiples of 2^-9, e2m1
+ * The weights are decoded as w·2^-126 (fp4_raw_pairs_j4 of each word of the device layout: a
+ * code's 3 magnitude bits at bits 8..6 of its half, which read 2^(e-127)(1 + m/2) as the top of an
+ * fp32, or the subnormal m·2^-127 for e = 0, its sign at bit 15; pk[j] << 16 is element j and
+ * pk[j] & 0xffff0000 element j + 4 of the checkpoint's word; no multiply), so the partial is
+ * formed in that scaled domain: every product and running sum is a multiple of 2^-136 (e4m3 = multiples of 2^-9, e2m1
  * of 2^-1, over 2^-126), which fp32 holds exactly below 2^-126 as a subnormal, and above it the
  * rounding commutes with the power of two; so the scaled partial is exactly 2^-126 times the
  * CPU's, and one exact multiply by 2^126 restores it before the two scale multiplies.
@@ -488,10 +485,10 @@ static __device__ __forceinline__ float mo_fp4_tile(const uint8_t *w0, const uin
                 for (int t = 0; t < NP; t++) p[d][t] = 0.0f;
 #pragma unroll
             for (int qw = 0; qw < 4; qw++) { /* 32-bit word qw of the block: k = 8 qw .. 8 qw + 7 */
-                uint32_t pk[MOE_DOTS][4]; /* weights j | j+4 of each dot, packed (mo_e2m1x8) */
+                uint32_t pk[MOE_DOTS][4]; /* weights j | j+4 of each dot (fp4_raw_pairs_j4) */
 #pragma unroll
                 for (int d = 0; d < MOE_DOTS; d++)
-                    mo_e2m1x8p(qw == 0 ? wv[d].x : qw == 1 ? wv[d].y : qw == 2 ? wv[d].z : wv[d].w, pk[d]);
+                    fp4_raw_pairs_j4(qw == 0 ? wv[d].x : qw == 1 ? wv[d].y : qw == 2 ? wv[d].z : wv[d].w, pk[d]);
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) { /* k = 8 qw + 4 hf .. + 3 */
                     float xv[NP][4];

@@ -46,16 +46,6 @@ static inline FP4L_FN uint32_t fp4_pack_word(uint32_t u) {
     return p;
 }
 
-/* device word -> checkpoint word */
-static inline FP4L_FN uint32_t fp4_unpack_word(uint32_t p) {
-    uint32_t u = 0;
-    for (int c = 0; c < 6; c++)
-        u |= ((p >> FP4L_MAG(c)) & 7u) << (4 * c) | ((p >> FP4L_SGN(c)) & 1u) << (4 * c + 3);
-    for (int h = 0; h < 2; h++)
-        u |= ((p >> (10 + 16 * h)) & 3u) << (24 + 4 * h) | ((p >> (13 + 16 * h)) & 3u) << (26 + 4 * h);
-    return u;
-}
-
 /* The four bf16 pairs of a device word before the multiply: r[j] = codes 2j (low half) and 2j + 1
  * (high half) as s | e << 7 | m << 6, i.e. x·2^-126 (the decode in mma_sm80.cuh multiplies by
  * 2^126 in bf16, exactly). */
@@ -65,6 +55,18 @@ static inline FP4L_FN void fp4_raw_pairs(uint32_t p, uint32_t r[4]) {
     r[1] = (p << 3) & M;
     r[2] = (p << 6) & M;
     r[3] = ((p >> 4) & 0x00C000C0u) | ((p >> 5) & 0x01000100u) | ((p << 1) & 0x80008000u);
+}
+
+/* device word -> checkpoint word, read back through the decode's own pairs (code 2j + h is half h
+ * of pair j: its magnitude at bits 8..6, its sign at bit 15) */
+static inline FP4L_FN uint32_t fp4_unpack_word(uint32_t p) {
+    uint32_t r[4], u = 0;
+    fp4_raw_pairs(p, r);
+    for (int c = 0; c < 8; c++) {
+        const uint32_t half = r[c / 2] >> (16 * (c % 2));
+        u |= (((half >> 6) & 7u) | ((half >> 12) & 8u)) << (4 * c);
+    }
+    return u;
 }
 
 /* The same raw halves paired as codes j (low) and j + 4 (high) of the checkpoint's word, for the

@@ -806,8 +806,9 @@ void launch_decode(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bf
 
 /* Every 32-bit word of weight codes through the in-register decodes, against tables of the
  * expected bf16 (t2: the 16 e2m1 codes, t8: the 256 e4m3 bytes): FP4, the word's eight e2m1
- * codes (packed into the device layout first, so the layout is checked with the decode); FP8, the word as both halves of a lane's 8 bytes, so every pair of e4m3 bytes at every
- * output position. Counts the words whose decode differs anywhere; the lowest in *first. */
+ * codes (packed into the device layout first, so the layout is checked with the decode); FP8,
+ * the word as both halves of a lane's 8 bytes, so every pair of e4m3 bytes at every output
+ * position. Counts the words whose decode differs anywhere; the lowest in *first. */
 __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *first, const uint16_t *__restrict__ t2,
                                         const uint16_t *__restrict__ t8) {
     __shared__ uint16_t s2[16], s8[256];

@@ -163,23 +163,20 @@ extern "C" void cuda_linear_fp8(uint16_t *y, const uint16_t *x, int64_t T, const
     linear(0, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
 }
 
-/* One thread per 4-byte word of the rows (fp4_pack_word). */
-__global__ void fp4_pack_kernel(uint8_t *__restrict__ w, int64_t n, int64_t words_per_row, int64_t ld) {
-    const int64_t total = n * words_per_row;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t *const q = reinterpret_cast<uint32_t *>(w + (i / words_per_row) * ld) + i % words_per_row;
-        *q = fp4_pack_word(*q);
-    }
+/* One thread per 4-byte word (fp4_pack_word). */
+__global__ void fp4_pack_kernel(uint32_t *__restrict__ w, int64_t words) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (int64_t)gridDim.x * blockDim.x)
+        w[i] = fp4_pack_word(w[i]);
 }
 
-extern "C" void cuda_fp4_pack(uint8_t *w, int64_t n, int64_t row_bytes, int64_t ld, void *stream) {
-    if (n <= 0 || row_bytes <= 0) return;
-    if (row_bytes % 4 || ld % 4 || ((uintptr_t)w & 3) || ld < row_bytes)
+extern "C" void cuda_fp4_pack(uint8_t *w, int64_t bytes, void *stream) {
+    if (bytes <= 0) return;
+    if (bytes % 4 || ((uintptr_t)w & 3))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_fp4_pack",
-                 "FP4 rows must be whole 4-byte words, 4-byte aligned, the stride at least a row");
-    const int64_t words = n * (row_bytes / 4), blocks = (words + 255) / 256;
-    fp4_pack_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, (cudaStream_t)stream>>>(w, n, row_bytes / 4,
-                                                                                                   ld);
+                 "FP4 codes must be whole 4-byte words, 4-byte aligned");
+    const int64_t words = bytes / 4, blocks = (words + 255) / 256;
+    fp4_pack_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, (cudaStream_t)stream>>>(
+        reinterpret_cast<uint32_t *>(w), words);
     KERNEL_CHECK();
 }
 

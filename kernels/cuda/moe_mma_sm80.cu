@@ -784,14 +784,9 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const __nv_bfloat16 *const act = pass ? r.qh : r.qx;
                 const int64_t a_div = pass ? 0 : k, N = pass ? Dout : I, K = pass ? I : D;
                 const int64_t ld = pass ? ldd : ldg, s_ld = pass ? sd : sg;
-                if (pass == 0)
-                    (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>)(grid, nt, sms, st, tab, (int)c0, cn, r,
-                                                                         (int)n_local, act, a_div, N, K, ld, s_ld, mcap,
-                                                                         cpc);
-                else
-                    (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)(grid, nt, sms, st, tab, (int)c0, cn, r,
-                                                                         (int)n_local, act, a_div, N, K, ld, s_ld, mcap,
-                                                                         cpc);
+                const auto launch = pass ? (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)
+                                         : (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>);
+                launch(grid, nt, sms, st, tab, (int)c0, cn, r, (int)n_local, act, a_div, N, K, ld, s_ld, mcap, cpc);
                 KERNEL_CHECK();
             }
             if (pass == 0) {

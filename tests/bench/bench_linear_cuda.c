@@ -120,7 +120,7 @@ int main(int argc, char **argv) {
             CK(cudaMalloc((void **)&w, wb * copies));
             CK(cudaMalloc((void **)&s, sb * copies));
             CK(cudaMemset(w, 0x38, wb * copies)); /* e4m3 1.0 / e2m1 pairs: finite values */
-            if (fp4) cuda_fp4_pack(w, n * copies, k / 2, ld, NULL); /* the kernels' layout, as weight_prepare's */
+            if (fp4) cuda_fp4_pack(w, (int64_t)(wb * copies), NULL); /* the kernels' layout, as weight_prepare's */
             CK(cudaMemset(s, 127, sb * copies));
             CK(cudaMalloc((void **)&x, sizeof(uint16_t) * T * k));
             CK(cudaMemset(x, 0x3f, sizeof(uint16_t) * T * k));

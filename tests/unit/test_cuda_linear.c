@@ -84,7 +84,7 @@ static struct lcase make_case(int fp4, int64_t n, int64_t k) {
     c.ds = dmalloc(c.sb);
     assert_int_equal(cudaMemcpy(c.dw, c.w, c.wb, cudaMemcpyHostToDevice), cudaSuccess);
     assert_int_equal(cudaMemcpy(c.ds, c.s, c.sb, cudaMemcpyHostToDevice), cudaSuccess);
-    if (fp4) cuda_fp4_pack(c.dw, n, k / 2, c.ld, NULL); /* the device layout; c.w keeps the checkpoint's */
+    if (fp4) cuda_fp4_pack(c.dw, (int64_t)c.wb, NULL); /* the device layout; c.w keeps the checkpoint's */
     return c;
 }
 
