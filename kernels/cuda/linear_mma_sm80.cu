@@ -513,24 +513,54 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
     const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
     const uint32_t sbase = smem_addr(smem);
 
-    /* stage st <- k-blocks [DKB·i, DKB·i + DKB); chunks past T, n or the last block are zero-filled */
+    /* Per-thread copy assignments, fixed for the chunk (as mma_linear_kernel's): thread tid copies
+     * 16-byte chunk ca of activation rows ra0 + u A_RS (u < NA) and chunk cb of weight rows
+     * rb0 + u B_RS (u < NBC) into every stage, from offsets set once plus the stage's blocks. Rows
+     * past T or n and blocks past nb are zero-filled (src-size 0, the source clamped to the
+     * operand's base, which is not read). That is a few instructions a copy; the loop over
+     * q = tid, tid + THREADS, .. with its row / chunk divisions per stage, which the compiler did
+     * not unroll, was ~30, and this kernel's time is its warps' instruction streams (Nsight on the
+     * H100, batch 64, four m16 tiles: 4.25 cycles an instruction, one or two warps a scheduler,
+     * DRAM 6-16 %, L2 15-43 %). The stage loop went from ~550 SASS instructions (two k-blocks) to
+     * ~200; bench_linear_cuda at T = 64 (H100, graph µs a call) wq_a 18.7 -> 14.4, wkv 15.2 -> 10.8,
+     * wq_b 16.9 -> 14.3, wo_b 18.9 -> 14.4, shared w1 23.5 -> 19.5, w2 25.1 -> 22.6.
+     * Tried next and not kept: the rows split over more warps (MT / MW warps along the rows of
+     * MW m16 tiles each, 48-74 registers): at T = 64 MW = 1 took wq_a 19.6, wo_b 20.0, shared w1
+     * 27.6 µs, MW = 2 15.8 / 16.0 / 20.9, against 14.2 / 14.2 / 19.9 for MW = 4 (the fold and the
+     * fragment loads per warp do not shrink with the rows); bench_step batch 64 13.65 13.67 ms ->
+     * 14.56 14.63 (MW = 1), 13.87 13.84 (MW = 2). */
+    constexpr int A_CPR = DKB * 4, BCH = DKB * B_ROW / 16; /* 16-byte chunks per row per stage */
+    constexpr int NA = C::A_CHUNKS / C::THREADS, NBC = (C::B_CHUNKS + C::THREADS - 1) / C::THREADS;
+    constexpr int A_RS = C::THREADS / A_CPR, B_RS = C::THREADS / BCH;
+    static_assert(C::A_CHUNKS % C::THREADS == 0 && (C::B_CHUNKS % C::THREADS == 0 || NBC == 1) &&
+                      C::THREADS % A_CPR == 0 && C::THREADS % BCH == 0 && NA <= 32 && NBC <= 32,
+                  "decode copy layout: fixed columns a thread, whole chunks (FP4 at four m16 tiles: one or none)");
+    const int ca = tid % A_CPR, ra0 = tid / A_CPR, cb = tid % BCH, rb0 = tid / BCH;
+    const int ablk = ca / 4, bblk = cb * 16 / B_ROW; /* the chunks' block within a stage */
+    const int64_t aoff = (m0 + ra0) * k * 2 + (int64_t)kb0 * 64 + ca * 16, astep = (int64_t)A_RS * k * 2;
+    const int64_t boff = (nl0 + rb0) * ld_b + (int64_t)kb0 * B_ROW + cb * 16, bstep = (int64_t)B_RS * ld_b;
+    const uint32_t adst = (uint32_t)(ra0 * C::A_LD + ca * 16), bdst = (uint32_t)(C::A_BYTES + rb0 * C::B_LD + cb * 16);
+    uint32_t arows = 0, brows = 0; /* bit u: the thread's row u lies inside T (activations), n (weights) */
+#pragma unroll
+    for (int u = 0; u < NA; u++) arows |= (m0 + ra0 + u * A_RS < T ? 1u : 0u) << u;
+#pragma unroll
+    for (int u = 0; u < NBC; u++) brows |= (rb0 + u * B_RS < C::BN && n0 + rb0 + u * B_RS < n ? 1u : 0u) << u;
+
+    /* stage st <- k-blocks [DKB·i, DKB·i + DKB) */
     auto load_stage = [&](int st, int i) {
         const uint32_t so = sbase + (uint32_t)(st * C::STAGE_BYTES);
         const int b0 = i * DKB;
+        const bool va = b0 + ablk < nb, vb = b0 + bblk < nb;
 #pragma unroll
-        for (int q = tid; q < C::A_CHUNKS; q += C::THREADS) {
-            const int r = q / (DKB * 4), c = q % (DKB * 4), blk = b0 + c / 4;
-            const bool v = m0 + r < T && blk < nb;
-            cp_async16(so + (uint32_t)(r * C::A_LD + c * 16),
-                       v ? abase + (m0 + r) * k * 2 + (int64_t)(kb0 + b0) * 64 + c * 16 : abase, v);
+        for (int u = 0; u < NA; u++) {
+            const bool v = va && ((arows >> u) & 1u);
+            cp_async16(so + adst + (uint32_t)(u * A_RS * C::A_LD), v ? abase + aoff + u * astep + (int64_t)b0 * 64 : abase, v);
         }
-        constexpr int BCH = DKB * B_ROW / 16; /* chunks per weight row per stage */
 #pragma unroll
-        for (int q = tid; q < C::B_CHUNKS; q += C::THREADS) {
-            const int r = q / BCH, c = q % BCH, blk = b0 + c * 16 / B_ROW;
-            const bool v = n0 + r < n && blk < nb;
-            cp_async16(so + (uint32_t)(C::A_BYTES + r * C::B_LD + c * 16),
-                       v ? wm + (nl0 + r) * ld_b + (int64_t)(kb0 + b0) * B_ROW + c * 16 : wm, v);
+        for (int u = 0; u < NBC; u++) {
+            if (C::B_CHUNKS % C::THREADS != 0 && rb0 >= C::BN) break; /* no chunk for this thread */
+            const bool v = vb && ((brows >> u) & 1u);
+            cp_async16(so + bdst + (uint32_t)(u * B_RS * C::B_LD), v ? wm + boff + u * bstep + (int64_t)b0 * B_ROW : wm, v);
         }
     };
 
@@ -539,10 +569,10 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
      * FP8: the CTA's rows lie in one 32-row group, lane b holds block b's (s_lane); FP4: one row
      * each, in shared memory. Rows past n read as scale 0 (never stored). */
     static_assert(KCH == 32, "one FP8 scale per lane");
-    uint32_t s_lane = 0;
+    float s_lane = 0.0f; /* decoded once here: e8m0f per block and lane cost ~7 instructions a block */
     auto load_scales = [&]() {
         if constexpr (F == K_FP8) {
-            s_lane = n0 < n && lane < nb ? (uint32_t)__ldg(sm + (nl0 / 32) * s_ld + kb0 + lane) : 0u;
+            s_lane = e8m0f(n0 < n && lane < nb ? (uint32_t)__ldg(sm + (nl0 / 32) * s_ld + kb0 + lane) : 0u);
         } else {
             for (int q = tid; q < C::S_ROWS * KCH; q += C::THREADS) {
                 const int r = q / KCH, b = q % KCH;
@@ -627,7 +657,7 @@ __global__ void __launch_bounds__(dcfg<F, MR, MT>::THREADS, dcfg<F, MR, MT>::MIN
             for (int j = 0; j < DKB; j++) {
                 const int kb = i * DKB + j;
                 float q0, q1;
-                if constexpr (F == K_FP8) q0 = q1 = e8m0f(__shfl_sync(0xffffffffu, s_lane, kb));
+                if constexpr (F == K_FP8) q0 = q1 = __shfl_sync(0xffffffffu, s_lane, kb);
                 else q0 = e8m0f(s_sm[sr0 * KCH + kb]), q1 = e8m0f(s_sm[sr1 * KCH + kb]);
                 if (j >= nblk) q0 = q1 = 0.0f;
     #pragma unroll
@@ -687,7 +717,7 @@ struct spcfg { /* FP8 only: the FP4 linears are the routed experts', which have 
     static constexpr int P_BYTES = SP_TILES * KCH * 32 * 16;  /* P'_b [tile][block][lane] float4 */
     static constexpr int SMEM = SP_Q * Q_BYTES > P_BYTES ? SP_Q * Q_BYTES : P_BYTES;
     static constexpr int A_CHUNKS = 8 * SP_QB * 4, B_CHUNKS = BN * SP_QB * B_ROW / 16; /* per quarter */
-    static_assert(A_CHUNKS == SP_THREADS && B_CHUNKS == SP_THREADS && SMEM + KCH <= 48 * 1024 &&
+    static_assert(A_CHUNKS == SP_THREADS && B_CHUNKS == SP_THREADS && SMEM + 4 * KCH <= 48 * 1024 &&
                       Q_BYTES % 16 == 0 && KCH % SP_Q == 0,
                   "split decode tile");
 };
@@ -699,7 +729,7 @@ __global__ void __launch_bounds__(SP_THREADS)
     using C = spcfg;
     constexpr int B_ROW = C::B_ROW;
     __shared__ __align__(16) uint8_t smem[C::SMEM]; /* quarters { A [8][A_LD], B [16][B_LD] }, then P'_b */
-    __shared__ uint8_t s_sm[KCH]; /* raw e8m0 weight scales of the chunk (its 16 rows: one 32-row group) */
+    __shared__ float s_sm[KCH]; /* the chunk's weight scales, decoded (its 16 rows: one 32-row group) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = warp % SP_TILES, quarter = warp / SP_TILES;
@@ -731,8 +761,8 @@ __global__ void __launch_bounds__(SP_THREADS)
         }
         cp_async_commit();
     }
-    if (tid < KCH) /* as mma_decode_kernel's load_scales */
-        s_sm[tid] = n0 < n && tid < nb ? __ldg(sm + (nl0 / 32) * s_ld + kb0 + tid) : (uint8_t)0;
+    if (tid < KCH) /* as mma_decode_kernel's load_scales; decoded here, off the serial fold below */
+        s_sm[tid] = e8m0f(n0 < n && tid < nb ? (uint32_t)__ldg(sm + (nl0 / 32) * s_ld + kb0 + tid) : 0u);
     cp_async_wait<0>();
     __syncthreads();
 
@@ -767,7 +797,7 @@ __global__ void __launch_bounds__(SP_THREADS)
 #pragma unroll 8
     for (int b = 0; b < nb; b++) {
         const float4 v = P[(tile * KCH + b) * 32 + lane];
-        const float q = e8m0f(s_sm[b]);
+        const float q = s_sm[b];
         acc[0] = __fmaf_rn(v.x, q, acc[0]);
         acc[1] = __fmaf_rn(v.y, q, acc[1]);
         acc[2] = __fmaf_rn(v.z, q, acc[2]);
