@@ -255,16 +255,16 @@ struct backend_ops {
     void (*moe_experts)(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                         const struct qweight *w3, const struct qweight *w2, float limit);
-    /* The reference's expert sum: acc[t,:] += y_e in ascending expert id e over the token's slots,
-     * in fp32. y [P, T, k, D] bf16 holds P parts (one per TP rank after a gather); expert e's output
-     * is in part e / per_part. Slots whose part is >= P are skipped. */
-    void (*moe_combine)(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
-                        int64_t D, int64_t per_part, int64_t P);
+    /* The reference's MoE output: out[t,:] = bf16(acc + sh[t,:]) (sh bf16 widened; NULL: bf16(acc)),
+     * acc the fp32 expert sum from +0, += y_e in ascending expert id e over the token's slots. y
+     * [P, T, k, D] bf16 holds P parts (one per TP rank after a gather); expert e's output is in part
+     * e / per_part. Slots whose part is >= P are skipped. One op, so a decode step has no fp32 [T, D]
+     * sum to zero, write and read back between the expert sum and the shared expert's add. */
+    void (*moe_combine)(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
+                        int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
     /* Shared expert, same SwiGLU without routing weight: y[T,D] bf16 = bf16(bf16(h)·w2ᵀ) (FP8). */
     void (*shared_expert)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);
-    /* out[t,:] = bf16(acc[t,:] + y[t,:]) (acc fp32, y bf16 widened); y may be NULL (out = bf16(acc)). */
-    void (*add_f32_bf16)(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
     /* dst[t, s, :] = src[s, t, :] for S blocks of T rows of `bytes` each: turns a gather of
      * per-rank column blocks into whole rows. */
     void (*interleave)(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);

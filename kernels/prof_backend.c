@@ -53,7 +53,6 @@ enum prof_op {
     PROF_MOE_EXPERTS,
     PROF_MOE_COMBINE,
     PROF_SHARED_EXPERT,
-    PROF_ADD_F32_BF16,
     PROF_INTERLEAVE,
     PROF_COPY,
     PROF_UPLOAD,
@@ -69,7 +68,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "add_f32_bf16", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -264,20 +263,15 @@ static void prof_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, con
     PR(be)->inner->ops->moe_experts(PR(be)->inner, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
     prof_end(be, PROF_MOE_EXPERTS, t0);
 }
-static void prof_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+static void prof_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->moe_combine(PR(be)->inner, acc, y, idx, T, k, D, per_part, P);
+    PR(be)->inner->ops->moe_combine(PR(be)->inner, out, y, idx, sh, T, k, D, per_part, P);
     prof_end(be, PROF_MOE_COMBINE, t0);
 }
 static void prof_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->shared_expert(PR(be)->inner, y, x, T, w1, w3, w2, limit);
     prof_end(be, PROF_SHARED_EXPERT, t0);
-}
-static void prof_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
-    double t0 = prof_begin(be);
-    PR(be)->inner->ops->add_f32_bf16(PR(be)->inner, out, acc, y, n);
-    prof_end(be, PROF_ADD_F32_BF16, t0);
 }
 static void prof_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
     double t0 = prof_begin(be);
@@ -341,7 +335,6 @@ static const struct backend_ops prof_ops = {
     .moe_experts = prof_moe_experts,
     .moe_combine = prof_moe_combine,
     .shared_expert = prof_shared_expert,
-    .add_f32_bf16 = prof_add_f32_bf16,
     .interleave = prof_interleave,
 };
 

@@ -598,11 +598,7 @@ static void moe_finish(struct model *m, int l, struct batch *b, const int32_t *i
                        const bf16_t *sh, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
-    int64_t T = b->T, D = c->dim, k = c->role[l].n_active;
-    float *acc = balloc(m, sizeof(float) * (size_t)(T * D)); /* summed into: zero fill */
-    OPS->moe_combine(m->be, acc, all, idx, T, k, D, fw->n_local, m->tp_size);
-    OPS->add_f32_bf16(m->be, out, acc, sh, T * D);
-    model_tfree(m, acc);
+    OPS->moe_combine(m->be, out, all, idx, sh, b->T, c->role[l].n_active, c->dim, fw->n_local, m->tp_size);
 }
 
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's

@@ -85,10 +85,10 @@
  * backends run the same selection code (kernels/topk_core.h), so the same sets, order and masks
  * bit for bit; copy_segs is data movement. */
 #define TOL_GPU_INDEX_SELECT_EXACT 0
-/* hc_collapse, hc_expand, add_f32_bf16, moe_combine: a short chain of fp32 products and adds whose
- * order backend.h spells out (((p0·X0 + p1·X1) + p2·X2) + …; post·y + mix; acc + y; experts in
- * ascending id — the reference's expression order, not an "fp32 sum" a GPU may reorder), then one
- * bf16 rounding: exact. The kernel must not let nvcc contract a·b + c into an FMA (it does by
+/* hc_collapse, hc_expand, moe_combine: a short chain of fp32 products and adds whose order
+ * backend.h spells out (((p0·X0 + p1·X1) + p2·X2) + …; post·y + mix; experts in ascending id,
+ * then + the shared expert — the reference's expression order, not an "fp32 sum" a GPU may
+ * reorder), then one bf16 rounding: exact. The kernel must not let nvcc contract a·b + c into an FMA (it does by
  * default): __fmul_rn/__fadd_rn. */
 #define TOL_GPU_ELEMENTWISE_EXACT 0
 /* The fused forms, hc_collapse with a norm weight and rmsnorm with a post (RoPE, QDQ): against the

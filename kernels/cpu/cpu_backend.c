@@ -119,7 +119,6 @@ static const struct backend_ops cpu_ops = {
     .router = cpu_op_router,
     .moe_experts = cpu_op_moe_experts,
     .shared_expert = cpu_op_shared_expert,
-    .add_f32_bf16 = cpu_op_add_f32_bf16,
     .moe_combine = cpu_op_moe_combine,
     .interleave = cpu_op_interleave,
 };

@@ -1,6 +1,6 @@
 /* Row-local ops of the CPU reference backend: RMSNorm, interleaved RoPE, the three activation
  * quantize-dequantize steps, the mHC statistics / Sinkhorn split / collapse / expand, the token
- * embedding, the Engram row gather and gate, and the final fp32 + bf16 add.
+ * embedding, the Engram row gather and gate.
  *
  * All of them work on one row (token) at a time, so rows are spread over OpenMP threads while the
  * arithmetic inside a row follows backend.h literally: sums in index order starting from the
@@ -286,7 +286,3 @@ void cpu_op_interleave(struct backend *be, void *dst, const void *src, int64_t S
             memcpy((char *)dst + ((size_t)(t * S + s)) * bytes, (const char *)src + ((size_t)(s * T + t)) * bytes, bytes);
 }
 
-void cpu_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) out[i] = bf16_from_f32(y ? acc[i] + bf16_to_f32(y[i]) : acc[i]);
-}

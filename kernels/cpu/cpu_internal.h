@@ -60,7 +60,6 @@ void cpu_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, 
                           const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
 void cpu_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
                         int64_t hc, int64_t D, float eps);
-void cpu_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n);
 
 /* ---- cpu_attention.c ---- */
 void cpu_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
@@ -93,8 +92,8 @@ void cpu_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x
 void cpu_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const int32_t *idx, const float *wts,
                         int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                         const struct qweight *w3, const struct qweight *w2, float limit);
-void cpu_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
-                        int64_t D, int64_t per_part, int64_t P);
+void cpu_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
+                        int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
 void cpu_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
 void cpu_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);

@@ -140,25 +140,29 @@ void cpu_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const in
     free(count);
 }
 
-void cpu_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
-                        int64_t D, int64_t per_part, int64_t P) {
+void cpu_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
+                        int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     enum { MAX_K = 64 };
     if (k > MAX_K) ds_die("cpu moe_combine: top-%lld exceeds %d", (long long)k, MAX_K);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const int32_t *it = idx + t * k;
+        const bf16_t *rows[MAX_K]; /* the token's computed slots' rows in ascending expert id */
+        int64_t nr = 0;
         bool done[MAX_K];
         for (int64_t s = 0; s < k; s++) done[s] = false;
-        for (int64_t r = 0; r < k; r++) { /* the token's slots in ascending expert id */
+        for (int64_t r = 0; r < k; r++) {
             int64_t best = -1;
             for (int64_t s = 0; s < k; s++)
                 if (!done[s] && (best < 0 || it[s] < it[best])) best = s;
             done[best] = true;
             int64_t part = it[best] / per_part;
-            if (part >= P) continue;
-            const bf16_t *yr = y + ((part * T + t) * k + best) * D;
-            float *ar = acc + t * D;
-            for (int64_t d = 0; d < D; d++) ar[d] += bf16_to_f32(yr[d]);
+            if (part < P) rows[nr++] = y + ((part * T + t) * k + best) * D;
+        }
+        for (int64_t d = 0; d < D; d++) {
+            float a = 0.0f;
+            for (int64_t r = 0; r < nr; r++) a += bf16_to_f32(rows[r][d]);
+            out[t * D + d] = bf16_from_f32(sh ? a + bf16_to_f32(sh[t * D + d]) : a);
         }
     }
 }

@@ -662,7 +662,6 @@ static const struct backend_ops cuda_ops = {
     .moe_experts = cuda_op_moe_experts,
     .moe_combine = cuda_op_moe_combine,
     .shared_expert = cuda_op_shared_expert,
-    .add_f32_bf16 = cuda_op_add_f32_bf16,
     .interleave = cuda_op_interleave,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,

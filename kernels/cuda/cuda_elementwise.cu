@@ -1,6 +1,6 @@
 /* Row-local ops of the SM80 backend: RMSNorm, interleaved RoPE, the three activation QDQ steps,
  * the mHC mixes (statistics + Sinkhorn split), collapse, expand and init, the token embedding,
- * the Engram row gather and gate, the fp32 + bf16 add and the TP column interleave.
+ * the Engram row gather and gate and the TP column interleave.
  *
  * All of them are memory-bound: a kernel reads its rows once, with 16-byte vectors where the
  * shape and the pointers allow it and a scalar path for the rest. They reproduce the CPU oracle
@@ -1558,39 +1558,7 @@ void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const 
 }
 
 /* ---------------------------------------------------------------------------------------------
- * fp32 + bf16 add, and the TP interleave */
-
-template <int VEC>
-__global__ void __launch_bounds__(EW_THREADS)
-    add_f32_bf16_kernel(uint16_t *out, const float *acc, const uint16_t *y, int64_t n) {
-    const int64_t i0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (i0 >= n) return;
-    float a[VEC];
-    if (VEC == 8) {
-        const float4 a0 = *reinterpret_cast<const float4 *>(acc + i0);
-        const float4 a1 = *reinterpret_cast<const float4 *>(acc + i0 + 4);
-        a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < VEC; i++) a[i] = acc[i0 + i];
-    }
-    if (y) {
-        float yv[VEC];
-        load_bf<VEC>(y + i0, yv);
-#pragma unroll
-        for (int i = 0; i < VEC; i++) a[i] = __fadd_rn(a[i], yv[i]);
-    }
-    store_bf<VEC>(out + i0, a);
-}
-
-void cuda_op_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
-    if (n <= 0) return;
-    if (n % 8 == 0 && al16(out) && al16(acc) && (!y || al16(y)))
-        add_f32_bf16_kernel<8><<<ew_blocks(n / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(out, acc, y, n);
-    else
-        add_f32_bf16_kernel<1><<<ew_blocks(n, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(out, acc, y, n);
-    KERNEL_CHECK();
-}
+ * The TP interleave */
 
 /* dst[t, s, :] = src[s, t, :]; V is the widest unit that divides `bytes` and both pointers. */
 template <typename V>

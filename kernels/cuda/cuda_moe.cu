@@ -739,45 +739,47 @@ __device__ __forceinline__ void combine_order_cta(const int32_t *it, int k, int6
     __syncthreads();
 }
 
-/* acc[t, :] += y_e in ascending expert id over the token's slots (ties: lower slot, as the CPU's
- * selection), parts past P skipped. Grid: x over D in 256-wide pieces, y over tokens (strided);
- * thread 0 orders the slots once per token. y [P, T, k, D] bf16, acc [T, D] fp32. Tried and not
- * kept: eight slots' loads issued before their in-order adds (H200, Nsight at batch 1: 6.61 ->
+/* out[t, :] = bf16(acc + sh[t, :]), acc = +0 then += y_e in ascending expert id over the token's
+ * slots (ties: lower slot, as the CPU's selection), parts past P skipped. Grid: x over D in
+ * 256-wide pieces, y over tokens (strided); thread 0 orders the slots once per token. y [P, T, k, D]
+ * bf16, sh [T, D] bf16 or NULL, out [T, D] bf16. The shared expert's add is this kernel's epilogue:
+ * as its own op (an fp32 [T, D] sum zero-filled, written, then read by an add kernel) it was two more
+ * launches a layer on the FFN's critical path (~2.2 µs each, and the memset, at batch 1). Tried and
+ * not kept: eight slots' loads issued before their in-order adds (H200, Nsight at batch 1: 6.61 ->
  * 6.81 µs a call). */
-__global__ void moe_combine_kernel(float *__restrict__ acc, const uint16_t *__restrict__ y,
-                                   const int32_t *__restrict__ idx, int64_t T, int k, int64_t D, int64_t per_part,
-                                   int64_t P) {
+__global__ void moe_combine_kernel(uint16_t *__restrict__ out, const uint16_t *__restrict__ y,
+                                   const int32_t *__restrict__ idx, const uint16_t *__restrict__ sh, int64_t T, int k,
+                                   int64_t D, int64_t per_part, int64_t P) {
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
         combine_order_cta(idx + t * k, k, per_part, order, part_of);
         for (int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; d < D; d += (int64_t)gridDim.x * blockDim.x) {
-            float a = acc[t * D + d];
+            float a = 0.0f;
             for (int r = 0; r < k; r++) {
                 int64_t part = part_of[r];
                 if (part >= P) continue;
                 a = __fadd_rn(a, ds_bf16f(y[((part * T + t) * k + order[r]) * D + d]));
             }
-            acc[t * D + d] = a;
+            if (sh) a = __fadd_rn(a, ds_bf16f(sh[t * D + d]));
+            out[t * D + d] = ds_bf16_rne(a);
         }
     }
 }
 
-/* The same sums, 8 consecutive d per thread (D % 8 == 0, 16-byte aligned rows) and one CTA per
- * token, which orders its slots once for all of D: the kernel above moved 2 bytes of y per thread
- * per slot and re-ordered the slots in each of its D / 256 CTAs of a token (which a call of a few
- * rows still wants, for the CTAs). */
+/* The same, 8 consecutive d per thread (D % 8 == 0, 16-byte aligned rows) and one CTA per token,
+ * which orders its slots once for all of D: the kernel above moved 2 bytes of y per thread per
+ * slot and re-ordered the slots in each of its D / 256 CTAs of a token (which a call of a few rows
+ * still wants, for the CTAs). */
 __global__ void __launch_bounds__(256)
-    moe_combine8_kernel(float *__restrict__ acc, const uint16_t *__restrict__ y, const int32_t *__restrict__ idx,
-                        int64_t T, int k, int64_t D, int64_t per_part, int64_t P) {
+    moe_combine8_kernel(uint16_t *__restrict__ out, const uint16_t *__restrict__ y, const int32_t *__restrict__ idx,
+                        const uint16_t *__restrict__ sh, int64_t T, int k, int64_t D, int64_t per_part, int64_t P) {
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         combine_order_cta(idx + t * k, k, per_part, order, part_of);
         for (int64_t d = (int64_t)threadIdx.x * 8; d < D; d += (int64_t)blockDim.x * 8) {
-            float4 *ap = reinterpret_cast<float4 *>(acc + t * D + d);
-            float4 a0 = ap[0], a1 = ap[1];
-            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int r = 0; r < k; r++) {
                 const int64_t part = part_of[r];
                 if (part >= P) continue;
@@ -786,25 +788,35 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
                 for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], ds_bf16f((uint16_t)(wv[e / 2] >> (16 * (e % 2)))));
             }
-            ap[0] = make_float4(a[0], a[1], a[2], a[3]);
-            ap[1] = make_float4(a[4], a[5], a[6], a[7]);
+            if (sh) {
+                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sh + t * D + d));
+                const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], ds_bf16f((uint16_t)(wv[e / 2] >> (16 * (e % 2)))));
+            }
+            uint32_t o[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[e] = (uint32_t)ds_bf16_rne(a[2 * e]) | ((uint32_t)ds_bf16_rne(a[2 * e + 1]) << 16);
+            *reinterpret_cast<uint4 *>(out + t * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
 }
 
-void cuda_op_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
-                         int64_t D, int64_t per_part, int64_t P) {
-    if (T <= 0 || D <= 0 || k <= 0) return;
+void cuda_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
+                         int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+    if (T <= 0 || D <= 0) return;
     if (k > RT_MAX_K) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_combine", "top-k exceeds 64");
-    if (T >= 32 && D % 8 == 0 && ((uintptr_t)acc & 15) == 0 && ((uintptr_t)y & 15) == 0) { /* few rows: more CTAs per row */
+    if (T >= 32 && D % 8 == 0 && ((uintptr_t)out & 15) == 0 && ((uintptr_t)y & 15) == 0 &&
+        ((uintptr_t)sh & 15) == 0) { /* few rows: more CTAs per row */
         moe_combine8_kernel<<<(unsigned)(T < 65535 ? T : 65535), 256, 0, cuda_be_stream(be)>>>(
-            acc, (const uint16_t *)y, idx, T, (int)k, D, per_part, P);
+            (uint16_t *)out, (const uint16_t *)y, idx, (const uint16_t *)sh, T, (int)k, D, per_part, P);
         KERNEL_CHECK();
         return;
     }
     int64_t gx = (D + 255) / 256;
     dim3 grid((unsigned)(gx < 65535 ? gx : 65535), (unsigned)(T < 65535 ? T : 65535));
-    moe_combine_kernel<<<grid, 256, 0, cuda_be_stream(be)>>>(acc, (const uint16_t *)y, idx, T, (int)k, D, per_part, P);
+    moe_combine_kernel<<<grid, 256, 0, cuda_be_stream(be)>>>((uint16_t *)out, (const uint16_t *)y, idx,
+                                                            (const uint16_t *)sh, T, (int)k, D, per_part, P);
     KERNEL_CHECK();
 }
 

@@ -606,17 +606,6 @@ static void test_engram_gate(void **state) {
         assert_int_equal(X[d], B(F(X0[d]) + g * F(kv[hc * D + d])));
 }
 
-static void test_add_f32_bf16(void **state) {
-    float acc[2] = {1.5f, 0x1p24f};
-    bf16_t y[2] = {B(0.25f), B(1.0f)}, out[2];
-    OPS->add_f32_bf16(&be, out, acc, y, 2);
-    assert_true(F(out[0]) == 1.75f);
-    assert_true(F(out[1]) == 0x1p24f);
-    acc[0] = 1.00390625f; /* 1 + 2^-8: a tie, rounds to even 1.0 */
-    OPS->add_f32_bf16(&be, out, acc, NULL, 1);
-    assert_true(F(out[0]) == 1.0f);
-}
-
 /* ---------------------------------------------------------------------------------------------
  * Attention */
 
@@ -845,17 +834,33 @@ static void test_router(void **state) {
 }
 
 /* The routed-expert sum as the model runs it on one rank: per-slot outputs, then the
- * ascending-expert-id fp32 combine into acc (one part covering every expert). */
-static void moe_acc(float *acc, const bf16_t *x, const int32_t *idx, const float *wts, int64_t T, int64_t k,
-                    int64_t e0, int64_t n, const struct qweight *w1, const struct qweight *w3,
+ * ascending-expert-id fp32 combine plus sh (may be NULL) into out (one part covering every expert). */
+static void moe_out(bf16_t *out, const bf16_t *x, const int32_t *idx, const float *wts, const bf16_t *sh, int64_t T,
+                    int64_t k, int64_t e0, int64_t n, const struct qweight *w1, const struct qweight *w3,
                     const struct qweight *w2, float limit) {
     int64_t D = w2[0].n;
     bf16_t *y = calloc((size_t)(T * k * D), sizeof(bf16_t));
     OPS->moe_experts(&be, y, x, idx, wts, T, k, e0, n, w1, w3, w2, limit);
     /* slots of non-local experts below e0 + n were not written and read as +0, which adds nothing;
      * experts at or beyond e0 + n fall outside the one part and are skipped */
-    OPS->moe_combine(&be, acc, y, idx, T, k, D, e0 + n, 1);
+    OPS->moe_combine(&be, out, y, idx, sh, T, k, D, e0 + n, 1);
     free(y);
+}
+
+/* The combine's arithmetic: the slots in ascending expert id from +0 in fp32, then + sh in fp32,
+ * then one bf16 rounding. Slot 0 holds expert 1 (2^-8), slot 1 expert 0 (1): the sum 1 + 2^-8 is a
+ * bf16 tie (rounds to even 1) without sh, and 1 + 2^-7 (exact) with sh = 2^-8, which a rounding
+ * of the sum before the add would turn into 1 as well. */
+static void test_moe_combine_rounding(void **state) {
+    int32_t idx[2] = {1, 0};
+    bf16_t y[2] = {B(0x1p-8f), B(1.0f)}, sh[1] = {B(0x1p-8f)}, out[1];
+    OPS->moe_combine(&be, out, y, idx, NULL, 1, 2, 1, 4, 1);
+    assert_true(F(out[0]) == 1.0f);
+    OPS->moe_combine(&be, out, y, idx, sh, 1, 2, 1, 4, 1);
+    assert_true(F(out[0]) == 1.0078125f);
+    /* the part rule: with one expert a part, expert 1 is part 1, skipped when P = 1: 1 + 2^-8, a tie */
+    OPS->moe_combine(&be, out, y, idx, sh, 1, 2, 1, 1, 1);
+    assert_true(F(out[0]) == 1.0f);
 }
 
 static void test_moe_expert_order(void **state) {
@@ -863,7 +868,8 @@ static void test_moe_expert_order(void **state) {
      * Expert 0's w2 gives y = [32·2^19, 32] = [2^24, 32]; experts 1 and 2 give [1, 0].
      * Token 0 routes to [2, 1, 0] (top-k order). In ascending expert order the fp32 sum is
      * (2^24 + 1) + 1 = 2^24 (two ties to even); in slot order it would be 1 + 1 + 2^24 = 2^24 + 2.
-     * Token 1 routes to [1, 9, 0] (9 is not local) on top of a nonzero acc. */
+     * sh = -2^24 in column 0 leaves 0 of the one and 2 of the other (bf16 would not tell 2^24 from
+     * 2^24 + 2). Token 1 routes to [1, 9, 0] (9 is not local), plus sh = 0.5 in column 1. */
     bf16_t w1[2] = {B(32), B(0)}, w3[2] = {B(1), B(0)}, w2big[2] = {B(0x1p19f), B(1)}, w2s[2] = {B(0x1p-5f), B(0)};
     struct qweight W1[3], W3[3], W2[3];
     for (int e = 0; e < 3; e++) {
@@ -873,14 +879,14 @@ static void test_moe_expert_order(void **state) {
     }
     bf16_t x[4] = {B(1), B(0), B(1), B(0)};
     int32_t idx[6] = {2, 1, 0, 1, 9, 0};
-    float wts[6] = {1, 1, 1, 1, 1, 1}, acc[4] = {0, 0, 0, 0.5f};
-    moe_acc(acc, x, idx, wts, 2, 3, 0, 3, W1, W3, W2, 0.0f);
-    assert_true(acc[0] == 0x1p24f && acc[1] == 32.0f);
-    assert_true(acc[2] == 0x1p24f && acc[3] == 32.5f);
-    /* Local range [1, 3): token 0 gets experts 1 and 2 only. */
-    memset(acc, 0, sizeof acc);
-    moe_acc(acc, x, idx, wts, 2, 3, 1, 2, W1 + 1, W3 + 1, W2 + 1, 0.0f);
-    assert_true(acc[0] == 2.0f && acc[2] == 1.0f);
+    float wts[6] = {1, 1, 1, 1, 1, 1};
+    bf16_t sh[4] = {B(-0x1p24f), B(0), B(-0x1p24f), B(0.5f)}, out[4];
+    moe_out(out, x, idx, wts, sh, 2, 3, 0, 3, W1, W3, W2, 0.0f);
+    assert_true(F(out[0]) == 0.0f && F(out[1]) == 32.0f);
+    assert_true(F(out[2]) == 0.0f && F(out[3]) == 32.5f);
+    /* Local range [1, 3): token 0 gets experts 1 and 2 only (no shared expert). */
+    moe_out(out, x, idx, wts, NULL, 2, 3, 1, 2, W1 + 1, W3 + 1, W2 + 1, 0.0f);
+    assert_true(F(out[0]) == 2.0f && F(out[2]) == 1.0f);
 }
 
 /* One routed token through expert (w1, w3, w2) with the ops' own linears, by the formula. */
@@ -929,16 +935,18 @@ static void test_moe_fp4_gather(void **state) {
     bf16_t x[T * D];
     fill_bf16(x, T * D, 5.0f);
     int32_t idx[T * K] = {4, 6, 3, 5, 6, 4, 7, 5, 4, 5}; /* local experts 4..6; 3 and 7 are not */
-    float wts[T * K], acc[T * D] = {0}, ea[T * D] = {0};
+    float wts[T * K], ea[T * D] = {0};
+    bf16_t out[T * D], eb[T * D];
     for (int i = 0; i < T * K; i++) wts[i] = 0.2f + (urand() + 1.0f);
-    moe_acc(acc, x, idx, wts, T, K, 4, 3, ex.W1, ex.W3, ex.W2, 10.0f);
+    moe_out(out, x, idx, wts, NULL, T, K, 4, 3, ex.W1, ex.W3, ex.W2, 10.0f);
     for (int e = 4; e < 7; e++)
         for (int t = 0; t < T; t++)
             for (int s = 0; s < K; s++)
                 if (idx[t * K + s] == e)
                     expert_one(ea + t * D, x + t * D, wts[t * K + s], &ex.W1[e - 4], &ex.W3[e - 4], &ex.W2[e - 4],
                                10.0f);
-    assert_memory_equal(acc, ea, sizeof acc);
+    for (int i = 0; i < T * D; i++) eb[i] = B(ea[i]);
+    assert_memory_equal(out, eb, sizeof out);
 }
 
 static void test_shared_expert_limit(void **state) {
@@ -975,7 +983,9 @@ static void test_thread_count_independent(void **state) {
     fill_bf16(kv, NKV * HD, 1.0f);
     int32_t idx[3 * NI], ridx[T * 2];
     for (int i = 0; i < 3 * NI; i++) idx[i] = urand() < -0.5f ? -1 : (int32_t)((urand() + 1.0f) * 0.5f * NKV);
-    float sink[H] = {0, 1, -1, 2}, S[2][3 * NK], acc[2][T * 64], wts[T * 2];
+    float sink[H] = {0, 1, -1, 2}, S[2][3 * NK], wts[T * 2];
+    static bf16_t mo[2][T * 64], shx[T * 64];
+    fill_bf16(shx, T * 64, 1.0f);
     bf16_t wraw[3 * H];
     fill_bf16(wraw, 3 * H, 1.0f);
     int32_t vis[3] = {NK, 20, 1};
@@ -989,14 +999,13 @@ static void test_thread_count_independent(void **state) {
         OPS->linear(&be, y[r], x, T, &W8);
         OPS->sparse_attn(&be, oa[r], qa, kv, idx, 3, H, HD, NI, sink, 0.2f);
         OPS->index_scores(&be, S[r], NK, qa, H * HD, kv, NULL, NULL, wraw, 0.5f, vis, 3, H, HD, NK);
-        memset(acc[r], 0, sizeof acc[r]);
-        moe_acc(acc[r], x, ridx, wts, T, 2, 0, 3, ex.W1, ex.W3, ex.W2, 10.0f);
+        moe_out(mo[r], x, ridx, wts, shx, T, 2, 0, 3, ex.W1, ex.W3, ex.W2, 10.0f);
     }
     omp_set_num_threads(2);
     assert_memory_equal(y[0], y[1], sizeof y[0]);
     assert_memory_equal(oa[0], oa[1], sizeof oa[0]);
     assert_memory_equal(S[0], S[1], sizeof S[0]);
-    assert_memory_equal(acc[0], acc[1], sizeof acc[0]);
+    assert_memory_equal(mo[0], mo[1], sizeof mo[0]);
     free(q8);
     free(wf);
 }
@@ -1022,7 +1031,6 @@ int main(void) {
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_engram_gather),
         cmocka_unit_test(test_engram_gate),
-        cmocka_unit_test(test_add_f32_bf16),
         cmocka_unit_test(test_sparse_attn_single_and_empty),
         cmocka_unit_test(test_sparse_attn_vs_double),
         cmocka_unit_test(test_sparse_attn_block_boundary),
@@ -1030,6 +1038,7 @@ int main(void) {
         cmocka_unit_test(test_index_scores),
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_moe_expert_order),
+        cmocka_unit_test(test_moe_combine_rounding),
         cmocka_unit_test(test_moe_fp4_gather),
         cmocka_unit_test(test_shared_expert_limit),
         cmocka_unit_test(test_thread_count_independent),

@@ -769,9 +769,10 @@ static void test_grouped_linear(void **st) {
 /* =============================================================================================
  * moe_combine: exact */
 
-static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P, int64_t parts) {
+static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P, int64_t parts, bool with_sh) {
     char tag[128];
-    snprintf(tag, sizeof tag, "moe_combine T=%lld k=%lld D=%lld P=%lld", (long long)T, (long long)k, (long long)D, (long long)P);
+    snprintf(tag, sizeof tag, "moe_combine T=%lld k=%lld D=%lld P=%lld sh=%d", (long long)T, (long long)k, (long long)D,
+             (long long)P, (int)with_sh);
     seed_tag(tag);
     int64_t E = per_part * parts;
     bf16_t *y = NEW(bf16_t, P * T * k * D);
@@ -784,37 +785,40 @@ static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, 
             while (i32_in(idx + t * k, s, e));
             idx[t * k + s] = e;
         }
-    float *acc0 = NEW(float, T * D), *ac = NEW(float, T * D), *ag = NEW(float, T * D);
-    fill_f32(acc0, T * D, 0.0f, 1.0f);
-    memcpy(ac, acc0, (size_t)(T * D) * 4);
-    CPU->moe_combine(&cpu_be, ac, y, idx, T, k, D, per_part, P);
-    void *da = g_in(acc0, (size_t)(T * D) * 4), *dy = g_in(y, (size_t)(P * T * k * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4);
-    GPU->moe_combine(&gpu_be, da, dy, di, T, k, D, per_part, P);
-    g_get(ag, da, (size_t)(T * D) * 4);
-    g_free(da);
+    bf16_t *sh = NEW(bf16_t, T * D), *oc = NEW(bf16_t, T * D), *og = NEW(bf16_t, T * D);
+    fill_act(sh, T * D, 1.0f);
+    CPU->moe_combine(&cpu_be, oc, y, idx, with_sh ? sh : NULL, T, k, D, per_part, P);
+    void *dy = g_in(y, (size_t)(P * T * k * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4);
+    void *ds = g_in(sh, (size_t)(T * D) * 2), *dout = g_out((size_t)(T * D) * 2, PZ_16);
+    GPU->moe_combine(&gpu_be, dout, dy, di, with_sh ? ds : NULL, T, k, D, per_part, P);
+    g_get(og, dout, (size_t)(T * D) * 2);
+    g_free(dout);
+    g_free(ds);
     g_free(dy);
     g_free(di);
     struct cmp c;
-    cmp_begin(&c, "moe_combine", "T=%lld k=%lld D=%lld %lld/part P=%lld of %lld", (long long)T, (long long)k, (long long)D,
-              (long long)per_part, (long long)P, (long long)parts);
-    cmp_f32_exact(&c, ag, ac, T * D);
+    cmp_begin(&c, "moe_combine", "T=%lld k=%lld D=%lld %lld/part P=%lld of %lld%s", (long long)T, (long long)k,
+              (long long)D, (long long)per_part, (long long)P, (long long)parts, with_sh ? "" : " sh=NULL");
+    cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
     free(y);
     free(idx);
-    free(acc0);
-    free(ac);
-    free(ag);
+    free(sh);
+    free(oc);
+    free(og);
 }
 
 static void test_moe_combine(void **st) {
     NEED_GPU(st);
-    for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM, E_LOCAL, 8, 8);
-    moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8);
-    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8); /* from 32 rows on: the 8-wide kernel */
-    moe_combine_case(40, 4, 136, 5, 3, 8);
-    moe_combine_case(17, 4, 37, 5, 3, 8); /* slots of parts >= 3 skipped */
-    moe_combine_case(3, 1, 129, 37, 1, 1);
-    moe_combine_case(1, 3, 100, 16, 8, 8);
+    for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM, E_LOCAL, 8, 8, true);
+    moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8, true);
+    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, true); /* from 32 rows on: the 8-wide kernel */
+    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, false);
+    moe_combine_case(40, 4, 136, 5, 3, 8, true);
+    moe_combine_case(17, 4, 37, 5, 3, 8, true); /* slots of parts >= 3 skipped */
+    moe_combine_case(3, 1, 129, 37, 1, 1, false);
+    moe_combine_case(1, 3, 100, 16, 8, 8, true);
+    moe_combine_case(1, 3, 100, 16, 8, 8, false);
 }
 
 /* =============================================================================================

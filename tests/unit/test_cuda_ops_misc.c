@@ -1,5 +1,5 @@
 /* The CUDA backend against the CPU reference backend: the elementwise ops (rmsnorm, rope,
- * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, add_f32_bf16, interleave), mHC (hc_mixes with its Sinkhorn
+ * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave), mHC (hc_mixes with its Sinkhorn
  * comb, hc_collapse / hc_expand / hc_init), embed and Engram (engram_gather from host-resident
  * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), the tensor-core
  * kernels' act quant and weight decodes, and batch invariance of sparse_attn and index_scores.
@@ -1022,38 +1022,7 @@ static void test_engram_gate(void **st) {
 }
 
 /* =============================================================================================
- * add_f32_bf16, interleave: exact */
-
-static void test_add_f32_bf16(void **st) {
-    NEED_GPU(st);
-    const int64_t ns[] = {DIM, 8 * DIM, 64 * DIM, 1, 33, 37, 100, 129};
-    for (int i = 0; i < 8; i++)
-        for (int with_y = 0; with_y < 2; with_y++) {
-            int64_t n = ns[i];
-            char tag[96];
-            snprintf(tag, sizeof tag, "add_f32_bf16 n=%lld y=%d", (long long)n, with_y);
-            seed_tag(tag);
-            float *acc = NEW(float, n);
-            bf16_t *y = NEW(bf16_t, n), *oc = NEW(bf16_t, n), *og = NEW(bf16_t, n);
-            fill_f32(acc, n, 0.0f, 2.0f);
-            fill_act(y, n, 1.0f);
-            CPU->add_f32_bf16(&cpu_be, oc, acc, with_y ? y : NULL, n);
-            void *da = g_in(acc, (size_t)n * 4), *dy = g_in(y, (size_t)n * 2), *dout = g_out((size_t)n * 2, PZ_16);
-            GPU->add_f32_bf16(&gpu_be, dout, da, with_y ? dy : NULL, n);
-            g_get(og, dout, (size_t)n * 2);
-            g_free(da);
-            g_free(dy);
-            g_free(dout);
-            struct cmp c;
-            cmp_begin(&c, "add_f32_bf16", "n=%lld%s", (long long)n, with_y ? "" : " y=NULL");
-            cmp_bf16_exact(&c, og, oc, n);
-            cmp_end(&c);
-            free(acc);
-            free(y);
-            free(oc);
-            free(og);
-        }
-}
+ * interleave: exact */
 
 static void interleave_case(int64_t S, int64_t T, size_t bytes) {
     char tag[96];
@@ -1522,7 +1491,6 @@ int main(void) {
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_engram_gather),
         cmocka_unit_test(test_engram_gate),
-        cmocka_unit_test(test_add_f32_bf16),
         cmocka_unit_test(test_interleave),
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),

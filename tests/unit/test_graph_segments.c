@@ -356,16 +356,16 @@ static void chk_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, cons
     }
     g_cpu->moe_experts(IN, y, x, idx, wts, T, k, e0, nl, w1, w3, w2, limit);
 }
-static void chk_moe_combine(struct backend *be, float *acc, const bf16_t *y, const int32_t *idx, int64_t T, int64_t k,
-                            int64_t D, int64_t per_part, int64_t P) {
+static void chk_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
+                            int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     (void)be;
     op(11);
-    WR(acc), RD(y), RD(idx);
+    WR(out), RD(y), RD(idx), RD(sh);
     if (g_open) {
-        mix_ptr(acc), mix_ptr(y), mix_ptr(idx);
+        mix_ptr(out), mix_ptr(y), mix_ptr(idx), mix_ptr(sh);
         mix((uint64_t)T), mix((uint64_t)k), mix((uint64_t)D), mix((uint64_t)per_part), mix((uint64_t)P);
     }
-    g_cpu->moe_combine(IN, acc, y, idx, T, k, D, per_part, P);
+    g_cpu->moe_combine(IN, out, y, idx, sh, T, k, D, per_part, P);
 }
 static void chk_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                               const struct qweight *w3, const struct qweight *w2, float limit) {
@@ -374,13 +374,6 @@ static void chk_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, in
     WR(y), RD(x);
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix_w(w1), mix_w(w3), mix_w(w2), mix_f(limit);
     g_cpu->shared_expert(IN, y, x, T, w1, w3, w2, limit);
-}
-static void chk_add_f32_bf16(struct backend *be, bf16_t *out, const float *acc, const bf16_t *y, int64_t n) {
-    (void)be;
-    op(13);
-    WR(out), RD(acc), RD(y);
-    if (g_open) mix_ptr(out), mix_ptr(acc), mix_ptr(y), mix((uint64_t)n);
-    g_cpu->add_f32_bf16(IN, out, acc, y, n);
 }
 
 /* ---- the ops the model keeps outside segments (their arguments follow the step's context) ---- */
@@ -484,7 +477,7 @@ static struct backend_ops checker_ops(const struct backend_ops *cpu) {
     o.linear = chk_linear, o.rmsnorm = chk_rmsnorm, o.rope = chk_rope, o.qdq_fp8_32 = chk_qdq_fp8_32;
     o.hc_mixes = chk_hc_mixes, o.hc_collapse = chk_hc_collapse, o.hc_expand = chk_hc_expand;
     o.router = chk_router, o.moe_experts = chk_moe_experts, o.moe_combine = chk_moe_combine;
-    o.shared_expert = chk_shared_expert, o.add_f32_bf16 = chk_add_f32_bf16;
+    o.shared_expert = chk_shared_expert;
     o.linear_f32 = chk_linear_f32, o.grouped_linear = chk_grouped_linear, o.head = chk_head;
     o.qdq_fp4_32 = chk_qdq_fp4_32, o.qdq_fp4_16 = chk_qdq_fp4_16, o.hc_init = chk_hc_init, o.embed = chk_embed;
     o.engram_gather = chk_engram_gather, o.engram_gate = chk_engram_gate, o.sparse_attn = chk_sparse_attn;
