@@ -406,7 +406,13 @@ constexpr int DW_MT = 4;
  * CUDA_MMA_DECODE_AUTO_T (linear_mma.h) rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
  * (bench_step, graphs): with the switch at 64 rather than 256, the step at batch 128 29.3 -> 27.0 ms
  * and at batch 256 40.9 -> 34.6 ms (linears 7.4 -> 4.3 ms, shared expert 6.3 -> 3.3 ms), batch 8-64
- * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). */
+ * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). Once the decode kernel's
+ * copies were set up once per chunk (ac0f786) the switch moved to 128: H100, bench_step decode ms
+ * at batch 128, three runs alternated, 19.82 19.89 19.89 with the switch at 64, 19.44 19.44 19.67
+ * at 128, 19.53 19.51 19.52 at 256 (but batch 256 then 30.8 32.5 28.2 against 26.3 26.2 26.2);
+ * bench_linear_cuda at T = 128 (graph µs, prefill tile -> decode tiling) wq_a 28.2 -> 21.6, wkv
+ * 27.1 -> 15.0, wq_b 37.1 -> 20.9, wo_b 28.2 -> 19.0, shared w2 41.3 -> 35.8 but w1 30.4 -> 37.7
+ * (its 72 row tiles re-read the 128 activation rows from L2, 8x its weight bytes). */
 constexpr int64_t MMA_DECODE_MAX_T = 256;
 /* FP8 rows per call for each decode form: up to MMA_MT1_T one m16 tile a CTA (8 k-blocks a stage),
  * up to MMA_MT2_T two (4 a stage), above four (2 a stage). A CTA walks its 32-block chunk in
