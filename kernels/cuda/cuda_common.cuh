@@ -34,6 +34,23 @@ __device__ __forceinline__ uint16_t ds_bf16_rne(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* 16 bytes of 8 bf16 (element 2i in the low half of word i) <-> 8 fp32, exact / ds_bf16_rne. */
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = (uint32_t)ds_bf16_rne(f[2 * i]) | ((uint32_t)ds_bf16_rne(f[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /* e8m0 byte -> 2^(b-127); 255 = NaN; 0 = 2^-127 (subnormal). */
 __device__ __forceinline__ float ds_e8m0(uint8_t b) {
     if (b == 255) return __int_as_float(0x7fc00000);

@@ -35,24 +35,7 @@ static inline unsigned ew_blocks(int64_t items, int threads) { return (unsigned)
 static inline bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* ---------------------------------------------------------------------------------------------
- * bf16 (src/formats.c bit for bit) and 16-byte vectors of 8 bf16 */
-
-
-__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = (uint32_t)ds_bf16_rne(f[2 * i]) | ((uint32_t)ds_bf16_rne(f[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
+ * Vectors of bf16 (unpack8 / pack8 of 16 bytes: cuda_common.cuh) */
 
 /* VEC elements starting at p: one 16-byte access for VEC == 8 (p 16-byte aligned), else scalar. */
 template <int VEC>

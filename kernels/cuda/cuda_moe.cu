@@ -780,24 +780,19 @@ __global__ void __launch_bounds__(256)
         combine_order_cta(idx + t * k, k, per_part, order, part_of);
         for (int64_t d = (int64_t)threadIdx.x * 8; d < D; d += (int64_t)blockDim.x * 8) {
             float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            auto add8 = [&](const uint16_t *src) { /* a += 8 bf16 of src, each add rounded */
+                float v[8];
+                unpack8(__ldg(reinterpret_cast<const uint4 *>(src)), v);
+#pragma unroll
+                for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], v[e]);
+            };
             for (int r = 0; r < k; r++) {
                 const int64_t part = part_of[r];
                 if (part >= P) continue;
-                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(y + ((part * T + t) * k + order[r]) * D + d));
-                const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], ds_bf16f((uint16_t)(wv[e / 2] >> (16 * (e % 2)))));
+                add8(y + ((part * T + t) * k + order[r]) * D + d);
             }
-            if (sh) {
-                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sh + t * D + d));
-                const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], ds_bf16f((uint16_t)(wv[e / 2] >> (16 * (e % 2)))));
-            }
-            uint32_t o[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[e] = (uint32_t)ds_bf16_rne(a[2 * e]) | ((uint32_t)ds_bf16_rne(a[2 * e + 1]) << 16);
-            *reinterpret_cast<uint4 *>(out + t * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+            if (sh) add8(sh + t * D + d);
+            *reinterpret_cast<uint4 *>(out + t * D + d) = pack8(a);
         }
     }
 }
