@@ -149,10 +149,11 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 1)
 }
 
 /* ---------------------------------------------------------------------------------------------
- * BF16 kernel for 2..256 token rows (dense_seg_kernel takes one, dense_tile_kernel more than 256),
- * parallel over the segments of the outputs: a warp sums one segment (BE_DOT_SEG k) of 32 weight
- * rows (lane = row) x TT token rows, each chain from +0 in k order, and stores the segment sums;
- * dense_fold_kernel then adds an output's segment sums in order from the first. So the bits are
+ * BF16 kernel for 2..31 token rows (dense_seg_kernel takes one, dense_tile_kernel more: by segment
+ * up to 256, DTP_MIN_T), parallel over the segments of the outputs: a warp sums one segment
+ * (BE_DOT_SEG k) of 32 weight rows (lane = row) x TT token rows, each chain from +0 in k order,
+ * and stores the segment sums; dense_fold_kernel then adds an output's segment sums in order from
+ * the first. So the bits are
  * dense_seg_kernel's and the CPU's, an output's dependent chain is one segment plus the fold, and
  * every warp of the grid is busy at once (a [384, 5120] router gate at 64 rows: 16 x 12 x 10 CTAs of
  * 4 warps). The warp stages its 32 x 128 weights in shared memory with coalesced cp.async (two
@@ -303,6 +304,20 @@ __global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_g
  * TI = 2; the router gate's 192 CTAs 366 -> 374 µs and the 256 of n = 512 368 -> 474 µs, so those
  * keep 64 rows (the per-stage widening and shared loads per multiply-add double at 32 rows). */
 #define DT_WIDE_CTAS 128
+/* From DTP_MIN_T to DT_MIN_T rows (decode batches of 32-256) the tile kernel runs with a CTA per
+ * segment (PART: the segment sums go to memory and dense_fold_kernel adds them, as after
+ * dense_segsum_kernel), 64-row tiles where that grid has DTP_WIDE_CTAS CTAs, else 32: the router
+ * gate [384, 5120] at 64 rows is 2 x 6 x 40 CTAs of 32 x 64 outputs. dense_segsum_kernel, which
+ * it replaces there, gives each warp one segment of 32 weight rows against 4 or 8 token rows, so
+ * every weight row is staged and widened once per 4-8 token rows and each multiply-add costs a
+ * shared load; the tile widens a weight once per 32-64 token rows and loads 10-12 operands per
+ * 64-128 multiply-adds. Same bits (each segment from +0 in k order, the fold in order).
+ * H200, bench_step decode ms, the old and the new binary alternated twice in one device call:
+ * batch 32 9.22 9.19 -> 9.17 9.16, 64 12.48 12.52 -> 12.23 12.28, 128 17.69 17.67 -> 17.57 17.40,
+ * 256 24.34 24.37 -> 23.57 23.62; a router gate call (Nsight, clocks as they run) 21.2 µs + a
+ * 7.5 µs fold at 64 rows, 56 µs + 9.4 µs at 256. */
+#define DTP_MIN_T 32
+#define DTP_WIDE_CTAS 512
 static_assert(BE_DOT_SEG % DT_KB == 0, "segments of whole stages");
 static_assert(DT_TJ * 8 == DT_BR && DT_THREADS == 128, "thread tile");
 
@@ -329,11 +344,12 @@ static __device__ __forceinline__ void dt_stage(float (&acc)[TI][DT_TJ], const f
     }
 }
 
-template <int TI, bool OUT_F32>
-__global__ void __launch_bounds__(DT_THREADS)
+/* 3 CTAs an SM: up to 170 registers (the sm_90 JIT otherwise capped the PART form at 128 and spilled) */
+template <int TI, bool OUT_F32, bool PART = false>
+__global__ void __launch_bounds__(DT_THREADS, 3)
     dense_tile_kernel(void *__restrict__ y, int64_t ldy, int64_t y_gs, const uint16_t *__restrict__ x, int64_t ldx,
                       int64_t x_gs, const uint16_t *__restrict__ w, int64_t ldw, int64_t w_gs, int64_t T, int64_t n,
-                      int64_t k) {
+                      int64_t k, float *__restrict__ part = nullptr) {
     constexpr int BT = 16 * TI, XCH = BT * DT_KB / 8 / DT_THREADS; /* token rows; x chunks a thread a stage */
     static_assert(XCH * DT_THREADS * 8 == BT * DT_KB && DT_BR * DT_KB / 8 == 2 * DT_THREADS, "copy assignments");
     __shared__ __align__(16) uint16_t sx[DT_STAGES][BT][DT_KB]; /* raw stages */
@@ -341,16 +357,23 @@ __global__ void __launch_bounds__(DT_THREADS)
     __shared__ __align__(16) float xf[BT][DT_LD]; /* the stage's widened rows */
     __shared__ __align__(16) float wf[DT_BR][DT_LD];
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int64_t t0 = (int64_t)blockIdx.x * BT, r0 = (int64_t)blockIdx.y * DT_BR, g = blockIdx.z;
+    /* PART: grid z = group x segment; the CTA sums its one segment and stores the sums in part
+     * [G][nseg][T][n], which dense_fold_kernel adds in order */
+    constexpr int SST = BE_DOT_SEG / DT_KB; /* stages a segment */
+    const int nseg = (int)((k + BE_DOT_SEG - 1) / BE_DOT_SEG);
+    const int64_t t0 = (int64_t)blockIdx.x * BT, r0 = (int64_t)blockIdx.y * DT_BR;
+    const int64_t g = PART ? blockIdx.z / nseg : blockIdx.z;
+    const int seg = PART ? (int)(blockIdx.z % nseg) : 0, st0 = seg * SST; /* the first stage */
     const uint16_t *xg = x + g * x_gs, *wg = w + g * w_gs;
-    const int nst = (int)((k + DT_KB - 1) / DT_KB);
+    const int nst_all = (int)((k + DT_KB - 1) / DT_KB);
+    const int nst = PART ? (nst_all - st0 < SST ? nst_all - st0 : SST) : nst_all;
     /* copy assignment: chunk q = tid + 128u of each operand (u < XCH for x, u < 2 for w): row q / 4,
      * chunk q % 4 (8 values) */
     auto load_stage = [&](int slot, int s) {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int q = tid + DT_THREADS * u, cr = q >> 2, cc = q & 3;
-            const int64_t gk = (int64_t)s * DT_KB + cc * 8;
+            const int64_t gk = (int64_t)(st0 + s) * DT_KB + cc * 8;
             int bytes;
             if (u < XCH) {
                 bytes = (t0 + cr < T && gk < k) ? (int)(k - gk < 8 ? (k - gk) * 2 : 16) : 0;
@@ -392,14 +415,28 @@ __global__ void __launch_bounds__(DT_THREADS)
         /* the barrier that publishes the widened stage also tells every thread whether it may fuse */
         if (__syncthreads_or(bad != 0)) dt_stage<TI, false>(acc, xf, wf, tx, ty);
         else dt_stage<TI, true>(acc, xf, wf, tx, ty);
-        if ((s + 1) % (BE_DOT_SEG / DT_KB) == 0 || s + 1 == nst) { /* a segment ends: fold it in order */
+        if ((s + 1) % SST == 0 || s + 1 == nst) { /* a segment ends: fold it in order, or store it */
+            if constexpr (PART) {
 #pragma unroll
-            for (int i = 0; i < TI; i++)
+                for (int i = 0; i < TI; i++) {
+                    const int64_t t = t0 + ty + 16 * i;
+                    float *const pp = part + ((g * nseg + seg) * T + t) * n + r0 + tx;
 #pragma unroll
-                for (int j = 0; j < DT_TJ; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
+                    for (int j = 0; j < DT_TJ; j++) {
+                        if (t < T && r0 + tx + 8 * j < n) pp[8 * j] = acc[i][j];
+                        acc[i][j] = 0.0f;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < TI; i++)
+#pragma unroll
+                    for (int j = 0; j < DT_TJ; j++) tot[i][j] = __fadd_rn(tot[i][j], acc[i][j]), acc[i][j] = 0.0f;
+            }
         }
     }
     ds_cp_wait<0>();
+    if constexpr (PART) return;
 #pragma unroll
     for (int i = 0; i < TI; i++) {
         const int64_t t = t0 + ty + 16 * i;
@@ -447,10 +484,11 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
     if (G > 65535) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "dense", "more than 65535 groups");
     cudaStream_t st = cuda_be_stream(be);
     const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG, nsg = (nseg + DF_WARPS - 1) / DF_WARPS;
-    const bool segsum = T > 1 && T <= DT_MIN_T && nseg > 0 && G * nsg <= 65535 && (n + 31) / 32 <= 65535;
-    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum)) && (T + 31) / 32 <= 0x7fffffff;
-    /* one row dense_seg_kernel (k % 8 == 0), 2..256 dense_segsum_kernel + dense_fold_kernel, more
-     * dense_tile_kernel */
+    const bool part_tile = T >= DTP_MIN_T && T <= DT_MIN_T && nseg > 0 && G * nseg <= 65535 && (n + 63) / 64 <= 65535;
+    const bool segsum = T > 1 && T < DTP_MIN_T && nseg > 0 && G * nsg <= 65535 && (n + 31) / 32 <= 65535;
+    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum && !part_tile)) && (T + 31) / 32 <= 0x7fffffff;
+    /* one row dense_seg_kernel (k % 8 == 0), 2..31 dense_segsum_kernel + dense_fold_kernel, 32..256
+     * dense_tile_kernel by segment + dense_fold_kernel, more dense_tile_kernel */
     const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&
                          w_gs % 8 == 0 && ldx % 8 == 0 && x_gs % 8 == 0 && (T > 1 || k % 8 == 0) &&
                          (n + DS_WARPS - 1) / DS_WARPS <= 65535;
@@ -487,16 +525,23 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
         KERNEL_CHECK();
         return;
     }
-    if (segsum) { /* 2..256 rows: segments in parallel */
+    if (segsum || part_tile) { /* 2..256 rows: segments in parallel */
         float *part = (float *)cuda_be_scratch_raw(be, (size_t)(G * nseg * T * n) * sizeof(float)); /* [G][nseg][T][n] */
         const uint16_t *wb = (const uint16_t *)w;
-        const dim3 bl(DF_WARPS * 32);
-        if (T <= 64)
-            dense_segsum_kernel<4><<<dim3((unsigned)((T + 3) / 4), (unsigned)((n + 31) / 32), (unsigned)(G * nsg)), bl, 0, st>>>(
-                part, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, (int)nsg);
-        else
-            dense_segsum_kernel<8><<<dim3((unsigned)((T + 7) / 8), (unsigned)((n + 31) / 32), (unsigned)(G * nsg)), bl, 0, st>>>(
-                part, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, (int)nsg);
+        if (part_tile) {
+            const int64_t rt = (n + DT_BR - 1) / DT_BR;
+            const bool wide = (T + 63) / 64 * rt * G * nseg >= DTP_WIDE_CTAS;
+            const dim3 grid((unsigned)(wide ? (T + 63) / 64 : (T + 31) / 32), (unsigned)rt, (unsigned)(G * nseg));
+            if (wide)
+                dense_tile_kernel<4, true, true>
+                    <<<grid, DT_THREADS, 0, st>>>(nullptr, 0, 0, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, part);
+            else
+                dense_tile_kernel<2, true, true>
+                    <<<grid, DT_THREADS, 0, st>>>(nullptr, 0, 0, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, part);
+        } else {
+            dense_segsum_kernel<4><<<dim3((unsigned)((T + 3) / 4), (unsigned)((n + 31) / 32), (unsigned)(G * nsg)),
+                                     DF_WARPS * 32, 0, st>>>(part, x, ldx, x_gs, wb, ldw, w_gs, T, n, k, (int)nsg);
+        }
         KERNEL_CHECK();
         const int64_t total = G * T * n, blocks = (total + 255) / 256;
         if (out_f32)

@@ -626,11 +626,12 @@ static void test_linear_f32(void **st) {
     h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR, "BF16 compressor wkv [512,5120] prefill", &h, Tp, 1, 1.0f);
     /* products below the fp32 normal range (x ~ 2^-64, w ~ 2^-66): a fused multiply-add rounds
      * them differently from the CPU's product-then-sum (most outputs of this case differ), so every
-     * kernel has to notice and take the separately rounded form; T = 1 (dense_seg), 8, 17, 64
-     * (dense_segsum, 4 token rows a CTA), 200 (8 rows a CTA) and 300 (dense_tile) */
+     * kernel has to notice and take the separately rounded form; T = 1 (dense_seg), 8, 17
+     * (dense_segsum, 4 token rows a CTA), 64, 200 (dense_tile by segment: 32-row tiles at 64, 64-row
+     * at 200) and 300 (dense_tile) */
     const int64_t Tt[] = {1, 8, 17, 64, 200, 300};
     h = hw_bf16(N_EXPERTS, DIM, 0x1p-66f), dense_cases(OP_LINEAR_F32, "gate [384,5120] subnormal products", &h, Tt, 6, 0x1p-64f);
-    const int64_t Tm[] = {130, 256}; /* dense_segsum with 8 token rows a CTA, its token tail */
+    const int64_t Tm[] = {130, 256}; /* dense_tile by segment (64-row tiles; the odd one 32-row), token tails */
     h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] 65..256 rows", &h, Tm, 2, 1.0f);
     h = hw_bf16(37, 1000, 0.05f), dense_cases(OP_LINEAR_F32, "odd [37,1000] 65..256 rows", &h, Tm, 1, 1.0f);
     /* 64 token rows a CTA (the grid of 64-row tiles has >= DT_WIDE_CTAS = 128 CTAs: 58 x 9 here;
@@ -760,6 +761,11 @@ static void test_grouped_linear(void **st) {
     grouped_case("wo_a TP8 (1 group [1024,4096], FP8->bf16)", &h, true, 1, T_REAL, NT_REAL);
     h = hw_fp8(8 * 128, 512, 0, 512, 0.03f);
     grouped_case("8 groups [8x128,512] (FP8->bf16)", &h, true, 8, T_REAL, NT_REAL);
+    /* 32..256 rows: dense_tile by segment with the groups in its grid (32-row tiles at 40 rows,
+     * 64-row at 130: 3 x 2 x 8 x 16 CTAs) */
+    const int64_t Tg[] = {40, 130};
+    h = hw_fp8(8 * 128, 2048, 0, 2048, 0.02f);
+    grouped_case("8 groups [8x128,2048] 32..256 rows", &h, true, 8, Tg, 2);
     h = hw_bf16(3 * 37, 100, 0.05f);
     grouped_case("odd 3 groups [3x37,100]", &h, false, 3, T_ODD, NT_ODD);
     h = hw_bf16(2 * 1, 33, 0.05f);
