@@ -399,7 +399,13 @@ constexpr int DW = 2;       /* warps per CTA, one m16 tile */
 /* warps per CTA, four m16 tiles (17..64 rows), FP8 and BF16: each stage's 64 activation rows serve
  * 32 weight rows instead of 16 (an FP8 CTA's rows still lie in one 32-row scale group). H200, bench_step decode
  * ms at batch 32 / 64, two runs each: 2 warps 15.55 15.53 / 19.85 19.91, 4 warps 15.08 15.16 /
- * 19.29 19.14 (batch 1 unchanged). */
+ * 19.29 19.14 (batch 1 unchanged). Tried at c212148's session and not kept (H100, graph µs a call
+ * at T = 64 / 128, base in the same call; results/PERFORMANCE_HISTORY.md): 8 warps (64 weight
+ * rows) for FP8 — wkv 11.05 -> 14.80 and shared w1 19.69 -> 21.44 at 64 rows (half the CTAs),
+ * shared w1 37.65 -> 27.98 at 128 (the activation re-reads halved), the step ~2 % faster at batch
+ * 128 only; and two warps per n8 tile splitting a stage's two k-blocks (the products of the other
+ * warp's m16 tiles handed over in shared memory, the same bits) — wq_a 15.45 -> 18.18, a stage's
+ * copies, waits and barriers then paid per block. */
 constexpr int DW_MT = 4;
 /* the decode tiling takes up to MMA_DECODE_MAX_T rows (one or four m16 tiles per CTA, grid z over
  * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it calls of up to
