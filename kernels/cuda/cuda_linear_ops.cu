@@ -315,7 +315,9 @@ __global__ void dense_fold_kernel(void *__restrict__ y, int64_t ldy, int64_t y_g
  * H200, bench_step decode ms, the old and the new binary alternated twice in one device call:
  * batch 32 9.22 9.19 -> 9.17 9.16, 64 12.48 12.52 -> 12.23 12.28, 128 17.69 17.67 -> 17.57 17.40,
  * 256 24.34 24.37 -> 23.57 23.62; a router gate call (Nsight, clocks as they run) 21.2 µs + a
- * 7.5 µs fold at 64 rows, 56 µs + 9.4 µs at 256. */
+ * 7.5 µs fold at 64 rows, 56 µs + 9.4 µs at 256. Tried and not kept: the same above 256 rows where
+ * the whole-k grid has fewer than 256 CTAs (the prefill's router gate, 192 at 2,048 rows): the
+ * 2,048- and 8,192-token prefills unchanged (results/PERFORMANCE_HISTORY.md). */
 #define DTP_MIN_T 32
 #define DTP_WIDE_CTAS 512
 static_assert(BE_DOT_SEG % DT_KB == 0, "segments of whole stages");
