@@ -65,6 +65,15 @@ void cuda_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t 
 void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n);
 void cuda_op_qdq_fp4_32(struct backend *be, bf16_t *x, int64_t n);
 void cuda_op_qdq_fp4_16(struct backend *be, bf16_t *x, int64_t n);
+void cuda_op_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
+                   int64_t row0, int64_t nrows, int64_t D);
+void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
+                           const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
+void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
+                         int64_t hc, int64_t D, float eps);
+void cuda_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
+
+/* ---- cuda_mhc.cu ---- */
 void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                       int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
                       float norm_eps, float hc_eps);
@@ -74,13 +83,6 @@ void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf
                        const float *comb, int64_t T, int64_t hc, int64_t D);
 void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
                      int64_t D);
-void cuda_op_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t T, const bf16_t *table,
-                   int64_t row0, int64_t nrows, int64_t D);
-void cuda_op_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
-                           const uint8_t *table, const uint8_t *scale, int64_t row0, int64_t nrows, int64_t hd);
-void cuda_op_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T,
-                         int64_t hc, int64_t D, float eps);
-void cuda_op_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
 
 /* ---- cuda_attention.cu ---- */
 void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
