@@ -36,8 +36,18 @@ void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const v
 
 /* The same with the tiling chosen by the caller (benchmarks): CUDA_MMA_AUTO is cuda_linear_mma's
  * choice (the decode tiling up to 128 rows), CUDA_MMA_DECODE the decode tiling (T <= 256),
- * CUDA_MMA_PREFILL the 128 x 128 tiling at any T. Every choice gives a row the same bits. */
-enum { CUDA_MMA_AUTO = 0, CUDA_MMA_DECODE = 1, CUDA_MMA_PREFILL = 2 };
+ * CUDA_MMA_PREFILL the 128 x 128 tiling at any T; FP8 only, CUDA_MMA_DECODE_MT1 / _MT2 / _MT4 the
+ * decode tiling with one, two or four m16 tiles a CTA whatever T (<= 256; at T <= 8 too, instead
+ * of the split kernel), for benchmarks that choose the forms' row ranges. Every choice gives a
+ * row the same bits. */
+enum {
+    CUDA_MMA_AUTO = 0,
+    CUDA_MMA_DECODE = 1,
+    CUDA_MMA_PREFILL = 2,
+    CUDA_MMA_DECODE_MT1 = 3,
+    CUDA_MMA_DECODE_MT2 = 4,
+    CUDA_MMA_DECODE_MT4 = 5
+};
 #define CUDA_MMA_DECODE_AUTO_T 128 /* CUDA_MMA_AUTO's decode tiling takes calls of up to this many rows */
 /* OR'ed into `tiling` (FP8/FP4 only): x is the quantized form cuda_linear_mma_act_quant made, so
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);

@@ -943,6 +943,14 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
     const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0;
     tiling &= ~CUDA_MMA_PREQUANT;
+    /* a forced FP8 decode form: 1, 2 or 4 m16 tiles a CTA (0: the call's own choice) */
+    const int form =
+        tiling >= CUDA_MMA_DECODE_MT1 && tiling <= CUDA_MMA_DECODE_MT4 ? 1 << (tiling - CUDA_MMA_DECODE_MT1) : 0;
+    if (form && fmt != WF_FP8)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "a forced decode form is for FP8 weights");
+    if (form) tiling = CUDA_MMA_DECODE;
+    if (tiling < CUDA_MMA_AUTO || tiling > CUDA_MMA_PREFILL)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "unknown tiling");
     if (prequant && fmt == WF_BF16)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "CUDA_MMA_PREQUANT is for FP8/FP4 weights");
     if (T <= 0 || n <= 0) return;
@@ -985,7 +993,10 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
             else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else if (fmt == WF_FP8) {
-            if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            if (form == 1) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (form == 2) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (form == 4) launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else if (T <= MMA_MT1_T) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else if (T <= MMA_MT2_T) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);

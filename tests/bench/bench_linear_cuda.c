@@ -10,7 +10,10 @@
  * pass over all copies (how decode steps run: the kernels' own time).
  * With a list of token counts after the CSV path (`bench_linear_cuda out.csv 2048,8192`): the mma
  * path alone at those T (prefill sizes), where the rate that matters is the tensor-core work,
- * printed and stored (column tflops) as TFLOP/s of 2·T·n·k per call. */
+ * printed and stored (column tflops) as TFLOP/s of 2·T·n·k per call. With `--forms` after the list
+ * (`bench_linear_cuda out.csv 33,48,64,96,128 --forms`): at those T the FP8 shapes also on each
+ * forced decode form (paths mma_mt1 / mma_mt2 / mma_mt4: one, two or four m16 tiles a CTA,
+ * CUDA_MMA_DECODE_MT*) and the 128 x 128 tiling (mma128), to choose the forms' row ranges. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,9 +36,9 @@
 /* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
-    if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T */
-        cuda_linear_mma_tiling(mma == 2 ? CUDA_MMA_PREFILL : CUDA_MMA_AUTO, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k,
-                               ld, s_ld, ws, st);
+    if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T, 3-5: a forced FP8 decode form */
+        const int tiling = mma == 2 ? CUDA_MMA_PREFILL : mma >= 3 ? CUDA_MMA_DECODE_MT1 + (mma - 3) : CUDA_MMA_AUTO;
+        cuda_linear_mma_tiling(tiling, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
@@ -79,6 +82,11 @@ int main(int argc, char **argv) {
     /* the T list: the decode sizes on all three paths, or the ones given (mma only) */
     int64_t Ts[16] = {1, 8, 16, 64, 256};
     int nT = 5, path0 = 0, path1 = 3;
+    const int forms = argc > 3 && strcmp(argv[3], "--forms") == 0;
+    if (argc > 3 && !forms) {
+        fprintf(stderr, "bench: usage: bench_linear_cuda [out.csv [T,T,... [--forms]]]\n");
+        return 2;
+    }
     if (argc > 2) {
         nT = 0, path0 = 1, path1 = 2;
         for (const char *p = argv[2]; *p && nT < 16;) {
@@ -91,6 +99,7 @@ int main(int argc, char **argv) {
             Ts[nT++] = v;
             p = *end ? end + 1 : end;
         }
+        if (forms) path1 = 6; /* mma, mma128, mma_mt1, mma_mt2, mma_mt4 */
     }
     fprintf(f, "device,path,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
                "graph_gb_per_s,graph_fraction_of_copy_bw,tflops\n");
@@ -107,10 +116,12 @@ int main(int argc, char **argv) {
     for (int mma = path0; mma < path1; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (int ti = 0; ti < nT; ti++) {
-            const char *pname = mma == 2 ? "mma128" : mma ? "mma" : "exact";
+            static const char *const pnames[] = {"exact", "mma", "mma128", "mma_mt1", "mma_mt2", "mma_mt4"};
+            const char *pname = pnames[mma];
             int fp4 = shapes[si].fp4;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             if (mma == 2 && T < 16) continue; /* the prefill tiling at decode sizes: T = 16, 64, 256 */
+            if (mma >= 3 && (fp4 || T > 256)) continue; /* the forced forms: FP8, the decode tiling's rows */
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
             size_t wb = (size_t)(n * ld), sb = (size_t)(s_rows * s_ld);
             int copies = (int)(4.0 * prop.l2CacheSize / (double)(wb + sb)) + 2;

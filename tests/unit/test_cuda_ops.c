@@ -1361,6 +1361,62 @@ static void test_linear_mma_pair(void **st) {
 #endif
 }
 
+/* The forced FP8 decode forms (CUDA_MMA_DECODE_MT1 / _MT2 / _MT4, which bench_linear_cuda --forms
+ * times to choose the forms' row ranges) against the call's own choice on the same quantized x:
+ * the same bits for every output, at row counts where each form is not the default one (3: the
+ * split kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile), a real
+ * shape, a weight slice (row stride above k) and odd sizes. */
+static void test_linear_mma_forms(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* the tensor-core entry points called directly: no CPU stand-in */
+    const int64_t Ts[] = {3, 24, 40, 64, 130};
+    const int forms[] = {CUDA_MMA_DECODE_MT1, CUDA_MMA_DECODE_MT2, CUDA_MMA_DECODE_MT4};
+    const char *names[] = {"wq_a [1280,5120]", "wo_b TP slice [5120,1024]", "odd [37,160]"};
+    struct hw hs[3];
+    seed_tag("mma forms");
+    hs[0] = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f);
+    hs[1] = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f);
+    hs[2] = hw_fp8(37, 160, 0, 160, 0.05f);
+    for (size_t hi = 0; hi < sizeof hs / sizeof hs[0]; hi++) {
+        struct qweight g = g_weight(&hs[hi].q, false);
+        const int64_t n = g.n, k = g.k;
+        for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+            const int64_t T = Ts[ti];
+            bf16_t *x = NEW(bf16_t, T * k), *ya = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
+            fill_act(x, T * k, 1.0f);
+            void *dx = g_in(x, (size_t)(T * k) * 2), *dq = g_out(cuda_linear_mma_act_bytes(T, k), PZ_16);
+            void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16), *dya = g_out((size_t)(T * n) * 2, PZ_16);
+            cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+            cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_PREQUANT, (int)g.fmt, dya, dq, T, g.w, g.s, n, k, g.ld, g.s_ld,
+                                   ws, NULL);
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream (see test_linear_mma_pair) */
+            g_get(ya, dya, (size_t)(T * n) * 2);
+            for (size_t fi = 0; fi < sizeof forms / sizeof forms[0]; fi++) {
+                void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
+                cuda_linear_mma_tiling(forms[fi] | CUDA_MMA_PREQUANT, (int)g.fmt, dyf, dq, T, g.w, g.s, n, k, g.ld,
+                                       g.s_ld, ws, NULL);
+                assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+                g_get(yf, dyf, (size_t)(T * n) * 2);
+                struct cmp c;
+                const int mt = 1 << (forms[fi] - CUDA_MMA_DECODE_MT1);
+                cmp_begin(&c, "linear form", "%s T=%lld MT%d", names[hi], (long long)T, mt);
+                for (int64_t i = 0; i < T * n; i++)
+                    cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
+                cmp_end(&c);
+                g_free(dyf);
+            }
+            g_free(dx), g_free(dq), g_free(ws), g_free(dya);
+            free(x), free(ya), free(yf);
+        }
+        GPU->weight_release(&gpu_be, &g);
+        hw_free(&hs[hi]);
+    }
+#endif
+}
+
 static void test_batch_invariance_head(void **st) {
     NEED_GPU(st);
     struct hw h;
@@ -1439,6 +1495,7 @@ int main(void) {
         cmocka_unit_test(test_linear_mma),
         cmocka_unit_test(test_linear_mma_kernels_agree),
         cmocka_unit_test(test_linear_mma_pair),
+        cmocka_unit_test(test_linear_mma_forms),
         cmocka_unit_test(test_batch_invariance_head),
         cmocka_unit_test(test_batch_invariance_moe_experts),
     };
