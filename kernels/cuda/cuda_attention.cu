@@ -40,11 +40,6 @@ __device__ __forceinline__ float at_bf16r(float f) { return ds_bf16f(ds_bf16_rne
 __device__ __forceinline__ float at_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float at_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-__device__ __forceinline__ void at_unpack8(uint4 w, float k[8]) {
-    k[0] = at_lo(w.x), k[1] = at_hi(w.x), k[2] = at_lo(w.y), k[3] = at_hi(w.y);
-    k[4] = at_lo(w.z), k[5] = at_hi(w.z), k[6] = at_lo(w.w), k[7] = at_hi(w.w);
-}
-
 /* a += q[i]·k[i] for i = 0..7 in order, product and sum each rounded: the CPU's `a += q * k` built
  * with -ffp-contract=off, continued over eight more elements of the same chain. */
 __device__ __forceinline__ float at_dot8(float a, float4 q0, float4 q1, const float k[8]) {
@@ -164,7 +159,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll 2
                 for (int d = 0; d < n; d += 8) {
                     float k[8];
-                    at_unpack8(*reinterpret_cast<const uint4 *>(kr + d), k);
+                    unpack8(*reinterpret_cast<const uint4 *>(kr + d), k);
                     da = at_dot8(da, *reinterpret_cast<const float4 *>(qa + d),
                                  *reinterpret_cast<const float4 *>(qa + d + 4), k);
                     db = at_dot8(db, *reinterpret_cast<const float4 *>(qb + d),
@@ -174,7 +169,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll 2
                 for (int d = 0; d < n; d += 8) {
                     float k[8];
-                    at_unpack8(*reinterpret_cast<const uint4 *>(kr + d), k);
+                    unpack8(*reinterpret_cast<const uint4 *>(kr + d), k);
                     da = at_dot8(da, *reinterpret_cast<const float4 *>(qa + d),
                                  *reinterpret_cast<const float4 *>(qa + d + 4), k);
                 }
@@ -566,7 +561,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll 2
                 for (int c = 0; c < dp; c += 8) {
                     float k[8];
-                    at_unpack8(*reinterpret_cast<const uint4 *>(kr + c), k);
+                    unpack8(*reinterpret_cast<const uint4 *>(kr + c), k);
                     da = at_dot8(da, *reinterpret_cast<const float4 *>(qa + c),
                                  *reinterpret_cast<const float4 *>(qa + c + 4), k);
                     db = at_dot8(db, *reinterpret_cast<const float4 *>(qb + c),
@@ -577,7 +572,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll 2
                 for (int c = 0; c < dp; c += 8) {
                     float k[8];
-                    at_unpack8(*reinterpret_cast<const uint4 *>(kr + c), k);
+                    unpack8(*reinterpret_cast<const uint4 *>(kr + c), k);
                     da = at_dot8(da, *reinterpret_cast<const float4 *>(qa + c),
                                  *reinterpret_cast<const float4 *>(qa + c + 4), k);
                 }

@@ -488,7 +488,7 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
     const int64_t nseg = (k + BE_DOT_SEG - 1) / BE_DOT_SEG, nsg = (nseg + DF_WARPS - 1) / DF_WARPS;
     const bool part_tile = T >= DTP_MIN_T && T <= DT_MIN_T && nseg > 0 && G * nseg <= 65535 && (n + 63) / 64 <= 65535;
     const bool segsum = T > 1 && T < DTP_MIN_T && nseg > 0 && G * nsg <= 65535 && (n + 31) / 32 <= 65535;
-    const bool tiled = (T > DT_MIN_T || (T > 1 && !segsum && !part_tile)) && (T + 31) / 32 <= 0x7fffffff;
+    const bool tiled = T > 1 && !segsum && !part_tile && (T + 31) / 32 <= 0x7fffffff;
     /* one row dense_seg_kernel (k % 8 == 0), 2..31 dense_segsum_kernel + dense_fold_kernel, 32..256
      * dense_tile_kernel by segment + dense_fold_kernel, more dense_tile_kernel */
     const bool aligned = fmt == WF_BF16 && ((uintptr_t)w % 16) == 0 && ((uintptr_t)x % 16) == 0 && ldw % 8 == 0 &&

@@ -993,12 +993,11 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
             else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else if (fmt == WF_FP8) {
-            if (form == 1) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (form == 2) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (form == 4) launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (T <= MMA_MT1_T) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (T <= MMA_MT2_T) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            /* m16 tiles a CTA: the forced form, else by T (up to 8 rows the split kernel) */
+            const int mt = form ? form : T <= MMA_MT1_T ? 1 : T <= MMA_MT2_T ? 2 : 4;
+            if (!form && T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (mt == 1) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (mt == 2) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else {
             if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
