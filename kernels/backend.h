@@ -257,11 +257,13 @@ struct backend_ops {
                         const struct qweight *w3, const struct qweight *w2, float limit);
     /* The reference's MoE output: out[t,:] = bf16(acc + sh[t,:]) (sh bf16 widened; NULL: bf16(acc)),
      * acc the fp32 expert sum from +0, += y_e in ascending expert id e over the token's slots. y
-     * [P, T, k, D] bf16 holds P parts (one per TP rank after a gather); expert e's output is in part
-     * e / per_part. Slots whose part is >= P are skipped. One op, so a decode step has no fp32 [T, D]
-     * sum to zero, write and read back between the expert sum and the shared expert's add. */
+     * [P, T, k, D] bf16 holds P parts (one per TP rank after an exchange); expert e's output is in
+     * part e / per_part. Slots whose part is >= P are skipped. out [T, D] bf16; sh rows ld_sh
+     * elements apart (>= D), so a TP rank that combines a block of D columns reads them in place.
+     * One op, so a decode step has no fp32 [T, D] sum to zero, write and read back between the
+     * expert sum and the shared expert's add. */
     void (*moe_combine)(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
-                        int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
+                        int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
     /* Shared expert, same SwiGLU without routing weight: y[T,D] bf16 = bf16(bf16(h)·w2ᵀ) (FP8). */
     void (*shared_expert)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);

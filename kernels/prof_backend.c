@@ -263,9 +263,9 @@ static void prof_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, con
     PR(be)->inner->ops->moe_experts(PR(be)->inner, y, x, idx, wts, T, k, e0, n_local, w1, w3, w2, limit);
     prof_end(be, PROF_MOE_EXPERTS, t0);
 }
-static void prof_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+static void prof_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh, int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->moe_combine(PR(be)->inner, out, y, idx, sh, T, k, D, per_part, P);
+    PR(be)->inner->ops->moe_combine(PR(be)->inner, out, y, idx, sh, ld_sh, T, k, D, per_part, P);
     prof_end(be, PROF_MOE_COMBINE, t0);
 }
 static void prof_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {

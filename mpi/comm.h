@@ -21,6 +21,9 @@ struct comm_ops {
     const char *name;
     /* recv[r * bytes .. (r+1) * bytes) = send of rank r. */
     void (*allgather)(struct comm *c, const void *send, void *recv, size_t bytes, const char *what);
+    /* recv[r * bytes .. (r+1) * bytes) = block `rank` of rank r's send (send[r * bytes ..) goes to
+     * rank r): the transpose of [size][size] blocks over the ranks. send and recv do not overlap. */
+    void (*alltoall)(struct comm *c, const void *send, void *recv, size_t bytes, const char *what);
     /* Element-wise sum over ranks, in place. F32 and BF16 are summed in fp32 in rank order
      * (r = 0, 1, ...) and rounded once (BF16); integer types exactly. */
     void (*allreduce_sum)(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what);

@@ -235,6 +235,48 @@ static void mpi_allgather(struct comm *c, const void *send, void *recv, size_t b
     be->ops->upload(be, recv, h, all);
 }
 
+/* Piece [off, off + k) of every rank's block of send and recv: one element of k bytes whose extent
+ * is the whole block, so the piece for rank r lies at off + r * bytes on both sides. */
+static void alltoall_op(struct comm *c, const struct comm_op *o, const void *send, void *recv, size_t bytes) {
+    MPI_Comm mc = priv_of(c)->comm;
+    if (bytes == 0) return;
+    if (bytes <= g_max_msg) {
+        MPI_Request req;
+        CHECK_MPI(MPI_Ialltoall(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, mc, &req));
+        op_wait(o, &req, NULL);
+        return;
+    }
+    for (size_t off = 0; off < bytes; off += g_max_msg) {
+        size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
+        MPI_Datatype piece, strided;
+        CHECK_MPI(MPI_Type_contiguous((int)k, MPI_BYTE, &piece));
+        CHECK_MPI(MPI_Type_create_resized(piece, 0, (MPI_Aint)bytes, &strided));
+        CHECK_MPI(MPI_Type_commit(&strided));
+        MPI_Request req;
+        CHECK_MPI(MPI_Ialltoall((const char *)send + off, 1, strided, (char *)recv + off, 1, strided, mc, &req));
+        op_wait(o, &req, NULL);
+        CHECK_MPI(MPI_Type_free(&strided));
+        CHECK_MPI(MPI_Type_free(&piece));
+    }
+}
+
+static void mpi_alltoall(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "alltoall (%zu bytes per rank pair)", bytes);
+    struct mpi_priv *p = priv_of(c);
+    if (!p->stage_be || bytes == 0) {
+        alltoall_op(c, &o, send, recv, bytes);
+        return;
+    }
+    /* Staged: both halves in the comm's one host copy (send blocks, then the received ones). */
+    struct backend *be = p->stage_be;
+    size_t all = bytes * (size_t)c->size;
+    char *hs = stage_host(p, 2 * all), *hr = hs + all;
+    be->ops->download(be, hs, send, all);
+    alltoall_op(c, &o, hs, hr, bytes);
+    be->ops->upload(be, recv, hr, all);
+}
+
 static size_t dtype_size(enum comm_dtype dt) {
     switch (dt) {
     case COMM_F32: return 4;
@@ -472,6 +514,7 @@ static void mpi_free(struct comm *c) {
 static const struct comm_ops mpi_ops = {
     .name = "mpi",
     .allgather = mpi_allgather,
+    .alltoall = mpi_alltoall,
     .allreduce_sum = mpi_allreduce_sum,
     .bcast = mpi_bcast,
     .send = mpi_send,

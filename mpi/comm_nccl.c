@@ -671,6 +671,25 @@ static void nccl_allgather(struct comm *c, const void *send, void *recv, size_t 
     op_wait(p, &o, NULL);
 }
 
+/* One group of a send and a receive per peer (itself included), NCCL's all-to-all pattern: the
+ * pairs progress together, so no order of peers can deadlock. */
+static void nccl_alltoall(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
+    struct nccl_priv *p = priv_of(c);
+    struct comm_op o;
+    comm_op_begin(&o, priv_of(c)->name, what, "alltoall (%zu bytes per rank pair)", bytes);
+    if (bytes == 0) return;
+    require_device(p, &o, send, bytes * (size_t)c->size, "send");
+    require_device(p, &o, recv, bytes * (size_t)c->size, "recv");
+    flush_pending(p);
+    CHECK_NCCL(ncclGroupStart());
+    for (int r = 0; r < c->size; r++) {
+        CHECK_NCCL(ncclSend((const char *)send + (size_t)r * bytes, bytes, ncclUint8, r, p->nc, p->stream));
+        CHECK_NCCL(ncclRecv((char *)recv + (size_t)r * bytes, bytes, ncclUint8, r, p->nc, p->stream));
+    }
+    CHECK_NCCL(ncclGroupEnd());
+    op_wait(p, &o, NULL);
+}
+
 static void nccl_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
     struct nccl_priv *p = priv_of(c);
     struct comm_op o;
@@ -801,6 +820,7 @@ static void nccl_free(struct comm *c) {
 static const struct comm_ops nccl_ops = {
     .name = "nccl",
     .allgather = nccl_allgather,
+    .alltoall = nccl_alltoall,
     .allreduce_sum = nccl_allreduce_sum,
     .bcast = nccl_bcast,
     .send = nccl_send,

@@ -106,7 +106,8 @@ int cmd_verify(int argc, char **argv) {
         else if (!strcmp(argv[i], "--help")) {
             printf("usage: dsbatch verify --golden DIR   (DIR = a fixture folder: model + promptK.safetensors)\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears] [--eager]\n"
-                   "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog S]   (under mpirun)\n");
+                   "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog S] [--moe-exchange auto|gather|owner]\n"
+                   "       (the last line: under mpirun)\n");
             return 0;
         } else
             ds_die("verify: unknown option '%s'", argv[i]);

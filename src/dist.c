@@ -175,6 +175,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     eo.max_seqs = o->max_seqs > 0 ? o->max_seqs : 1;
     eo.stale_index_keys = stale;
     eo.graphs = !f->eager;
+    eo.moe_exchange = f->moe_exchange;
     eo.window_layout = f->layout;
     eo.tp = t->tp > 1 ? d->tp_dev : NULL;
     d->m = model_new(c, &d->lm.w, &d->be, d->lm.have_token_map ? &d->lm.ec : NULL, &eo);

@@ -28,6 +28,18 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
         f->eager = true;
         return 1;
     }
+    if (!strcmp(argv[*i], "--moe-exchange") && *i + 1 < argc) {
+        const char *v = argv[++*i];
+        if (!strcmp(v, "auto"))
+            f->moe_exchange = MOE_EXCHANGE_AUTO;
+        else if (!strcmp(v, "gather"))
+            f->moe_exchange = MOE_EXCHANGE_GATHER;
+        else if (!strcmp(v, "owner"))
+            f->moe_exchange = MOE_EXCHANGE_OWNER;
+        else
+            ds_die("--moe-exchange: '%s' is not one of auto, gather, owner", v);
+        return 1;
+    }
     if (!strcmp(argv[*i], "--backend") && *i + 1 < argc) {
         const char *v = argv[++*i];
         if (!strcmp(v, "cpu"))
@@ -92,6 +104,7 @@ struct model *engine_open(struct loaded_model *lm, struct backend *be, const cha
     eo.stale_index_keys = !f->no_stale_keys;
     eo.window_layout = f->layout;
     eo.graphs = !f->eager;
+    eo.moe_exchange = f->moe_exchange;
     return model_new(&lm->cfg, &lm->w, be, lm->have_token_map ? &lm->ec : NULL, &eo);
 }
 

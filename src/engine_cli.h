@@ -1,5 +1,5 @@
 /* What every engine-running command shares: the engine switches on the command line
- * (--no-stale-index-keys, --window-layout, --backend, --exact-linears, --eager) and opening a model folder into a ready engine on the
+ * (--no-stale-index-keys, --window-layout, --backend, --exact-linears, --eager, --moe-exchange) and opening a model folder into a ready engine on the
  * CPU backend, so generate, score, replay and verify parse and build the engine one way. */
 #ifndef DS_ENGINE_CLI_H
 #define DS_ENGINE_CLI_H
@@ -21,6 +21,7 @@ struct engine_flags {
     enum engine_backend backend; /* --backend cpu|cuda */
     bool exact_linears;          /* --exact-linears: FP8/FP4 linears and sparse attention in the CPU backend's order on the GPU */
     bool eager;                  /* --eager: every op launched by the host, no graph segments (same bits) */
+    enum moe_exchange moe_exchange; /* --moe-exchange auto|gather|owner: the experts' TP exchange (same bits) */
 };
 
 /* "cpu" / "cuda", for logs and the configuration echoed into output files. */

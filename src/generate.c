@@ -259,7 +259,7 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
                    "        --chat: DeepSeek-V4.1 chat format, --think EFFORT (1-100): its thinking mode)\n"
                    "       [--no-stale-index-keys] [--window-layout reference|decode] [--backend cpu|cuda] [--exact-linears] [--eager]\n"
                    "       [--tp N] [--pp N] [--pp-layers A,B,..] [--watchdog SECONDS] [--engram service|per-rank]\n"
-                   "       (the last line: under mpirun)\n",
+                   "       [--moe-exchange auto|gather|owner]   (the last two lines: under mpirun)\n",
                    score ? "score" : "generate");
             exit(0);
         } else

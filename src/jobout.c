@@ -82,7 +82,7 @@ static const struct {
 } not_in_fingerprint[] = {
     {"--resume", false}, {"--quiet", false},    {"--watchdog", true}, {"--trace", true},
     {"--out", true},     {"--zstd-level", true}, {"--tp", true},       {"--pp", true},
-    {"--pp-layers", true}, {"--engram", true}, {"--eager", false},
+    {"--pp-layers", true}, {"--engram", true}, {"--eager", false}, {"--moe-exchange", true},
 };
 
 /* argv without the listed options (all of them, or only --resume). */

@@ -183,6 +183,9 @@ struct model *model_new(const struct model_config *cfg, struct model_weights *w,
     m->ec = ec;
     m->opt = *opt;
     m->tp_size = opt->tp ? opt->tp->size : 1;
+    if (opt->moe_exchange == MOE_EXCHANGE_OWNER && m->tp_size > 1 && cfg->dim % m->tp_size)
+        ds_die("--moe-exchange owner: the model's dim %lld does not split into %d equal column blocks (TP size)",
+               (long long)cfg->dim, m->tp_size);
     int total = config_total_layers(cfg);
     int64_t hd = cfg->head_dim, D = cfg->dim, hc = cfg->hc_mult, W = cfg->window, S = opt->max_seqs;
     float *fr = ds_malloc(sizeof(float) * (size_t)cfg->rope_dim);
@@ -591,14 +594,22 @@ static void moe_routed(struct model *m, int l, struct batch *b, const bf16_t *x,
                      (float)c->swiglu_limit);
 }
 
-/* MoE, second part: every rank's slot outputs (all [P, T, k, D], P = TP size, gathered) summed per
- * token in ascending expert id into fp32 (the single-rank order), plus the shared expert's sh,
- * bf16 -> out. */
+/* MoE, second part: every rank's slot outputs of D columns (all [P, T, k, D], P = TP size) summed
+ * per token in ascending expert id into fp32 (the single-rank order), plus the shared expert's sh
+ * (rows ld_sh apart), bf16 -> out [T, D]. */
 static void moe_finish(struct model *m, int l, struct batch *b, const int32_t *idx, const bf16_t *all,
-                       const bf16_t *sh, bf16_t *out) {
+                       const bf16_t *sh, int64_t ld_sh, int64_t D, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
-    OPS->moe_combine(m->be, out, all, idx, sh, b->T, c->role[l].n_active, c->dim, fw->n_local, m->tp_size);
+    OPS->moe_combine(m->be, out, all, idx, sh, ld_sh, b->T, c->role[l].n_active, D, fw->n_local, m->tp_size);
+}
+
+/* Whether this step's experts cross the TP group by column owner (enum moe_exchange). */
+static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
+    int64_t P = m->tp_size, D = m->cfg->dim;
+    if (P == 1 || D % P) return false;
+    if (m->opt.moe_exchange != MOE_EXCHANGE_AUTO) return m->opt.moe_exchange == MOE_EXCHANGE_OWNER;
+    return (size_t)((P - 1) * T * k * D) * 2 >= MOE_OWNER_MIN_BYTES;
 }
 
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
@@ -645,17 +656,28 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     int rc = attention_forward(m, l, b, y, qr, q, o, hooks);
     if (rc == 0) {
         /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards.
-         * The experts are split by id over the TP group: each rank's slot outputs are gathered
-         * between the two segments (with one rank there is nothing between them: one segment). */
+         * The experts are split by id over the TP group: each rank's slot outputs cross the group
+         * between segments (with one rank there is nothing between them: one segment). By gather:
+         * every rank sums all of D from everyone's [T, k, D]. By owner (moe_by_owner): the slots
+         * are packed into np column blocks (snd [np, T, k, Dc]), an all-to-all hands rank r block
+         * r of every rank (into ye, free by then), rank r sums its Dc columns (oc [T, Dc]), and an
+         * all-gather (og [np, T, Dc]) and an interleave rebuild o [T, D]. */
+        const int64_t np = m->tp_size, Dc = D / np;
+        const bool one = np == 1, owner = moe_by_owner(m, T, k);
         int32_t *idx = model_fbuf(m, b, FB_MOE_IDX, sizeof(int32_t) * (size_t)(T * k), false);
         float *wts = model_fbuf(m, b, FB_MOE_WTS, sizeof(float) * (size_t)(T * k), false);
         /* slots of other ranks' experts are left untouched by moe_experts (and never read) */
-        bf16_t *ye = model_fbuf(m, b, FB_MOE_Y, (size_t)(T * k * D) * 2, true), *all = ye;
-        if (m->tp_size > 1) all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2 * (size_t)m->tp_size, false);
+        bf16_t *ye = model_fbuf(m, b, FB_MOE_Y, (size_t)(T * k * D) * 2, true), *all = ye, *oc = NULL, *og = NULL;
+        if (owner) {
+            all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2, false); /* snd */
+            oc = model_fbuf(m, b, FB_MOE_OC, (size_t)(T * Dc) * 2, false);
+            og = model_fbuf(m, b, FB_MOE_OG, (size_t)(T * D) * 2, false);
+        } else if (!one) {
+            all = model_fbuf(m, b, FB_MOE_ALL, (size_t)(T * k * D) * 2 * (size_t)np, false);
+        }
         bf16_t *sh = model_fbuf(m, b, FB_MOE_SH, (size_t)(T * D) * 2, false);
-        bool one = m->tp_size == 1;
         struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
-        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh};
+        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh, oc, og};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
@@ -670,23 +692,37 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             model_branch_end(m);
             moe_routed(m, l, b, y, idx, wts, ye);
             model_branch_join(m);
+            if (owner) OPS->interleave(m->be, all, ye, T * k, np, (size_t)Dc * 2);
         }
-        if (!one) {
+        struct comm *tp = m->opt.tp;
+        if (owner) {
             if (issue) model_graph_end(m);
-            m->opt.tp->ops->allgather(m->opt.tp, ye, all, (size_t)(T * k * D) * 2, "moe experts");
+            tp->ops->alltoall(tp, all, ye, (size_t)(T * k * Dc) * 2, "moe experts (column blocks)");
+            kf.w[0] = GSEG_FFN_MID;
+            if (model_graph_begin(m, b, &kf)) {
+                moe_finish(m, l, b, idx, ye, sh + tp->rank * Dc, D, Dc, oc);
+                model_graph_end(m);
+            }
+            tp->ops->allgather(tp, oc, og, (size_t)(T * Dc) * 2, "moe output (column blocks)");
             kf.w[0] = GSEG_FFN_OUT;
             issue = model_graph_begin(m, b, &kf);
+            if (issue) OPS->interleave(m->be, o, og, np, T, (size_t)Dc * 2);
+        } else if (!one) {
+            if (issue) model_graph_end(m);
+            tp->ops->allgather(tp, ye, all, (size_t)(T * k * D) * 2, "moe experts");
+            kf.w[0] = GSEG_FFN_OUT;
+            issue = model_graph_begin(m, b, &kf);
+            if (issue) moe_finish(m, l, b, idx, all, sh, D, D, o);
+        } else if (issue) {
+            moe_finish(m, l, b, idx, all, sh, D, D, o);
         }
         if (issue) {
-            moe_finish(m, l, b, idx, all, sh, o);
             OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
             model_graph_end(m);
         }
-        if (all != ye) model_fbuf_free(m, b, all);
-        model_fbuf_free(m, b, ye);
-        model_fbuf_free(m, b, sh);
-        model_fbuf_free(m, b, idx);
-        model_fbuf_free(m, b, wts);
+        void *mb[] = {all != ye ? all : NULL, ye, sh, idx, wts, oc, og};
+        for (size_t i = 0; i < sizeof mb / sizeof *mb; i++)
+            if (mb[i]) model_fbuf_free(m, b, mb[i]);
     }
     void *bufs[] = {apre, post, comb, y, o, qr, q};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) model_fbuf_free(m, b, bufs[i]);

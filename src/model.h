@@ -26,6 +26,29 @@ enum window_layout {
     WINDOW_LAYOUT_DECODE,
 };
 
+/* How the routed experts' per-slot outputs [T, k, D] cross the TP group (each rank computes the
+ * slots of its own experts). Both keep the single-rank sum, in ascending expert id per token, so
+ * both give the same bits. */
+enum moe_exchange {
+    /* OWNER when the gather would receive at least MOE_OWNER_MIN_BYTES a rank and D splits evenly
+     * over the ranks, else GATHER */
+    MOE_EXCHANGE_AUTO = 0,
+    /* every rank gathers every rank's [T, k, D] and sums all of D: (P - 1) T k D bf16 received a
+     * rank, one collective */
+    MOE_EXCHANGE_GATHER,
+    /* rank r owns columns [r D/P, (r+1) D/P): an all-to-all hands it every rank's slots of those
+     * columns, it sums them, and an all-gather of the [T, D/P] sums rebuilds [T, D]: (P - 1)/P
+     * (k + 1) T D bf16 received a rank (6.9x less at TP8, k = 6), two collectives */
+    MOE_EXCHANGE_OWNER,
+};
+
+/* AUTO's switch point. The owner exchange costs one more collective's fixed latency (an NCCL
+ * collective between NVLink GPUs: ~10 µs) and saves (P - 1) T k D - (P - 1)/P (k + 1) T D bf16;
+ * at ~400 GB/s of all-gather bandwidth the saving pays for the latency from ~4 MB gathered, at
+ * V4.1-Flash's TP8 dimensions from 10 rows a step. An estimate until the 8-GPU run (issue #7)
+ * measures both forms (bench_nccl --ops moe); --moe-exchange gather|owner chooses by hand. */
+#define MOE_OWNER_MIN_BYTES ((size_t)4 << 20)
+
 /* Decode steps (every sequence one row) of at most this many rows run their segments as graphs
  * (engine_opts.graphs); prefill chunks and mixed batches, whose row counts seldom repeat, run
  * eagerly. */
@@ -45,6 +68,7 @@ struct engine_opts {
      * sequence one row) of up to MODEL_GRAPH_ROWS_MAX rows: recorded once per layer and batch
      * size, replayed with one launch each. Same bits as without (--eager turns it off). */
     bool graphs;
+    enum moe_exchange moe_exchange; /* --moe-exchange auto|gather|owner (same bits) */
 };
 
 struct engine_opts engine_opts_default(const struct model_config *cfg);

@@ -14,6 +14,7 @@ enum fbuf_id {
     FB_QR, FB_Q,                            /* attention's low-rank query and heads */
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
     FB_MOE_SH,                              /* the shared expert's output */
+    FB_MOE_OC, FB_MOE_OG,                   /* the owner exchange's column-block sums, gathered */
     FB_N
 };
 struct fbuf {
@@ -95,7 +96,7 @@ void model_fbuf_free(struct model *m, const struct batch *b, void *p);
  * later on the same backend, whose buffers may take a freed model's addresses, has other
  * weights), then every buffer address its ops touch that the layer's weights do not fix (the
  * caller's promise of backend.h's graph_begin). */
-enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN };
+enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID };
 #define GRAPH_KEY_MAX 24
 struct graph_key {
     uint64_t w[GRAPH_KEY_MAX];

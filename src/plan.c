@@ -153,7 +153,11 @@ static uint64_t workspace_rows(const struct model_config *c, int b, int e, bool 
             attn += (uint64_t)(T * ih * id * 2 + T * ih * 2 + T * nk * 4 * 2 + T * kc * 4 +
                                (r->is_candidate_source ? T * nk : 0));
         int64_t k = r->n_active;
-        uint64_t moe = (uint64_t)(T * k * 8 + T * D * 6 + T * k * D * 2 * (1 + (tp > 1 ? tp : 0)));
+        /* slots [T, k, D] bf16, and across TP either the gather of tp of them or the owner
+         * exchange's packed copy plus its [T, D / tp] sums and their [T, D] gather (model.c) */
+        uint64_t slots = (uint64_t)(T * k * D * 2), xchg = 0;
+        if (tp > 1) xchg = u64max((uint64_t)tp * slots, slots + (uint64_t)(T * (D / tp) * 2 + T * D * 2));
+        uint64_t moe = (uint64_t)(T * k * 8 + T * D * 6) + slots + xchg;
         /* the shared expert's linears, or the routed experts' tensor-core passes (moe_mma.h) */
         moe += u64max(u64max(lin_tmp(T, c->moe_inter_dim, D), lin_tmp(T, D, c->moe_inter_dim)),
                       (uint64_t)moe_mma_workspace_max(T, k, (r->n_experts + tp - 1) / tp, D, c->moe_inter_dim, D));

@@ -141,9 +141,10 @@ void cpu_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const in
 }
 
 void cpu_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
-                        int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+                        int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     enum { MAX_K = 64 };
     if (k > MAX_K) ds_die("cpu moe_combine: top-%lld exceeds %d", (long long)k, MAX_K);
+    if (sh && ld_sh < D) ds_die("cpu moe_combine: shared rows %lld apart, narrower than %lld", (long long)ld_sh, (long long)D);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const int32_t *it = idx + t * k;
@@ -162,7 +163,7 @@ void cpu_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const 
         for (int64_t d = 0; d < D; d++) {
             float a = 0.0f;
             for (int64_t r = 0; r < nr; r++) a += bf16_to_f32(rows[r][d]);
-            out[t * D + d] = bf16_from_f32(sh ? a + bf16_to_f32(sh[t * D + d]) : a);
+            out[t * D + d] = bf16_from_f32(sh ? a + bf16_to_f32(sh[t * ld_sh + d]) : a);
         }
     }
 }

@@ -109,7 +109,7 @@ void cuda_op_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, const i
                          int64_t T, int64_t k, int64_t e0, int64_t n_local, const struct qweight *w1,
                          const struct qweight *w3, const struct qweight *w2, float limit);
 void cuda_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
-                         int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
+                         int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
 void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                            const struct qweight *w3, const struct qweight *w2, float limit);
 

@@ -742,14 +742,14 @@ __device__ __forceinline__ void combine_order_cta(const int32_t *it, int k, int6
 /* out[t, :] = bf16(acc + sh[t, :]), acc = +0 then += y_e in ascending expert id over the token's
  * slots (ties: lower slot, as the CPU's selection), parts past P skipped. Grid: x over D in
  * 256-wide pieces, y over tokens (strided); thread 0 orders the slots once per token. y [P, T, k, D]
- * bf16, sh [T, D] bf16 or NULL, out [T, D] bf16. The shared expert's add is this kernel's epilogue:
+ * bf16, sh [T, ld_sh] bf16 (its first D columns) or NULL, out [T, D] bf16. The shared expert's add is this kernel's epilogue:
  * as its own op (an fp32 [T, D] sum zero-filled, written, then read by an add kernel) it was two more
  * launches a layer on the FFN's critical path (~2.2 µs each, and the memset, at batch 1). Tried and
  * not kept: eight slots' loads issued before their in-order adds (H200, Nsight at batch 1: 6.61 ->
  * 6.81 µs a call). */
 __global__ void moe_combine_kernel(uint16_t *__restrict__ out, const uint16_t *__restrict__ y,
-                                   const int32_t *__restrict__ idx, const uint16_t *__restrict__ sh, int64_t T, int k,
-                                   int64_t D, int64_t per_part, int64_t P) {
+                                   const int32_t *__restrict__ idx, const uint16_t *__restrict__ sh, int64_t ld_sh,
+                                   int64_t T, int k, int64_t D, int64_t per_part, int64_t P) {
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -761,7 +761,7 @@ __global__ void moe_combine_kernel(uint16_t *__restrict__ out, const uint16_t *_
                 if (part >= P) continue;
                 a = __fadd_rn(a, ds_bf16f(y[((part * T + t) * k + order[r]) * D + d]));
             }
-            if (sh) a = __fadd_rn(a, ds_bf16f(sh[t * D + d]));
+            if (sh) a = __fadd_rn(a, ds_bf16f(sh[t * ld_sh + d]));
             out[t * D + d] = ds_bf16_rne(a);
         }
     }
@@ -773,7 +773,8 @@ __global__ void moe_combine_kernel(uint16_t *__restrict__ out, const uint16_t *_
  * still wants, for the CTAs). */
 __global__ void __launch_bounds__(256)
     moe_combine8_kernel(uint16_t *__restrict__ out, const uint16_t *__restrict__ y, const int32_t *__restrict__ idx,
-                        const uint16_t *__restrict__ sh, int64_t T, int k, int64_t D, int64_t per_part, int64_t P) {
+                        const uint16_t *__restrict__ sh, int64_t ld_sh, int64_t T, int k, int64_t D, int64_t per_part,
+                        int64_t P) {
     __shared__ int order[RT_MAX_K];
     __shared__ int64_t part_of[RT_MAX_K];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
@@ -791,27 +792,28 @@ __global__ void __launch_bounds__(256)
                 if (part >= P) continue;
                 add8(y + ((part * T + t) * k + order[r]) * D + d);
             }
-            if (sh) add8(sh + t * D + d);
+            if (sh) add8(sh + t * ld_sh + d);
             *reinterpret_cast<uint4 *>(out + t * D + d) = pack8(a);
         }
     }
 }
 
 void cuda_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
-                         int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+                         int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     if (T <= 0 || D <= 0) return;
     if (k > RT_MAX_K) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_combine", "top-k exceeds 64");
-    if (T >= 32 && D % 8 == 0 && ((uintptr_t)out & 15) == 0 && ((uintptr_t)y & 15) == 0 &&
+    if (sh && ld_sh < D) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda moe_combine", "shared rows narrower than D");
+    if (T >= 32 && D % 8 == 0 && (!sh || ld_sh % 8 == 0) && ((uintptr_t)out & 15) == 0 && ((uintptr_t)y & 15) == 0 &&
         ((uintptr_t)sh & 15) == 0) { /* few rows: more CTAs per row */
         moe_combine8_kernel<<<(unsigned)(T < 65535 ? T : 65535), 256, 0, cuda_be_stream(be)>>>(
-            (uint16_t *)out, (const uint16_t *)y, idx, (const uint16_t *)sh, T, (int)k, D, per_part, P);
+            (uint16_t *)out, (const uint16_t *)y, idx, (const uint16_t *)sh, ld_sh, T, (int)k, D, per_part, P);
         KERNEL_CHECK();
         return;
     }
     int64_t gx = (D + 255) / 256;
     dim3 grid((unsigned)(gx < 65535 ? gx : 65535), (unsigned)(T < 65535 ? T : 65535));
     moe_combine_kernel<<<grid, 256, 0, cuda_be_stream(be)>>>((uint16_t *)out, (const uint16_t *)y, idx,
-                                                            (const uint16_t *)sh, T, (int)k, D, per_part, P);
+                                                            (const uint16_t *)sh, ld_sh, T, (int)k, D, per_part, P);
     KERNEL_CHECK();
 }
 

@@ -1,6 +1,7 @@
-/* TP collective benchmark (issue #7): latency and bus bandwidth of the comm table's allgather and
- * allreduce_sum (mpi/comm.h: the very calls the model makes for its TP collectives) at the model's
- * message sizes, in the style of nccl-tests. Run under mpirun with one rank per GPU:
+/* TP collective benchmark (issue #7): latency and bus bandwidth of the comm table's allgather,
+ * alltoall and allreduce_sum (mpi/comm.h: the very calls the model makes for its TP collectives) at
+ * the model's message sizes, in the style of nccl-tests, and the two forms of the routed experts'
+ * exchange side by side (--moe). Run under mpirun with one rank per GPU:
  *
  *   env NCCL_NVLS_ENABLE=0 mpirun -np 8 -x NCCL_NVLS_ENABLE=0 build/bench/bench_nccl [options]
  *
@@ -18,7 +19,14 @@
  *                   10KiB,32KiB,128KiB,512KiB,1MiB,2.6MB. A size is the argument the model passes:
  *                   allgather's bytes per rank, allreduce_sum's buffer bytes (rounded up to a whole
  *                   element of --dtype).
- *   --ops LIST      allgather,allreduce (default both)
+ *   --ops LIST      allgather,alltoall,allreduce (default allgather,allreduce); alltoall's size is
+ *                   the bytes per rank pair
+ *   --moe ROWS      also time the experts' TP exchange (model.c, enum moe_exchange) at these step
+ *                   row counts T (comma-separated): "moe_gather" = one allgather of the slots
+ *                   [T, k, D] bf16; "moe_owner" = an alltoall of their D/n column blocks, then an
+ *                   allgather of the [T, D/n] sums (the collectives only: the pack, combine and
+ *                   interleave kernels are not in the time). total_B is what one rank receives.
+ *   --moe-shape D,k the slots' width and count (default 5120,6: V4.1-Flash)
  *   --dtype T       allreduce dtype: bf16 (default, the model's) or f32
  *   --iters N       timed iterations per size (default 50); --warmup N untimed ones first (10)
  *   --csv PATH      append one row per (comm, op, size); the header is written when PATH is empty
@@ -109,7 +117,10 @@ static size_t parse_size(const char *s) {
 struct args {
     size_t sizes[MAX_SIZES];
     int n_sizes;
-    bool do_gather, do_reduce;
+    bool do_gather, do_reduce, do_alltoall;
+    int64_t moe_rows[MAX_SIZES];
+    int n_moe;
+    int64_t moe_D, moe_k;
     enum comm_dtype dt;
     int iters, warmup;
     const char *csv, *label;
@@ -121,7 +132,7 @@ struct args {
 static const char *parse_args(int argc, char **argv, struct args *a) {
     static char err[512];
     *a = (struct args){.do_gather = true, .do_reduce = true, .dt = COMM_BF16, .iters = 50, .warmup = 10,
-                       .label = "", .watchdog = 120};
+                       .label = "", .watchdog = 120, .moe_D = 5120, .moe_k = 6};
     const char *sizes = "10KiB,32KiB,128KiB,512KiB,1MiB,2.6MB";
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -151,10 +162,32 @@ static const char *parse_args(int argc, char **argv, struct args *a) {
             } else if (!strcmp(o, "--ops")) {
                 a->do_gather = strstr(v, "allgather") != NULL;
                 a->do_reduce = strstr(v, "allreduce") != NULL;
-                if (!a->do_gather && !a->do_reduce) {
-                    snprintf(err, sizeof err, "--ops: '%s' names neither allgather nor allreduce", v);
+                a->do_alltoall = strstr(v, "alltoall") != NULL;
+                if (!a->do_gather && !a->do_reduce && !a->do_alltoall) {
+                    snprintf(err, sizeof err, "--ops: '%s' names none of allgather, alltoall, allreduce", v);
                     return err;
                 }
+            } else if (!strcmp(o, "--moe")) {
+                char *list = ds_strdup(v), *save = NULL;
+                for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+                    long long r = atoll(tok);
+                    if (r < 1 || a->n_moe == MAX_SIZES) {
+                        snprintf(err, sizeof err, "--moe: '%s' is not a row count >= 1 (at most %d of them)", tok,
+                                 MAX_SIZES);
+                        free(list);
+                        return err;
+                    }
+                    a->moe_rows[a->n_moe++] = r;
+                }
+                free(list);
+            } else if (!strcmp(o, "--moe-shape")) {
+                long long d = 0, k = 0;
+                if (sscanf(v, "%lld,%lld", &d, &k) != 2 || d < 1 || k < 1) {
+                    snprintf(err, sizeof err, "--moe-shape: '%s' is not D,k (two positive integers)", v);
+                    return err;
+                }
+                a->moe_D = d;
+                a->moe_k = k;
             } else {
                 snprintf(err, sizeof err, "unknown option '%s' (see --help)", o);
                 return err;
@@ -184,11 +217,12 @@ static const char *parse_args(int argc, char **argv, struct args *a) {
 }
 
 static void usage(void) {
-    printf("usage: mpirun -np N bench_nccl [--sizes 10KiB,32KiB,...] [--ops allgather,allreduce] [--dtype bf16|f32]\n"
-           "       [--iters N] [--warmup N] [--csv PATH] [--label TEXT] [--mpi-staging] [--raw] [--share]\n"
-           "       [--watchdog S] [--cpu]\n"
-           "One rank per GPU (device = node-local rank); times the comm table's allgather and allreduce_sum on\n"
-           "the NCCL comm (and the MPI comm with device staging, and raw NCCL), nccl-tests style.\n"
+    printf("usage: mpirun -np N bench_nccl [--sizes 10KiB,32KiB,...] [--ops allgather,alltoall,allreduce]\n"
+           "       [--dtype bf16|f32] [--moe ROWS] [--moe-shape D,k] [--iters N] [--warmup N] [--csv PATH]\n"
+           "       [--label TEXT] [--mpi-staging] [--raw] [--share] [--watchdog S] [--cpu]\n"
+           "One rank per GPU (device = node-local rank); times the comm table's allgather, alltoall and\n"
+           "allreduce_sum on the NCCL comm (and the MPI comm with device staging, and raw NCCL), nccl-tests\n"
+           "style, and with --moe the experts' gather and owner exchanges at those step rows.\n"
            "Keep NCCL_NVLS_ENABLE=0 where NVLink multicast must stay off.\n");
 }
 
@@ -216,7 +250,8 @@ static int node_rank(void) {
     return r;
 }
 
-enum bench_op { OP_GATHER, OP_REDUCE };
+enum bench_op { OP_GATHER, OP_REDUCE, OP_ALLTOALL, OP_MOE_GATHER, OP_MOE_OWNER };
+static const char *const op_names[] = {"allgather", "allreduce_sum", "alltoall", "moe_gather", "moe_owner"};
 enum bench_comm { BC_NCCL, BC_STAGED, BC_RAW };
 static const char *const comm_names[] = {"nccl", "mpi-staged", "nccl-raw"};
 
@@ -242,11 +277,26 @@ static void check_nccl(ncclResult_t r, const char *what) {
 }
 
 /* One op of the chosen comm on the prepared buffers; blocking for the table's comms; the raw ops
- * only enqueue (the caller synchronizes). */
+ * only enqueue (the caller synchronizes). size: allgather's bytes per rank, allreduce's buffer,
+ * alltoall's bytes per rank pair; for the two MoE exchanges, the slots' bytes [T, k, D] (send and
+ * recv hold n times that, buf [T, D]). */
 static void run_op(struct bench *B, enum bench_comm bc, enum bench_op op, void *send, void *recv, void *buf,
                    size_t size) {
     enum comm_dtype dt = B->a->dt;
     size_t count = size / dt_size(dt);
+    if (op == OP_ALLTOALL || op == OP_MOE_GATHER || op == OP_MOE_OWNER) {
+        struct comm *c = bc == BC_NCCL ? B->nccl : B->staged;
+        if (op == OP_ALLTOALL) {
+            c->ops->alltoall(c, send, recv, size, "bench alltoall");
+        } else if (op == OP_MOE_GATHER) {
+            c->ops->allgather(c, send, recv, size, "bench moe gather");
+        } else {
+            size_t cols = size / (size_t)g_size / (size_t)B->a->moe_k; /* [T, D/n] bf16 */
+            c->ops->alltoall(c, send, recv, size / (size_t)g_size, "bench moe owner blocks");
+            c->ops->allgather(c, send, buf, cols, "bench moe owner sums");
+        }
+        return;
+    }
     if (bc == BC_RAW) {
         if (op == OP_GATHER)
             check_nccl(ncclAllGather(send, recv, size, ncclUint8, B->raw, B->stream), "ncclAllGather");
@@ -277,7 +327,25 @@ static bool check_once(struct bench *B, enum bench_comm bc, enum bench_op op, vo
                        size_t size) {
     struct backend *be = B->be;
     bool ok = true;
-    if (op == OP_GATHER) {
+    if (op == OP_MOE_GATHER || op == OP_MOE_OWNER) return true; /* their ops are checked on their own */
+    if (op == OP_ALLTOALL) { /* block d of rank s holds (s * 7 + d * 13 + i) & 0xff */
+        size_t all = size * (size_t)g_size;
+        uint8_t *h = ds_malloc(all);
+        for (int d = 0; d < g_size; d++)
+            for (size_t i = 0; i < size; i++) h[(size_t)d * size + i] = (uint8_t)(g_rank * 7 + d * 13 + (int)i);
+        be->ops->upload(be, send, h, all);
+        memset(h, 0xEE, all);
+        be->ops->upload(be, recv, h, all);
+        run_op(B, bc, op, send, recv, buf, size);
+        be->ops->download(be, h, recv, all);
+        for (int s = 0; s < g_size && ok; s++)
+            for (size_t i = 0; i < size; i++)
+                if (h[(size_t)s * size + i] != (uint8_t)(s * 7 + g_rank * 13 + (int)i)) {
+                    ok = false;
+                    break;
+                }
+        free(h);
+    } else if (op == OP_GATHER) {
         uint8_t *h = ds_malloc(size * (size_t)g_size);
         for (size_t i = 0; i < size; i++) h[i] = (uint8_t)(g_rank * 7 + (int)i);
         be->ops->upload(be, send, h, size);
@@ -319,12 +387,21 @@ static void bench_one(struct bench *B, enum bench_comm bc, enum bench_op op, siz
     struct backend *be = B->be;
     size_t esz = op == OP_REDUCE ? dt_size(a->dt) : 1;
     size_t size = (size_req + esz - 1) / esz * esz;
+    int64_t rows = 0;
+    if (op == OP_MOE_GATHER || op == OP_MOE_OWNER) { /* size_req is the step's rows */
+        rows = (int64_t)size_req;
+        size = (size_t)(rows * a->moe_k * a->moe_D) * 2;
+    }
     void *send = NULL, *recv = NULL, *buf = NULL;
     if (op == OP_GATHER) {
         send = be->ops->alloc(be, size);
         recv = be->ops->alloc(be, size * (size_t)g_size);
-    } else {
+    } else if (op == OP_REDUCE) {
         buf = be->ops->alloc(be, size);
+    } else { /* alltoall: n blocks each way; the MoE forms: the slots, n of them gathered, [T, D] */
+        send = be->ops->alloc(be, size * (op == OP_ALLTOALL ? (size_t)g_size : 1));
+        recv = be->ops->alloc(be, size * (size_t)g_size);
+        if (rows) buf = be->ops->alloc(be, (size_t)(rows * a->moe_D) * 2);
     }
     be->ops->sync(be);
     /* In-place allreduce repeated on the same buffer: the values grow (bf16 overflow to inf is
@@ -351,18 +428,31 @@ static void bench_one(struct bench *B, enum bench_comm bc, enum bench_op op, siz
 
     qsort(tmax, (size_t)n, sizeof *tmax, cmp_double);
     double med = pct(tmax, n, 0.5), lus = loop_max / n;
-    size_t total = op == OP_GATHER ? size * (size_t)g_size : size;
-    double factor = op == OP_GATHER ? (double)(g_size - 1) / g_size : 2.0 * (g_size - 1) / g_size;
+    /* total: nccl-tests' S (the gathered size, the reduced buffer, all of a rank's alltoall blocks);
+     * the MoE forms: the bytes one rank receives, which is also their busbw's numerator */
+    size_t total = op == OP_GATHER || op == OP_ALLTOALL ? size * (size_t)g_size : size;
+    double factor = op == OP_GATHER || op == OP_ALLTOALL ? (double)(g_size - 1) / g_size : 2.0 * (g_size - 1) / g_size;
+    if (op == OP_MOE_GATHER) total = size * (size_t)(g_size - 1), factor = 1;
+    if (op == OP_MOE_OWNER)
+        total = size / (size_t)g_size * (size_t)(g_size - 1) * (size_t)(a->moe_k + 1) / (size_t)a->moe_k, factor = 1;
     double algbw = (double)total / med / 1e9, busbw = algbw * factor, loop_busbw = (double)total / lus / 1e9 * factor;
-    const char *opname = op == OP_GATHER ? "allgather" : "allreduce_sum";
-    const char *dtname = op == OP_GATHER ? "u8" : a->dt == COMM_F32 ? "f32" : "bf16";
+    const char *opname = op_names[op];
+    const char *dtname = op == OP_REDUCE ? (a->dt == COMM_F32 ? "f32" : "bf16") : op >= OP_MOE_GATHER ? "bf16" : "u8";
+    char label[160];
+    if (rows)
+        snprintf(label, sizeof label, "%s%smoe T=%lld D=%lld k=%lld", a->label, a->label[0] ? " " : "", (long long)rows,
+                 (long long)a->moe_D, (long long)a->moe_k);
+    else
+        snprintf(label, sizeof label, "%s", a->label);
     if (g_rank == 0) {
-        printf("%-11s %-13s %10zu %11zu %10.1f %9.1f %9.1f %9.1f %9.1f %10.2f %10.2f  %s\n", comm_names[bc], opname, size,
-               total, med * 1e6, tmax[0] * 1e6, pct(tmax, n, 0.9) * 1e6, tmax[n - 1] * 1e6, lus * 1e6, algbw, busbw,
-               ok ? "ok" : "FAIL");
+        char tail[32] = "";
+        if (rows) snprintf(tail, sizeof tail, "  T=%lld", (long long)rows);
+        printf("%-11s %-13s %10zu %11zu %10.1f %9.1f %9.1f %9.1f %9.1f %10.2f %10.2f  %s%s\n", comm_names[bc], opname,
+               size, total, med * 1e6, tmax[0] * 1e6, pct(tmax, n, 0.9) * 1e6, tmax[n - 1] * 1e6, lus * 1e6, algbw,
+               busbw, ok ? "ok" : "FAIL", tail);
         fflush(stdout);
         if (B->csv) {
-            fprintf(B->csv, "\"%s\",%s,%s,%d,%d,%zu,%zu,%s,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.4f,%.4f,%.4f,%s,%s\n", a->label,
+            fprintf(B->csv, "\"%s\",%s,%s,%d,%d,%zu,%zu,%s,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.4f,%.4f,%.4f,%s,%s\n", label,
                     comm_names[bc], opname, g_size, B->gpus, size, total, dtname, n, med * 1e6, tmax[0] * 1e6,
                     pct(tmax, n, 0.9) * 1e6, tmax[n - 1] * 1e6, lus * 1e6, algbw, busbw, loop_busbw, ok ? "ok" : "FAIL",
                     B->nvls);
@@ -381,7 +471,12 @@ static void bench_comm(struct bench *B, enum bench_comm bc) {
     const struct args *a = B->a;
     for (int s = 0; s < a->n_sizes; s++) {
         if (a->do_gather) bench_one(B, bc, OP_GATHER, a->sizes[s]);
+        if (a->do_alltoall && bc != BC_RAW) bench_one(B, bc, OP_ALLTOALL, a->sizes[s]);
         if (a->do_reduce) bench_one(B, bc, OP_REDUCE, a->sizes[s]);
+    }
+    for (int s = 0; s < a->n_moe && bc != BC_RAW; s++) {
+        bench_one(B, bc, OP_MOE_GATHER, (size_t)a->moe_rows[s]);
+        bench_one(B, bc, OP_MOE_OWNER, (size_t)a->moe_rows[s]);
     }
 }
 
@@ -431,6 +526,12 @@ static int run(const struct args *a) {
                  "%d of %d ranks have no usable GPU (rank %d: %s); bench_nccl needs one CUDA device per rank "
                  "(device = node-local rank%s)",
                  n_bad, g_size, fb, why, a->share ? " modulo the visible GPUs" : "; --share lets ranks share one");
+        return fail_all(msg);
+    }
+    if (a->n_moe && a->moe_D % g_size) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "--moe: D = %lld does not split into %d column blocks", (long long)a->moe_D, g_size);
+        free_backend(a, &be);
         return fail_all(msg);
     }
     comm_mpi_set_identity(g_rank, 0, g_rank);

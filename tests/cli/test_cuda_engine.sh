@@ -87,3 +87,9 @@ $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jso
   --logprobs --tp 8 --pp 2 --backend cuda --quiet 2>"$T/g16.err"
 check "16 ranks TP8 x PP2 on the GPU give the tokens and logprobs of one GPU rank" \
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/six.jsonl"'
+# the experts' owner exchange on the GPU (pack and unpack interleaves, the column-block combine,
+# its own graph segment in decode steps); these small models pick the gather by default
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/own.jsonl" --max-seqs 4 \
+  --logprobs --tp 8 --pp 2 --backend cuda --quiet --moe-exchange owner 2>"$T/g16o.err"
+check "16 ranks TP8 x PP2 on the GPU with --moe-exchange owner give the tokens and logprobs of one GPU rank" \
+  '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sixteen ranks on CPU (issue #4): layout invariance — TP8xPP2, TP4xPP2, TP2xPP1, TP1xPP2 and
 # TP2xPP2xDP2 give tokens and log-probabilities bit-identical to one rank, on the golden tp8pp2
-# model and on a synthetic model of the same shape with another seed; a killed rank ends the job;
+# model and on a synthetic model of the same shape with another seed, the TP layouts also with the
+# experts' owner exchange (--moe-exchange owner; these small models pick the gather by default); a killed rank ends the job;
 # bad layouts are one error line per rank. TAP lines.
 set -u
 DSBATCH=${DSBATCH:-build/dsbatch}
@@ -26,18 +27,19 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
     S=""; [ $mode = sampled ] && S="--temperature 0.9 --top-p 0.95 --seed 3"
     "$DSBATCH" generate --model "$model" --prompts "$T/p.jsonl" --out "$T/ref.jsonl" --max-seqs 4 --logprobs $S 2>"$T/err" \
       || { nok "$name $mode: one-rank reference: $(tail -1 "$T/err")"; continue; }
-    for lay in "16 8 2" "8 4 2" "2 2 1" "2 1 2" "8 2 2"; do
+    for lay in "16 8 2" "8 4 2" "2 2 1" "2 1 2" "8 2 2" "16 8 2 owner" "8 4 2 owner" "2 2 1 owner"; do
       set -- $lay
       dp=$(( $1 / ($2 * $3) ))
+      X=""; [ $# -gt 3 ] && X="--moe-exchange $4"
       start=$(date +%s.%N)
       $MPIRUN -np $1 "$DSBATCH" generate --model "$model" --prompts "$T/p.jsonl" --out "$T/out.jsonl" --max-seqs 4 \
-        --logprobs --tp $2 --pp $3 --watchdog 120 $S >"$T/log" 2>&1
+        --logprobs --tp $2 --pp $3 --watchdog 120 $S $X >"$T/log" 2>&1
       rc=$?
       secs=$(python3 -c "import time; print('%.1f' % (time.time() - $start))")
       if [ $rc -eq 0 ] && cmp -s "$T/ref.jsonl" "$T/out.jsonl"; then
-        ok "$name $mode: TP$2 x PP$3 x DP$dp ($1 ranks, ${secs} s) tokens and logprobs bit-identical to one rank"
+        ok "$name $mode: TP$2 x PP$3 x DP$dp${X:+ $X} ($1 ranks, ${secs} s) tokens and logprobs bit-identical to one rank"
       else
-        nok "$name $mode: TP$2 x PP$3 x DP$dp ($1 ranks) rc=$rc differs from one rank: $(grep -m1 error "$T/log")"
+        nok "$name $mode: TP$2 x PP$3 x DP$dp${X:+ $X} ($1 ranks) rc=$rc differs from one rank: $(grep -m1 error "$T/log")"
       fi
     done
   done
@@ -64,6 +66,23 @@ if [ $rc -eq 0 ] && grep -q " 0 failed" "$T/v16" && cmp -s "$T/v1" "$T/v16"; the
 else
   nok "verify tp8pp2 on TP8 x PP2: rc=$rc $(cat "$T/v16") $(grep -m1 error "$T/verr")"
 fi
+
+# the verification with the owner exchange: the same numbers again
+$MPIRUN -np 16 "$DSBATCH" verify --golden "$GOLDEN/tp8pp2" --tp 8 --pp 2 --watchdog 120 --moe-exchange owner \
+  2>"$T/verr" | tail -1 > "$T/v16o"
+rc=${PIPESTATUS[0]}
+if [ $rc -eq 0 ] && cmp -s "$T/v1" "$T/v16o"; then
+  ok "verify tp8pp2 on TP8 x PP2 --moe-exchange owner: the one-rank report"
+else
+  nok "verify tp8pp2 --moe-exchange owner: rc=$rc $(cat "$T/v16o") $(grep -m1 error "$T/verr")"
+fi
+
+# an unknown exchange: one error line naming the option, on every rank, no output
+$MPIRUN -np 2 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/bad.jsonl" --tp 2 \
+  --moe-exchange scatter >"$T/log" 2>&1
+rc=$?
+n=$(grep -c "moe-exchange: 'scatter' is not one of auto, gather, owner" "$T/log")
+if [ $rc -ne 0 ] && [ "$n" -eq 2 ] && [ ! -e "$T/bad.jsonl" ]; then ok "--moe-exchange scatter: one error per rank"; else nok "--moe-exchange scatter: rc=$rc, $n error lines"; fi
 
 # a bad layout: one error line on every rank, before any loading
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/bad.jsonl" --tp 3 >"$T/log" 2>&1

@@ -21,7 +21,9 @@
 #   nccl     (3) build/bench/bench_nccl (the comm table's allgather / allreduce_sum, nccl-tests
 #            style) at 8, 4 and 2 ranks, NCCL comm + MPI staging + raw NCCL, default sizes
 #            10 KiB .. 2.6 MB; then at 8 ranks at exactly the message sizes of a decode step of the
-#            synthetic model for each concurrency (label "model"), with NCCL's INIT/ENV log
+#            synthetic model for each concurrency (label "model"), and both forms of the experts'
+#            exchange at those step rows (--moe: gather vs owner, the --moe-exchange choice; the
+#            summary reports both a layer and which one auto picks), with NCCL's INIT/ENV log
 #            excerpted (NVLS must be reported off)    -> $OUT/nccl.csv (also kept in WORK for later calls)
 #   mkmodel  (2) the synthetic checkpoint (SYNTH_ARGS, default: v41-flash at the real per-rank
 #            dimensions, 128 routed experts instead of 384, Engram tables shrunk with
@@ -257,6 +259,14 @@ print(",".join(str(x) for x in sorted(s)))
 EOF
 }
 
+# "D,k" of the model: the experts' exchange shape (bench_nccl --moe-shape)
+model_dk() {
+  python3 -c "
+import json,sys
+c = json.load(open(sys.argv[1])); c = c.get('text_config', c)
+print('%d,%d' % (c['hidden_size'], c['num_experts_per_tok']))" "$(model_json)"
+}
+
 step_nccl() {
   section "nccl: bench_nccl (comm table allgather / allreduce_sum), ranks: $NCCL_RANKS"
   rm -f "$WORK/nccl.csv"  # kept in WORK across calls (a later decode step estimates from it), copied to $OUT
@@ -279,7 +289,7 @@ step_nccl() {
   # and whether it created a multicast group (it must not)
   limited 240 "$WORK/nccl_model.txt" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV,NVLS "${MPIRUN[@]}" -x NCCL_DEBUG \
     -x NCCL_DEBUG_SUBSYS --timeout 240 -np "$tp" "$BENCH_NCCL" --raw --sizes "$sizes" --csv "$WORK/nccl.csv" \
-    --label model $BENCH_NCCL_ARGS
+    --label model --moe "$(echo $CONC | tr ' ' ,)" --moe-shape "$(model_dk)" $BENCH_NCCL_ARGS
   local rc=$?
   grep -v "NCCL INFO" "$WORK/nccl_model.txt"  # NCCL logs to stdout
   local all="$WORK/nccl_model.txt $WORK/nccl_model.txt.err"
@@ -394,14 +404,17 @@ g, r = c["o_groups"], c["o_lora_rank"]
 bench = {}
 if os.path.exists(nccl_csv):
     for row in csv.DictReader(open(nccl_csv)):
-        if row["label"] == "model":
+        if row["label"] == "model" or row["label"].startswith("model moe "):
             bench[(row["comm"], row["op"], int(row["size_bytes"]), int(row["ranks"]))] = float(row["median_us"])
+def moe_form(tp, b):
+    """the experts' exchange the engine picks (--moe-exchange auto: model.h MOE_OWNER_MIN_BYTES)"""
+    return "moe_owner" if D % tp == 0 and (tp - 1) * b * k * D * 2 >= 4 << 20 else "moe_gather"
 def estimate(comm, tp, pp, b):
     """us of the TP collectives of one decode step on a stage of L/pp layers (None: sizes not timed)."""
     Ls = L // pp
     parts = [("allreduce_sum", b * D * 2, 1)]  # embed (first stage), counted once per step
     parts += [("allgather", b * (g // tp) * r * 2, Ls), ("allgather", b * (D // tp) * 2, Ls),
-              ("allgather", b * k * D * 2, Ls), ("allgather", b * (V // tp) * 4, 1)]
+              (moe_form(tp, b), b * k * D * 2, Ls), ("allgather", b * (V // tp) * 4, 1)]
     tot = 0.0
     for op, size, n in parts:
         us = bench.get((comm, op, size, tp))
@@ -461,6 +474,10 @@ for lay in layouts.split():
             m = re.search(r"generated (\d+) tokens for (\d+) prompts .* in ([0-9.]+) s: ([0-9.]+) tok/s", open(err).read())
             if m: run["generate_s"], run["generate_tok_per_s"] = float(m.group(3)), float(m.group(4))
         step = run["full_batch_decode_ms_p50"] or run["decode_ms_p50"]
+        run["moe_exchange"] = moe_form(tp, cc)
+        for form in ("moe_gather", "moe_owner"):  # both forms of the experts' exchange, per layer
+            us = bench.get(("nccl", form, cc * k * D * 2, tp))
+            if us is not None: run[form + "_us_per_layer"] = us
         for comm in ("nccl", "nccl-raw", "mpi-staged"):
             est = estimate(comm, tp, pp, cc)
             if est is not None and step == step and step:

@@ -157,6 +157,24 @@ static void check_allgather(const struct topo *t, enum group g, size_t bytes, in
     free(recv);
 }
 
+/* Block d of rank s's send is marked (s, d): member d must receive (s, d) in its block s. */
+static void check_alltoall(const struct topo *t, enum group g, size_t bytes) {
+    struct comm *c = group_comm(t, g);
+    size_t all = bytes * (size_t)c->size;
+    uint8_t *send = malloc(all + 1), *recv = malloc(all + 1);
+    for (int r = 0; r < c->size; r++)
+        for (size_t i = 0; i < bytes; i++) send[(size_t)r * bytes + i] = byte_value(t->world_rank * 1009 + r, i);
+    memset(recv, 0xee, all);
+    c->ops->alltoall(c, send, recv, bytes, "alltoall");
+    size_t bad = 0;
+    for (int r = 0; r < c->size; r++)
+        for (size_t i = 0; i < bytes; i++)
+            bad += recv[(size_t)r * bytes + i] != byte_value(member(t, g, r) * 1009 + c->rank, i);
+    CHECK(bad == 0, "%s alltoall of %zu bytes a pair: %zu wrong bytes", group_names[g], bytes, bad);
+    free(send);
+    free(recv);
+}
+
 static void check_allreduce(const struct topo *t, enum group g, size_t n) {
     struct comm *c = group_comm(t, g);
     int size = c->size;
@@ -287,6 +305,7 @@ static void check_ops(const struct topo *t) {
     for (int g = 0; g < G_COUNT; g++) {
         check_allgather(t, (enum group)g, 37, 0);
         check_allgather(t, (enum group)g, 37, 1);
+        check_alltoall(t, (enum group)g, 37);
         check_allreduce(t, (enum group)g, 1000);
         check_bcast(t, (enum group)g, 4099);
         group_comm(t, (enum group)g)->ops->barrier(group_comm(t, (enum group)g), "check barrier");
@@ -300,6 +319,8 @@ static void check_ops(const struct topo *t) {
     comm_mpi_set_chunk_limits(1000, 4096);
     check_allgather(t, G_TP, 2500, 0);
     check_allgather(t, G_WORLD, 2500, 1);
+    check_alltoall(t, G_TP, 2500);
+    check_alltoall(t, G_WORLD, 2500);
     check_allreduce(t, G_WORLD, 3001);
     check_allreduce(t, G_TP, 777);
     check_bcast(t, G_WORLD, 2500);

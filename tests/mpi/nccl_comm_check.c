@@ -154,6 +154,29 @@ static void check_allgather(struct comm *c, struct backend *be, const char *labe
     free(want);
 }
 
+/* Block d of rank s's send is marked (s, d): rank d must receive (s, d) in its block s. */
+static void check_alltoall(struct comm *c, struct backend *be, const char *label, size_t bytes) {
+    size_t all = bytes * (size_t)c->size;
+    uint8_t *mine = malloc(all + 1), *got = malloc(all + 1), *want = malloc(all + 1);
+    for (int r = 0; r < c->size; r++)
+        for (size_t i = 0; i < bytes; i++) {
+            mine[(size_t)r * bytes + i] = byte_value(c->rank * 1009 + r, i);
+            want[(size_t)r * bytes + i] = byte_value(r * 1009 + c->rank, i);
+        }
+    memset(got, 0xA5, all);
+    void *dsend = dev_put(be, mine, all), *drecv = dev_put(be, got, all);
+    c->ops->alltoall(c, dsend, drecv, bytes, "check alltoall");
+    dev_get(be, got, drecv, all);
+    size_t d = first_diff(got, want, all);
+    CHECK(d == all, "%s: alltoall of %zu bytes a pair: first wrong byte %zu (from rank %zu)", label, bytes, d,
+          bytes ? d / bytes : 0);
+    be->ops->free(be, dsend);
+    be->ops->free(be, drecv);
+    free(mine);
+    free(got);
+    free(want);
+}
+
 static void check_allreduce(struct comm *c, struct backend *be, const char *label, enum comm_dtype dt, size_t n) {
     size_t bytes = n * dt_size[dt];
     void *buf = malloc(bytes + 1), *want = malloc(bytes + 1);
@@ -275,6 +298,7 @@ static void check_comm(struct comm *c, struct backend *be, const char *label) {
     for (size_t k = 0; k < sizeof gather_sizes / sizeof *gather_sizes; k++) {
         check_allgather(c, be, label, gather_sizes[k], 0);
         check_allgather(c, be, label, gather_sizes[k], 1);
+        check_alltoall(c, be, label, gather_sizes[k]);
     }
     for (int dt = 0; dt < 5; dt++) {
         check_allreduce(c, be, label, (enum comm_dtype)dt, 1);
@@ -297,6 +321,7 @@ static void check_comm_chunked(struct comm *c, struct backend *be, const char *l
     char l[96];
     snprintf(l, sizeof l, "%s (chunked)", label);
     check_allgather(c, be, l, 3001, 0);
+    check_alltoall(c, be, l, 3001);
     for (int dt = 0; dt < 5; dt++) check_allreduce(c, be, l, (enum comm_dtype)dt, 5003);
     check_bcast(c, be, l, 3001, 0);
     check_p2p(c, be, l, 2500);

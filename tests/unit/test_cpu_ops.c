@@ -843,7 +843,7 @@ static void moe_out(bf16_t *out, const bf16_t *x, const int32_t *idx, const floa
     OPS->moe_experts(&be, y, x, idx, wts, T, k, e0, n, w1, w3, w2, limit);
     /* slots of non-local experts below e0 + n were not written and read as +0, which adds nothing;
      * experts at or beyond e0 + n fall outside the one part and are skipped */
-    OPS->moe_combine(&be, out, y, idx, sh, T, k, D, e0 + n, 1);
+    OPS->moe_combine(&be, out, y, idx, sh, D, T, k, D, e0 + n, 1);
     free(y);
 }
 
@@ -854,13 +854,39 @@ static void moe_out(bf16_t *out, const bf16_t *x, const int32_t *idx, const floa
 static void test_moe_combine_rounding(void **state) {
     int32_t idx[2] = {1, 0};
     bf16_t y[2] = {B(0x1p-8f), B(1.0f)}, sh[1] = {B(0x1p-8f)}, out[1];
-    OPS->moe_combine(&be, out, y, idx, NULL, 1, 2, 1, 4, 1);
+    OPS->moe_combine(&be, out, y, idx, NULL, 1, 1, 2, 1, 4, 1);
     assert_true(F(out[0]) == 1.0f);
-    OPS->moe_combine(&be, out, y, idx, sh, 1, 2, 1, 4, 1);
+    OPS->moe_combine(&be, out, y, idx, sh, 1, 1, 2, 1, 4, 1);
     assert_true(F(out[0]) == 1.0078125f);
     /* the part rule: with one expert a part, expert 1 is part 1, skipped when P = 1: 1 + 2^-8, a tie */
-    OPS->moe_combine(&be, out, y, idx, sh, 1, 2, 1, 1, 1);
+    OPS->moe_combine(&be, out, y, idx, sh, 1, 1, 2, 1, 1, 1);
     assert_true(F(out[0]) == 1.0f);
+}
+
+/* The owner exchange (model.c): a TP rank combines only its block of D / P columns, from every
+ * rank's slots of those columns, with sh read in place (ld_sh = D). Each block must equal those
+ * columns of the whole combine, bit for bit, in every part layout (4 parts of 3 experts, k = 5,
+ * slots of part 3 skipped when P = 3). */
+static void test_moe_combine_columns(void **state) {
+    enum { T = 7, K = 5, D = 24, NB = 4, DC = D / NB, PER = 3, PARTS = 4 };
+    for (int P = PARTS - 1; P <= PARTS; P++) {
+        bf16_t *y = malloc(sizeof(bf16_t) * PARTS * T * K * D), *sh = malloc(sizeof(bf16_t) * T * D);
+        bf16_t *full = malloc(sizeof(bf16_t) * T * D), *yc = malloc(sizeof(bf16_t) * PARTS * T * K * DC);
+        bf16_t *oc = malloc(sizeof(bf16_t) * T * DC);
+        int32_t idx[T * K];
+        fill_bf16(y, PARTS * T * K * D, 2.0f);
+        fill_bf16(sh, T * D, 1.0f);
+        for (int t = 0; t < T; t++) /* K distinct experts of PER * PARTS, in no particular order */
+            for (int s = 0; s < K; s++) idx[t * K + s] = (int32_t)((t * 7 + s * 5) % (PER * PARTS));
+        OPS->moe_combine(&be, full, y, idx, sh, D, T, K, D, PER, P);
+        for (int b = 0; b < NB; b++) {
+            for (int64_t r = 0; r < (int64_t)PARTS * T * K; r++) memcpy(yc + r * DC, y + r * D + b * DC, sizeof(bf16_t) * DC);
+            OPS->moe_combine(&be, oc, yc, idx, sh + b * DC, D, T, K, DC, PER, P);
+            for (int t = 0; t < T; t++)
+                for (int d = 0; d < DC; d++) assert_int_equal(oc[t * DC + d], full[t * D + b * DC + d]);
+        }
+        free(y), free(sh), free(full), free(yc), free(oc);
+    }
 }
 
 static void test_moe_expert_order(void **state) {
@@ -1039,6 +1065,7 @@ int main(void) {
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_moe_expert_order),
         cmocka_unit_test(test_moe_combine_rounding),
+        cmocka_unit_test(test_moe_combine_columns),
         cmocka_unit_test(test_moe_fp4_gather),
         cmocka_unit_test(test_shared_expert_limit),
         cmocka_unit_test(test_thread_count_independent),

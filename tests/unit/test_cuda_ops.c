@@ -775,10 +775,15 @@ static void test_grouped_linear(void **st) {
 /* =============================================================================================
  * moe_combine: exact */
 
-static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P, int64_t parts, bool with_sh) {
+/* ld_sh > D: the shared expert's rows are ld_sh wide and the combine reads their last D columns in
+ * place (a TP rank's block of the owner exchange); 0 means D. */
+static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P, int64_t parts, bool with_sh,
+                             int64_t ld_sh) {
     char tag[128];
-    snprintf(tag, sizeof tag, "moe_combine T=%lld k=%lld D=%lld P=%lld sh=%d", (long long)T, (long long)k, (long long)D,
-             (long long)P, (int)with_sh);
+    if (ld_sh == 0) ld_sh = D;
+    int64_t off = ld_sh - D;
+    snprintf(tag, sizeof tag, "moe_combine T=%lld k=%lld D=%lld P=%lld sh=%d ld=%lld", (long long)T, (long long)k,
+             (long long)D, (long long)P, (int)with_sh, (long long)ld_sh);
     seed_tag(tag);
     int64_t E = per_part * parts;
     bf16_t *y = NEW(bf16_t, P * T * k * D);
@@ -791,20 +796,22 @@ static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, 
             while (i32_in(idx + t * k, s, e));
             idx[t * k + s] = e;
         }
-    bf16_t *sh = NEW(bf16_t, T * D), *oc = NEW(bf16_t, T * D), *og = NEW(bf16_t, T * D);
-    fill_act(sh, T * D, 1.0f);
-    CPU->moe_combine(&cpu_be, oc, y, idx, with_sh ? sh : NULL, T, k, D, per_part, P);
+    bf16_t *sh = NEW(bf16_t, T * ld_sh), *oc = NEW(bf16_t, T * D), *og = NEW(bf16_t, T * D);
+    fill_act(sh, T * ld_sh, 1.0f);
+    CPU->moe_combine(&cpu_be, oc, y, idx, with_sh ? sh + off : NULL, ld_sh, T, k, D, per_part, P);
     void *dy = g_in(y, (size_t)(P * T * k * D) * 2), *di = g_in(idx, (size_t)(T * k) * 4);
-    void *ds = g_in(sh, (size_t)(T * D) * 2), *dout = g_out((size_t)(T * D) * 2, PZ_16);
-    GPU->moe_combine(&gpu_be, dout, dy, di, with_sh ? ds : NULL, T, k, D, per_part, P);
+    bf16_t *ds = g_in(sh, (size_t)(T * ld_sh) * 2);
+    void *dout = g_out((size_t)(T * D) * 2, PZ_16);
+    GPU->moe_combine(&gpu_be, dout, dy, di, with_sh ? ds + off : NULL, ld_sh, T, k, D, per_part, P);
     g_get(og, dout, (size_t)(T * D) * 2);
     g_free(dout);
     g_free(ds);
     g_free(dy);
     g_free(di);
     struct cmp c;
-    cmp_begin(&c, "moe_combine", "T=%lld k=%lld D=%lld %lld/part P=%lld of %lld%s", (long long)T, (long long)k,
-              (long long)D, (long long)per_part, (long long)P, (long long)parts, with_sh ? "" : " sh=NULL");
+    cmp_begin(&c, "moe_combine", "T=%lld k=%lld D=%lld %lld/part P=%lld of %lld%s ld_sh=%lld", (long long)T,
+              (long long)k, (long long)D, (long long)per_part, (long long)P, (long long)parts,
+              with_sh ? "" : " sh=NULL", (long long)ld_sh);
     cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
     free(y);
@@ -816,15 +823,18 @@ static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, 
 
 static void test_moe_combine(void **st) {
     NEED_GPU(st);
-    for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM, E_LOCAL, 8, 8, true);
-    moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8, true);
-    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, true); /* from 32 rows on: the 8-wide kernel */
-    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, false);
-    moe_combine_case(40, 4, 136, 5, 3, 8, true);
-    moe_combine_case(17, 4, 37, 5, 3, 8, true); /* slots of parts >= 3 skipped */
-    moe_combine_case(3, 1, 129, 37, 1, 1, false);
-    moe_combine_case(1, 3, 100, 16, 8, 8, true);
-    moe_combine_case(1, 3, 100, 16, 8, 8, false);
+    for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM, E_LOCAL, 8, 8, true, 0);
+    moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8, true, 0);
+    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, true, 0); /* from 32 rows on: the 8-wide kernel */
+    moe_combine_case(300, TOPK, DIM, E_LOCAL, 8, 8, false, 0);
+    moe_combine_case(40, 4, 136, 5, 3, 8, true, 0);
+    moe_combine_case(17, 4, 37, 5, 3, 8, true, 0); /* slots of parts >= 3 skipped */
+    moe_combine_case(3, 1, 129, 37, 1, 1, false, 0);
+    moe_combine_case(1, 3, 100, 16, 8, 8, true, 0);
+    moe_combine_case(1, 3, 100, 16, 8, 8, false, 0);
+    /* one rank's column block of the owner exchange (TP8: D / 8 columns, sh rows D wide) */
+    for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM / 8, E_LOCAL, 8, 8, true, DIM);
+    moe_combine_case(40, 4, 136, 5, 3, 8, true, 141); /* rows not 16-byte aligned: the narrow kernel */
 }
 
 /* =============================================================================================

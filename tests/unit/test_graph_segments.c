@@ -357,15 +357,15 @@ static void chk_moe_experts(struct backend *be, bf16_t *y, const bf16_t *x, cons
     g_cpu->moe_experts(IN, y, x, idx, wts, T, k, e0, nl, w1, w3, w2, limit);
 }
 static void chk_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const int32_t *idx, const bf16_t *sh,
-                            int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
+                            int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P) {
     (void)be;
     op(11);
     WR(out), RD(y), RD(idx), RD(sh);
     if (g_open) {
-        mix_ptr(out), mix_ptr(y), mix_ptr(idx), mix_ptr(sh);
+        mix_ptr(out), mix_ptr(y), mix_ptr(idx), mix_ptr(sh), mix((uint64_t)ld_sh);
         mix((uint64_t)T), mix((uint64_t)k), mix((uint64_t)D), mix((uint64_t)per_part), mix((uint64_t)P);
     }
-    g_cpu->moe_combine(IN, out, y, idx, sh, T, k, D, per_part, P);
+    g_cpu->moe_combine(IN, out, y, idx, sh, ld_sh, T, k, D, per_part, P);
 }
 static void chk_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                               const struct qweight *w3, const struct qweight *w2, float limit) {
