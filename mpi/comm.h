@@ -43,6 +43,11 @@ struct comm {
     const struct comm_ops *ops;
     int rank, size;
     void *priv; /* backend state (MPI_Comm for the MPI backend) */
+    /* Seconds this rank has spent in the collectives (allgather, alltoall, allreduce_sum, bcast)
+     * so far, waiting for its peers included, for the step trace's TP share. MPI: the call's host
+     * time (with device staging, from after the queued kernels are done: they are the step's, not
+     * the collective's). NCCL: the collective's span on the stream, between CUDA events. */
+    double busy_s;
 };
 
 /* The watchdog's deadline for every blocking operation, in seconds (job spec; default 300). */

@@ -541,6 +541,7 @@ struct nccl_priv {
     void *tmp;
     size_t tmp_cap;
     struct comm_req *pending, *pending_tail; /* isends not yet enqueued */
+    cudaEvent_t t0, t1; /* around each collective on the stream: its span, for comm.busy_s */
 };
 
 static const struct comm_ops nccl_ops;
@@ -658,6 +659,17 @@ static void flush_pending(struct nccl_priv *p) {
 /* ------------------------------------------------------------------------------------------------
  * Operations */
 
+/* A collective's span on the stream: t0 before its first NCCL call, t1 after its last (and its
+ * sum kernel); read once the op has completed, so the read never waits. */
+static void span_begin(struct nccl_priv *p) { CHECK_CUDART(cudaEventRecord(p->t0, p->stream)); }
+static void span_end(struct nccl_priv *p) { CHECK_CUDART(cudaEventRecord(p->t1, p->stream)); }
+static void span_add(struct comm *c) {
+    struct nccl_priv *p = priv_of(c);
+    float ms = 0;
+    CHECK_CUDART(cudaEventElapsedTime(&ms, p->t0, p->t1));
+    c->busy_s += 1e-3 * (double)ms;
+}
+
 static void nccl_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
     struct nccl_priv *p = priv_of(c);
     struct comm_op o;
@@ -667,8 +679,11 @@ static void nccl_allgather(struct comm *c, const void *send, void *recv, size_t 
     require_device(p, &o, recv, bytes * (size_t)c->size, "recv");
     flush_pending(p);
     /* send == recv + rank * bytes is NCCL's in-place gather: no special case needed */
+    span_begin(p);
     CHECK_NCCL(ncclAllGather(send, recv, bytes, ncclUint8, p->nc, p->stream));
+    span_end(p);
     op_wait(p, &o, NULL);
+    span_add(c);
 }
 
 /* One group of a send and a receive per peer (itself included), NCCL's all-to-all pattern: the
@@ -681,13 +696,16 @@ static void nccl_alltoall(struct comm *c, const void *send, void *recv, size_t b
     require_device(p, &o, send, bytes * (size_t)c->size, "send");
     require_device(p, &o, recv, bytes * (size_t)c->size, "recv");
     flush_pending(p);
+    span_begin(p);
     CHECK_NCCL(ncclGroupStart());
     for (int r = 0; r < c->size; r++) {
         CHECK_NCCL(ncclSend((const char *)send + (size_t)r * bytes, bytes, ncclUint8, r, p->nc, p->stream));
         CHECK_NCCL(ncclRecv((char *)recv + (size_t)r * bytes, bytes, ncclUint8, r, p->nc, p->stream));
     }
     CHECK_NCCL(ncclGroupEnd());
+    span_end(p);
     op_wait(p, &o, NULL);
+    span_add(c);
 }
 
 static void nccl_allreduce_sum(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
@@ -712,12 +730,15 @@ static void nccl_allreduce_sum(struct comm *c, void *buf, size_t count, enum com
         p->tmp_cap = need;
     }
     char *b = buf;
+    span_begin(p);
     for (size_t off = 0; off < count; off += per_round) {
         size_t n = count - off < per_round ? count - off : per_round;
         CHECK_NCCL(ncclAllGather(b + off * esz, p->tmp, n * esz, ncclUint8, p->nc, p->stream));
         launch_sum(b + off * esz, p->tmp, n, c->size, dt, p->stream);
     }
+    span_end(p);
     op_wait(p, &o, NULL);
+    span_add(c);
 }
 
 static void nccl_bcast(struct comm *c, void *buf, size_t bytes, int root, const char *what) {
@@ -727,8 +748,11 @@ static void nccl_bcast(struct comm *c, void *buf, size_t bytes, int root, const 
     if (bytes == 0) return;
     require_device(p, &o, buf, bytes, "buf");
     flush_pending(p);
+    span_begin(p);
     CHECK_NCCL(ncclBroadcast(buf, buf, bytes, ncclUint8, root, p->nc, p->stream));
+    span_end(p);
     op_wait(p, &o, NULL);
+    span_add(c);
 }
 
 static void nccl_send(struct comm *c, const void *buf, size_t bytes, int dst, int tag, const char *what) {
@@ -812,6 +836,8 @@ static void nccl_free(struct comm *c) {
     if (p->tmp) CHECK_CUDART(cudaFreeAsync(p->tmp, p->stream));
     op_wait(p, &o, NULL); /* nothing of ours may still run when the communicator goes */
     CHECK_NCCL(ncclCommDestroy(p->nc));
+    CHECK_CUDART(cudaEventDestroy(p->t0));
+    CHECK_CUDART(cudaEventDestroy(p->t1));
     p->mpi->ops->free(p->mpi);
     free(p);
     free(c);
@@ -906,6 +932,8 @@ struct comm *comm_nccl_new(MPI_Comm c, const char *name, void *cuda_stream) {
     p->stream = (cudaStream_t)cuda_stream;
     p->device = me.device;
     snprintf(p->name, sizeof p->name, "%s", name);
+    CHECK_CUDART(cudaEventCreate(&p->t0));
+    CHECK_CUDART(cudaEventCreate(&p->t1));
 
     load_sum_kernels();
     ncclUniqueId id;

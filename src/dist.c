@@ -243,10 +243,10 @@ int dist_trace_write(struct dist_engine *d, const char *path) {
         free(ev);
         return -1;
     }
-    fprintf(f, "rank,stage,tp,step,seqs,rows,start_s,end_s,compute_s\n");
+    fprintf(f, "rank,stage,tp,step,seqs,rows,start_s,end_s,compute_s,tp_comm_s\n");
     for (int64_t i = 0; i < n; i++)
-        fprintf(f, "%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f\n", ev[i].rank, ev[i].stage, ev[i].tp, ev[i].step, ev[i].seqs,
-                ev[i].rows, ev[i].start, ev[i].end, ev[i].end - ev[i].start);
+        fprintf(f, "%d,%d,%d,%d,%d,%d,%.6f,%.6f,%.6f,%.6f\n", ev[i].rank, ev[i].stage, ev[i].tp, ev[i].step, ev[i].seqs,
+                ev[i].rows, ev[i].start, ev[i].end, ev[i].end - ev[i].start, ev[i].tp_comm);
     free(ev);
     if (fclose(f) != 0 || rename(tmp, path) != 0) {
         ds_err_set("%s: cannot write: %s", path, ds_errno_str());
@@ -341,7 +341,10 @@ static void mb_free(struct mb *b) {
     free(b->key);
 }
 
-static void trace_add(struct dist_engine *d, int step, const struct mb *b, double start, double end) {
+/* Seconds this rank has spent in TP collectives so far (0 without TP). */
+static double tp_busy(const struct dist_engine *d) { return d->topo.tp > 1 && d->tp_dev ? d->tp_dev->busy_s : 0; }
+
+static void trace_add(struct dist_engine *d, int step, const struct mb *b, double start, double end, double tp0) {
     if (d->n_trace == d->cap_trace) {
         d->cap_trace = d->cap_trace ? 2 * d->cap_trace : 256;
         d->trace = ds_realloc(d->trace, sizeof *d->trace * (size_t)d->cap_trace);
@@ -349,7 +352,8 @@ static void trace_add(struct dist_engine *d, int step, const struct mb *b, doubl
     struct topo *t = &d->topo;
     d->trace[d->n_trace++] = (struct trace_event){.rank = t->world_rank, .stage = t->pp_rank, .tp = t->tp_rank,
                                                   .step = step, .seqs = b->n, .rows = (int32_t)b->T,
-                                                  .start = start - d->t0, .end = end - d->t0, .wait = d->pend_wait};
+                                                  .start = start - d->t0, .end = end - d->t0,
+                                                  .tp_comm = tp_busy(d) - tp0, .wait = d->pend_wait};
     d->pend_wait = 0;
 }
 
@@ -362,7 +366,7 @@ static void trace_comm(struct dist_engine *d, double seconds) {
  * lp[i] its log-probability). */
 static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double *lp, float *logits) {
     struct topo *t = &d->topo;
-    double start = MPI_Wtime();
+    double start = MPI_Wtime(), tp0 = tp_busy(d);
     const struct model_config *c = &d->lm.cfg;
     bool first = t->pp_rank == 0, last = t->pp_rank == t->pp - 1;
     for (int i = 0; i < b->n; i++)
@@ -371,7 +375,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     if (model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL)) return -1;
     if (!first) model_key_sync_append(d->m, b->seqs, b->n, &b->key, &b->key_len);
     if (!last) {
-        trace_add(d, d->n_trace, b, start, MPI_Wtime());
+        trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
         return 0;
     }
     int V = c->vocab_size;
@@ -383,7 +387,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         lp[i] = out[i] >= 0 ? sampler_logprob(row, V, out[i]) : 0.0;
         if (out[i] >= 0 && d->on_logits) d->on_logits(d->on_logits_ctx, w->req, row, V);
     }
-    trace_add(d, d->n_trace, b, start, MPI_Wtime());
+    trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
     return 0;
 }
 

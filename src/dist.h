@@ -32,6 +32,7 @@ struct dist_opts {
 struct trace_event {
     int32_t rank, stage, tp, step, seqs, rows;
     double start, end; /* seconds since the job's common start: the forward (TP collectives included) */
+    double tp_comm;    /* seconds of it in the TP collectives (struct comm.busy_s: NCCL's span on the stream) */
     double comm;       /* seconds handing the micro-batch (or the sampled tokens) on along the pipeline */
     double wait;       /* seconds blocked receiving this step's input (stream or tokens) before it */
 };

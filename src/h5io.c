@@ -662,7 +662,7 @@ struct req_row {
 
 struct step_row {
     int32_t run, rank, stage, tp, step, seqs, rows;
-    double start_s, end_s, compute_s, comm_s, wait_s;
+    double start_s, end_s, compute_s, comm_s, wait_s, tp_comm_s;
 };
 
 static hid_t req_type(void) {
@@ -696,6 +696,7 @@ static hid_t step_type(void) {
     F(compute_s, H5T_NATIVE_DOUBLE);
     F(comm_s, H5T_NATIVE_DOUBLE);
     F(wait_s, H5T_NATIVE_DOUBLE);
+    F(tp_comm_s, H5T_NATIVE_DOUBLE);
 #undef F
     return t;
 }
@@ -890,7 +891,14 @@ static int check_replaceable(const char *path) {
 /* ------------------------------------------------------------------------------------------------
  * The journal: records [type u32, 0 u32, payload length u64, payload, FNV-1a of all before u64] */
 
-enum { J_HEADER = 1, J_RUN = 2, J_REQUEST = 3, J_STEPS = 4 };
+/* J_STEPS_V1: step rows without tp_comm_s, as journals written before it hold them (read only, so
+ * a job killed under an older dsbatch still resumes with every record); J_STEPS: struct step_row. */
+enum { J_HEADER = 1, J_RUN = 2, J_REQUEST = 3, J_STEPS_V1 = 4, J_STEPS = 5 };
+
+struct step_row_v1 {
+    int32_t run, rank, stage, tp, step, seqs, rows;
+    double start_s, end_s, compute_s, comm_s, wait_s;
+};
 
 struct j_header {
     int32_t kind, logprobs;
@@ -1038,6 +1046,19 @@ static int journal_load(const char *jpath, struct out_records *r) {
             struct step_row *s = ds_malloc(len + 1);
             memcpy(s, p, len);
             rec_add_steps(r, s, (int64_t)(len / sizeof *s));
+            free(s);
+        } else if (type == J_STEPS_V1 && len % sizeof(struct step_row_v1) == 0) {
+            int64_t n = (int64_t)(len / sizeof(struct step_row_v1));
+            struct step_row *s = ds_calloc((size_t)n + 1, sizeof *s);
+            for (int64_t i = 0; i < n; i++) {
+                struct step_row_v1 v;
+                memcpy(&v, p + (size_t)i * sizeof v, sizeof v);
+                struct step_row *w = &s[i]; /* field by field: the padding stays calloc's zeros */
+                w->run = v.run, w->rank = v.rank, w->stage = v.stage, w->tp = v.tp, w->step = v.step;
+                w->seqs = v.seqs, w->rows = v.rows, w->start_s = v.start_s, w->end_s = v.end_s;
+                w->compute_s = v.compute_s, w->comm_s = v.comm_s, w->wait_s = v.wait_s;
+            }
+            rec_add_steps(r, s, n);
             free(s);
         } else {
             break;
@@ -1292,6 +1313,7 @@ int h5_out_write_steps(struct h5_out *o, const struct h5_step_trace *ev, int64_t
         r->run = o->run, r->rank = ev[i].rank, r->stage = ev[i].stage, r->tp = ev[i].tp, r->step = ev[i].step;
         r->seqs = ev[i].seqs, r->rows = ev[i].rows, r->start_s = ev[i].start_s, r->end_s = ev[i].end_s;
         r->compute_s = ev[i].compute_s, r->comm_s = ev[i].comm_s, r->wait_s = ev[i].wait_s;
+        r->tp_comm_s = ev[i].tp_comm_s;
     }
     append_steps(o, rows, n);
     free(rows);

@@ -33,7 +33,8 @@
  *   /trace/requests  compound [n]: prompt_index, run, admit_s, first_token_s, last_token_s,
  *     prompt_tokens, generated_tokens (seconds since the start of run `run`)
  *   /trace/steps     compound: run, rank, stage, tp, step, seqs, rows, start_s, end_s, compute_s,
- *     comm_s, wait_s
+ *     comm_s, wait_s, tp_comm_s (the part of compute_s in TP collectives; absent in files written
+ *     before it, whose appends drop it)
  *   /meta  dataset json (the meta JSON text); attrs: every short scalar of that JSON, hdf5_version,
  *     mpi_version, zstd_version, compression, run_start_unix f64 [runs], end_unix
  * Rows of /outputs, /scores and /trace/requests are in completion order; prompt_index maps a row
@@ -164,7 +165,7 @@ struct h5_request_trace {
 /* One forward of one micro-batch on one rank (struct trace_event of dist.h, plus time split). */
 struct h5_step_trace {
     int32_t rank, stage, tp, step, seqs, rows;
-    double start_s, end_s, compute_s, comm_s, wait_s;
+    double start_s, end_s, compute_s, comm_s, wait_s, tp_comm_s;
 };
 
 struct h5_out {

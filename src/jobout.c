@@ -262,7 +262,7 @@ void job_out_steps(struct job_out *o, const struct trace_event *ev, int64_t n) {
         st[i] = (struct h5_step_trace){.rank = ev[i].rank, .stage = ev[i].stage, .tp = ev[i].tp, .step = ev[i].step,
                                        .seqs = ev[i].seqs, .rows = ev[i].rows, .start_s = ev[i].start,
                                        .end_s = ev[i].end, .compute_s = ev[i].end - ev[i].start,
-                                       .comm_s = ev[i].comm, .wait_s = ev[i].wait};
+                                       .comm_s = ev[i].comm, .wait_s = ev[i].wait, .tp_comm_s = ev[i].tp_comm};
     if (h5_out_write_steps(&o->h5, st, n)) record_failed("h5_out_write_steps");
     free(st);
 }

@@ -131,10 +131,13 @@ def cmd_layout(args):  # layout OUT.h5 PROMPTS.jsonl RANKS TEXT(0|1): the genera
     assert np.all(req["last_token_s"] >= req["first_token_s"])
     st = f["trace/steps"][:]
     assert st.dtype.names == ("run", "rank", "stage", "tp", "step", "seqs", "rows", "start_s", "end_s", "compute_s",
-                              "comm_s", "wait_s"), st.dtype.names
+                              "comm_s", "wait_s", "tp_comm_s"), st.dtype.names
     assert set(st["rank"].tolist()) == set(range(ranks)), sorted(set(st["rank"].tolist()))
     assert np.all(st["end_s"] >= st["start_s"]) and np.all(st["compute_s"] >= 0) and np.all(st["wait_s"] >= 0)
     assert np.all(st["comm_s"] >= 0) and (ranks == 1 or st["comm_s"].sum() > 0)
+    # the TP collectives' part of each forward (16 ranks: TP8 x PP2, so every rank has some)
+    assert np.all(st["tp_comm_s"] >= 0) and np.all(st["tp_comm_s"] <= st["compute_s"] + 1e-6)
+    assert ranks == 1 or all(st["tp_comm_s"][st["rank"] == r].sum() > 0 for r in range(ranks))
     meta = json.loads(f["meta/json"][()])
     for k in ("job_spec", "model_config", "rank_table", "git_commit", "hosts", "versions", "start_time",
               "start_unix", "compression", "command", "fingerprint"):

@@ -37,11 +37,11 @@
 #            concurrency 1, 8, 64 (CONC: that many prompts of PLEN random tokens, NEW new tokens
 #            each, --max-seqs = concurrency), HDF5 output (`dsbatch inspect`: TTFT, ITL, tok/s)
 #            and --trace CSV. Summary (python3 over the trace): ms per decode step (rows == seqs)
-#            per rank, throughput, and the TP collective share of the step. The trace times the
-#            whole forward (TP collectives included) and, in its HDF5 form, the pipeline hand-off,
-#            but NOT the TP all-gather / all-reduce time: the share is an ESTIMATE = bench_nccl's
-#            medians (label "model") at the step's message sizes x their count per step, divided
-#            by the measured step; it says so in the output.         -> $OUT/decode_trace.csv
+#            per rank, throughput, and the TP collective share of the step: MEASURED from the
+#            trace's tp_comm_s (each collective's span on the stream between CUDA events, the wait
+#            for slower peers included: struct comm.busy_s) over compute_s, and beside it an
+#            ESTIMATE = bench_nccl's medians (label "model") at the step's message sizes x their
+#            count per step (isolated collectives, no skew).  -> $OUT/decode_trace.csv
 #
 # NVLink multicast (NVLS) must stay off on these machines: every run that can touch NCCL is
 # started as `env NCCL_NVLS_ENABLE=0 mpirun -x NCCL_NVLS_ENABLE=0 ...` (the variable set for
@@ -426,11 +426,10 @@ def q(v, p):
     v = sorted(v); return v[min(len(v) - 1, max(0, int(round(p * (len(v) - 1)))))] if v else float("nan")
 summary = {"synthetic_checkpoint": synth, "model": model_json, "layers": L, "prompt_tokens": int(plen),
            "new_tokens": int(new), "runs": [],
-           "comm_note": "the step trace has no TP-collective time (start..end spans the whole forward, collectives "
-                        "included; HDF5 comm = pipeline hand-off only); comm share = ESTIMATE from bench_nccl "
-                        "medians (label 'model') at the step's message sizes x count per step, of isolated "
-                        "collectives: in the step a collective also absorbs the ranks' skew and waits for the "
-                        "kernels queued before it, which this does not count"}
+           "comm_note": "tp_comm_share = MEASURED: the trace's tp_comm_s (every TP collective's span on the "
+                        "stream, CUDA events, waits for slower peers included) / compute_s, median over rank 0's "
+                        "full-batch decode steps; comm_share_est = ESTIMATE from bench_nccl medians (label "
+                        "'model') at the step's message sizes x count per step, of isolated collectives (no skew)"}
 merged = []
 for lay in layouts.split():
     tp, pp = map(int, lay.split("x"))
@@ -474,6 +473,12 @@ for lay in layouts.split():
             m = re.search(r"generated (\d+) tokens for (\d+) prompts .* in ([0-9.]+) s: ([0-9.]+) tok/s", open(err).read())
             if m: run["generate_s"], run["generate_tok_per_s"] = float(m.group(3)), float(m.group(4))
         step = run["full_batch_decode_ms_p50"] or run["decode_ms_p50"]
+        dec = [x for x in rows if x["rank"] == "0" and int(x["rows"]) == int(x["seqs"]) and float(x["compute_s"]) > 0
+               and "tp_comm_s" in x]
+        dec = [x for x in dec if int(x["rows"]) == cc] or dec
+        if dec and tp > 1:
+            run["tp_comm_ms_p50"] = round(q([float(x["tp_comm_s"]) * 1e3 for x in dec], .5), 3)
+            run["tp_comm_share"] = round(q([float(x["tp_comm_s"]) / float(x["compute_s"]) for x in dec], .5), 4)
         run["moe_exchange"] = moe_form(tp, cc)
         for form in ("moe_gather", "moe_owner"):  # both forms of the experts' exchange, per layer
             us = bench.get(("nccl", form, cc * k * D * 2, tp))
@@ -492,16 +497,18 @@ if merged:
         w = csv.DictWriter(f, fieldnames=cols); w.writeheader(); w.writerows(merged)
 json.dump(summary, open(os.path.join(out, "multi_gpu.json"), "w"), indent=1)
 print("# %s" % summary["comm_note"])
-print("%-12s %5s %8s %8s %8s %10s %9s %9s %11s %11s" % ("layout", "conc", "steps", "ms_p50", "ms_p90", "full_p50",
-      "ITL_p50", "tok/s", "comm_ms", "comm_share"))
+print("%-12s %5s %8s %8s %8s %10s %9s %9s %11s %11s %11s" % ("layout", "conc", "steps", "ms_p50", "ms_p90",
+      "full_p50", "ITL_p50", "tok/s", "tp_comm_ms", "tp_share", "est_share"))
 for x in summary["runs"]:
     if "error" in x:
         print("%-12s %5d  %s" % (x["layout"], x["concurrency"], x["error"])); continue
-    cm = x.get("comm_est_ms_nccl", x.get("comm_est_ms_mpi-staged"))
     sh = x.get("comm_share_est_nccl", x.get("comm_share_est_mpi-staged"))
-    print("%-12s %5d %8d %8.2f %8.2f %10s %9s %9s %11s %11s" % (x["layout"], x["concurrency"], x["decode_steps_rank0"],
-          x["decode_ms_p50"], x["decode_ms_p90"], x["full_batch_decode_ms_p50"], (x.get("itl_ms_p50_p90_p99") or ["-"])[0],
-          x.get("generate_tok_per_s", "-"), "-" if cm is None else "%.3f" % cm, "-" if sh is None else "%.1f %%" % (100 * sh)))
+    tm, ts = x.get("tp_comm_ms_p50"), x.get("tp_comm_share")
+    print("%-12s %5d %8d %8.2f %8.2f %10s %9s %9s %11s %11s %11s" % (x["layout"], x["concurrency"],
+          x["decode_steps_rank0"], x["decode_ms_p50"], x["decode_ms_p90"], x["full_batch_decode_ms_p50"],
+          (x.get("itl_ms_p50_p90_p99") or ["-"])[0], x.get("generate_tok_per_s", "-"),
+          "-" if tm is None else "%.3f" % tm, "-" if ts is None else "%.1f %%" % (100 * ts),
+          "-" if sh is None else "%.1f %%" % (100 * sh)))
     if x.get("finish_length_eos_stopid") and x["finish_length_eos_stopid"][1]:
         print("#   %d sequence(s) stopped at EOS early: fewer sequences in the later steps" % x["finish_length_eos_stopid"][1])
 EOF

@@ -581,7 +581,7 @@ static void test_out_round_trip(void **state) {
     hid_t sd = H5Dopen2(f, "/trace/steps", H5P_DEFAULT), stype = H5Dget_type(sd);
     void *steps = read_ds(f, "/trace/steps", stype, 128, &ns);
     assert_int_equal(ns, 3);
-    assert_int_equal(H5Tget_nmembers(stype), 12);
+    assert_int_equal(H5Tget_nmembers(stype), 13); /* with tp_comm_s */
     free(steps);
     H5Tclose(stype);
     H5Dclose(sd);
@@ -752,6 +752,67 @@ static void test_out_rebuild(void **state) {
     assert_int_equal(unlink(jpath), 0);
     assert_int_equal(h5_out_open_resume(&o, lone, FP, 4, done), -1);
     assert_non_null(strstr(ds_err_get(), "without its journal"));
+}
+
+/* A journal written before the steps' tp_comm_s (record type 4, rows of 72 bytes) still resumes:
+ * its step rows are read (tp_comm_s 0) and the request records after them are not lost. The old
+ * record is spliced in after the header record of a fresh journal. */
+static void test_out_journal_v1_steps(void **state) {
+    (void)state;
+    const char *path = tmp_path("v1steps.h5");
+    char jpath[1100];
+    snprintf(jpath, sizeof jpath, "%s.journal", path);
+    struct h5_out o;
+    uint8_t done[6];
+    assert_int_equal(h5_out_create(&o, path, g_meta, FP, 6, true), 0);
+    for (int64_t i = 0; i < 3; i++) assert_int_equal(append_req(&o, i), 0);
+    h5_out_close(&o);
+    FILE *f = fopen(jpath, "rb");
+    assert_non_null(f);
+    static uint8_t j[1 << 20];
+    size_t n = fread(j, 1, sizeof j, f);
+    fclose(f);
+    uint64_t hlen;
+    memcpy(&hlen, j + 8, 8);
+    size_t head = 24 + (size_t)hlen; /* the header record */
+    struct {
+        int32_t run, rank, stage, tp, step, seqs, rows, pad;
+        double start_s, end_s, compute_s, comm_s, wait_s;
+    } v1[2] = {{.rank = 5, .step = 11, .seqs = 2, .compute_s = 0.25}, {.rank = 6, .step = 12, .seqs = 3, .wait_s = 0.5}};
+    assert_int_equal(sizeof v1, 144);
+    uint8_t rec[24 + sizeof v1];
+    uint32_t type = 4, zero = 0;
+    uint64_t len = sizeof v1, sum = 14695981039346656037ull;
+    memcpy(rec, &type, 4), memcpy(rec + 4, &zero, 4), memcpy(rec + 8, &len, 8), memcpy(rec + 16, v1, sizeof v1);
+    for (size_t i = 0; i < 16 + sizeof v1; i++) sum = (sum ^ rec[i]) * 1099511628211ull; /* FNV-1a */
+    memcpy(rec + 16 + sizeof v1, &sum, 8);
+    f = fopen(jpath, "wb");
+    fwrite(j, 1, head, f), fwrite(rec, 1, sizeof rec, f), fwrite(j + head, 1, n - head, f);
+    fclose(f);
+    assert_int_equal(h5_out_open_resume(&o, path, FP, 6, done), 0);
+    assert_int_equal(o.n_done, 3);
+    assert_int_equal(o.n_steps, 2);
+    for (int64_t i = 3; i < 6; i++) assert_int_equal(append_req(&o, i), 0);
+    assert_int_equal(h5_out_finish(&o), 0);
+    hid_t h = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT), d = H5Dopen2(h, "/trace/steps", H5P_DEFAULT);
+    struct {
+        int32_t step;
+        double compute_s, wait_s, tp_comm_s;
+    } got[2];
+    hid_t t = H5Tcreate(H5T_COMPOUND, sizeof got[0]);
+    H5Tinsert(t, "step", HOFFSET(__typeof__(got[0]), step), H5T_NATIVE_INT32);
+    H5Tinsert(t, "compute_s", HOFFSET(__typeof__(got[0]), compute_s), H5T_NATIVE_DOUBLE);
+    H5Tinsert(t, "wait_s", HOFFSET(__typeof__(got[0]), wait_s), H5T_NATIVE_DOUBLE);
+    H5Tinsert(t, "tp_comm_s", HOFFSET(__typeof__(got[0]), tp_comm_s), H5T_NATIVE_DOUBLE);
+    memset(got, 0xff, sizeof got);
+    assert_true(H5Dread(d, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, got) >= 0);
+    assert_int_equal(got[0].step, 11);
+    assert_int_equal(got[1].step, 12);
+    assert_true(got[0].compute_s == 0.25 && got[1].wait_s == 0.5);
+    assert_true(got[0].tp_comm_s == 0.0 && got[1].tp_comm_s == 0.0);
+    H5Tclose(t);
+    H5Dclose(d);
+    H5Fclose(h);
 }
 
 static void test_score_file(void **state) {
@@ -971,6 +1032,7 @@ int main(void) {
         cmocka_unit_test(test_out_round_trip),
         cmocka_unit_test(test_out_resume),
         cmocka_unit_test(test_out_rebuild),
+        cmocka_unit_test(test_out_journal_v1_steps),
         cmocka_unit_test(test_score_file),
         cmocka_unit_test(test_sigkill_between_appends),
         cmocka_unit_test(test_sigkill_anywhere),
