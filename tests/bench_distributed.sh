@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The 16-rank CPU job (TP8 x PP2 on the golden tp8pp2 model, as CI runs it): wall time, tokens/s,
-# and from the per-step trace how busy each pipeline stage is and how much of the time both stages
-# compute at once (micro-batches in flight). Writes results/cpu_16rank_tp8pp2.json and the trace
-# CSV next to it. Not a timed test: `bash tests/bench_distributed.sh` (2 cores oversubscribed 8x).
+# and from the per-step trace how busy each pipeline stage is, how much of the time both stages
+# compute at once (micro-batches in flight), and the TP collectives' part of the forwards (8 ranks
+# a core here: mostly waiting for peers that are not scheduled). Writes
+# results/cpu_16rank_tp8pp2.json and the trace CSV next to it. Not a timed test:
+# `bash tests/bench_distributed.sh` (2 cores oversubscribed 8x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GOLDEN=${GOLDEN:-../shared/golden}
@@ -47,6 +49,9 @@ out = {
     'stage0_busy_fraction': round(busy['0'] / span, 3), 'stage1_busy_fraction': round(busy['1'] / span, 3),
     'both_stages_busy_fraction': round(both / span, 3),
     'steps_stage0': len(ev0), 'steps_stage1': len(ev1),
+    # of the forwards' time, the part in TP collectives (tp_comm_s: waits for slower peers included)
+    'tp_comm_fraction_of_forward': round(sum(float(r['tp_comm_s']) for r in rows) /
+                                         sum(float(r['compute_s']) for r in rows), 3),
 }
 json.dump(out, open('results/cpu_16rank_tp8pp2.json', 'w'), indent=1)
 print(json.dumps(out, indent=1))
