@@ -187,6 +187,18 @@ static void op_wait(const struct comm_op *o, MPI_Request *req, MPI_Status *st) {
 /* ------------------------------------------------------------------------------------------------
  * Operations */
 
+/* k bytes whose extent is `extent` (a whole block): one piece of every rank's block in one
+ * collective, for transfers over MPI's int count. The base type may go at once (MPI keeps what the
+ * derived one needs). */
+static MPI_Datatype piece_type(size_t k, size_t extent) {
+    MPI_Datatype piece, strided;
+    CHECK_MPI(MPI_Type_contiguous((int)k, MPI_BYTE, &piece));
+    CHECK_MPI(MPI_Type_create_resized(piece, 0, (MPI_Aint)extent, &strided));
+    CHECK_MPI(MPI_Type_commit(&strided));
+    CHECK_MPI(MPI_Type_free(&piece));
+    return strided;
+}
+
 static void allgather_op(struct comm *c, const struct comm_op *o, const void *send, void *recv, size_t bytes) {
     MPI_Comm mc = priv_of(c)->comm;
     if (bytes == 0) return;
@@ -204,16 +216,12 @@ static void allgather_op(struct comm *c, const struct comm_op *o, const void *se
      * whole block, so rank r's piece lands at recv + off + r * bytes. */
     for (size_t off = 0; off < bytes; off += g_max_msg) {
         size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
-        MPI_Datatype piece, strided;
-        CHECK_MPI(MPI_Type_contiguous((int)k, MPI_BYTE, &piece));
-        CHECK_MPI(MPI_Type_create_resized(piece, 0, (MPI_Aint)bytes, &strided));
-        CHECK_MPI(MPI_Type_commit(&strided));
+        MPI_Datatype strided = piece_type(k, bytes);
         MPI_Request req;
         const void *s = in_place ? MPI_IN_PLACE : (const void *)((const char *)send + off);
         CHECK_MPI(MPI_Iallgather(s, in_place ? 0 : (int)k, MPI_BYTE, rbuf + off, 1, strided, mc, &req));
         op_wait(o, &req, NULL);
         CHECK_MPI(MPI_Type_free(&strided));
-        CHECK_MPI(MPI_Type_free(&piece));
     }
 }
 
@@ -248,15 +256,11 @@ static void alltoall_op(struct comm *c, const struct comm_op *o, const void *sen
     }
     for (size_t off = 0; off < bytes; off += g_max_msg) {
         size_t k = bytes - off < g_max_msg ? bytes - off : g_max_msg;
-        MPI_Datatype piece, strided;
-        CHECK_MPI(MPI_Type_contiguous((int)k, MPI_BYTE, &piece));
-        CHECK_MPI(MPI_Type_create_resized(piece, 0, (MPI_Aint)bytes, &strided));
-        CHECK_MPI(MPI_Type_commit(&strided));
+        MPI_Datatype strided = piece_type(k, bytes);
         MPI_Request req;
         CHECK_MPI(MPI_Ialltoall((const char *)send + off, 1, strided, (char *)recv + off, 1, strided, mc, &req));
         op_wait(o, &req, NULL);
         CHECK_MPI(MPI_Type_free(&strided));
-        CHECK_MPI(MPI_Type_free(&piece));
     }
 }
 
