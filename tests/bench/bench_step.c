@@ -90,6 +90,7 @@ struct args {
     bool exact;    /* --exact-linears: FP8/FP4 linears in the CPU's k order (default: tensor cores) */
     bool eager;    /* --eager: no graph segments (default: decode steps replay CUDA graphs) */
     bool range;    /* --profiler-range: the CUDA profiler collects the timed decode steps and prefills only */
+    enum moe_exchange moe_x; /* --moe-exchange auto|gather|owner: the experts' TP exchange form (model.h) */
 };
 
 static void usage(FILE *f) {
@@ -98,7 +99,7 @@ static void usage(FILE *f) {
             "                  [--layers N | --layers A-B] [--ctx 512] [--steps 8] [--batch 1,8,64,256]\n"
             "                  [--prefill 2048,8192] [--chunk 2048] [--engram-vocab 100000] [--seed 1]\n"
             "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--exact-linears]\n"
-            "                  [--eager] [--profiler-range]\n"
+            "                  [--eager] [--profiler-range] [--moe-exchange auto|gather|owner]\n"
             "  Times decode steps and prefill of TP rank 0 of pipeline stage 0 (the embedding stage) at the\n"
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
@@ -108,7 +109,9 @@ static void usage(FILE *f) {
             "  --chunk N       prefill chunk in tokens (0 = whole prompt; the context prefill then packs 2048)\n"
             "  --engram-vocab  start of the Engram prime search (sets the tables' rows; the release's is 16M)\n"
             "  --routing       balanced: each token's experts drawn uniformly (a trained router's balance; default);\n"
-            "                  model: the synthetic router's own, skewed choice\n");
+            "                  model: the synthetic router's own, skewed choice\n"
+            "  --moe-exchange  the experts' TP exchange (auto: owner from 4 MiB gathered); the stand-in comm's\n"
+            "                  copies are inside the step, the collectives' own time is not\n");
 }
 
 static long long parse_ll(const char *opt, const char *v, long long lo, long long hi) {
@@ -160,6 +163,12 @@ static void parse_args(int argc, char **argv, struct args *a) {
         if (i + 1 >= argc) ds_die("%s: needs a value (see --help)", k);
         const char *v = argv[++i];
         if (!strcmp(k, "--backend")) a->backend = v;
+        else if (!strcmp(k, "--moe-exchange")) {
+            if (!strcmp(v, "auto")) a->moe_x = MOE_EXCHANGE_AUTO;
+            else if (!strcmp(v, "gather")) a->moe_x = MOE_EXCHANGE_GATHER;
+            else if (!strcmp(v, "owner")) a->moe_x = MOE_EXCHANGE_OWNER;
+            else ds_die("--moe-exchange: auto, gather or owner, not '%s'", v);
+        }
         else if (!strcmp(k, "--device")) a->device = (int)parse_ll(k, v, 0, 1023);
         else if (!strcmp(k, "--preset")) a->preset = v;
         else if (!strcmp(k, "--csv")) a->csv = v;
@@ -559,8 +568,9 @@ static double row_flops(const struct bench *B, int64_t tokens, int64_t k, int64_
 /* The CSV's backend column: the backend and the switches that change its code path. */
 static const char *run_label(const struct args *a) {
     static char buf[64];
-    snprintf(buf, sizeof buf, "%s%s%s", a->backend, a->exact ? "-exact-linears" : "",
-             a->eager && !strcmp(a->backend, "cuda") ? "-eager" : "");
+    static const char *const moe[] = {"", "-moe-gather", "-moe-owner"};
+    snprintf(buf, sizeof buf, "%s%s%s%s", a->backend, a->exact ? "-exact-linears" : "",
+             a->eager && !strcmp(a->backend, "cuda") ? "-eager" : "", moe[a->moe_x]);
     return buf;
 }
 
@@ -682,6 +692,7 @@ int main(int argc, char **argv) {
     if (max_pre > eo.max_seq_len) eo.max_seq_len = max_pre;
     eo.tp = a.tp > 1 ? &tp : NULL;
     eo.graphs = !a.eager;
+    eo.moe_exchange = a.moe_x;
     t0 = now_s();
     B.m = model_new(&cfg, &mw, &be, &ec, &eo);
     be.ops->sync(&be);
