@@ -24,6 +24,7 @@ struct dist_opts {
     int64_t max_batch_tokens;  /* --max-batch-tokens: tokens per step and micro-batch (0 = no limit) */
     int n_stop_ids, stop_ids[64]; /* --stop-ids a,b,...: end a sequence besides EOS */
     bool quiet;                /* --quiet: no progress line */
+    bool logprobs;             /* the job records log-probabilities (else none is computed) */
     int64_t max_seq_len, min_len;
     int max_seqs;              /* sequence slots per DP replica */
 };
@@ -59,6 +60,7 @@ struct dist_engine {
     int64_t max_batch_tokens;
     int n_stop_ids, stop_ids[64];
     bool quiet;
+    bool logprobs; /* compute each drawn token's log-probability (dist_opts.logprobs) */
     struct trace_event *trace;
     int n_trace, cap_trace;
     double pend_wait;         /* wait time of the step being prepared (goes into its trace event) */

@@ -339,6 +339,7 @@ int cmd_generate(int argc, char **argv) {
     check_job_opts(&o, h5_out);
     struct dist_engine d;
     struct dist_opts dopt = o.dist;
+    dopt.logprobs = o.logprobs;
     dopt.max_seq_len = o.max_seq_len;
     dopt.max_seqs = o.max_seqs;
     dist_open(&d, o.model, &o.ef, &dopt);
@@ -498,11 +499,13 @@ int cmd_score(int argc, char **argv) {
             ev[nev] = (struct trace_event){.step = (int32_t)nev, .seqs = 1, .rows = (int32_t)len, .start = f0 - t0,
                                            .end = f1 - t0};
             nev++;
-            for (int64_t r = 0; r < len && start + r + 1 < p->n; r++) {
-                double lp = sampler_logprob(logits + (size_t)r * V, V, p->tokens[start + r + 1]);
-                nll -= lp;
-                lps[nl++] = lp;
-            }
+            /* each row's log-probability on the rank's threads (~1 ms a row over the vocabulary),
+             * then the sum in row order */
+            int64_t rows = len < p->n - 1 - start ? len : p->n - 1 - start;
+#pragma omp parallel for schedule(static) if (rows > 1)
+            for (int64_t r = 0; r < rows; r++)
+                lps[nl + r] = sampler_logprob(logits + (size_t)r * V, V, p->tokens[start + r + 1]);
+            for (int64_t r = 0; r < rows; r++) nll -= lps[nl++];
             if (isnan(tr.first_token_s)) tr.first_token_s = MPI_Wtime() - t0;
         }
         tr.last_token_s = MPI_Wtime() - t0;

@@ -1,0 +1,140 @@
+/* src/sampler.c against its first version, kept here as the oracle: a qsort of every index by
+ * (logit desc, id asc), the weights e^((x - max) / T) in double in that order, the sums and the
+ * draw sequential — and the log-probability's sequential sum over the row. The fast version (top-k
+ * by a bounded heap, top-p over radix-sorted values, the maximum in lanes) must give the same token
+ * and the same log-probability bits for every row free of NaN: rows built to tie (a handful of
+ * levels), with +0 and -0, -inf and +inf entries, sizes from 1 to the real vocabulary, every
+ * combination of temperature, top-k and top-p. Rows with NaN follow the new rule instead: a NaN
+ * entry is never drawn, and the log-probability over such a row is NaN. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sampler.h"
+
+static uint64_t g_rng = 0x243f6a8885a308d3ull;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+
+#include "sampler_ref.h"
+
+/* ---- rows ---- */
+
+enum row_kind { R_SPREAD, R_LEVELS, R_ZEROS, R_INF, R_PEAKED };
+
+static void make_row(float *x, int V, enum row_kind kind) {
+    for (int i = 0; i < V; i++) {
+        double u = (double)(rnd() >> 11) / 9007199254740992.0;
+        switch (kind) {
+        case R_SPREAD: x[i] = (float)(u * 30 - 15); break;
+        case R_LEVELS: x[i] = (float)((int)(u * 5)) * 0.75f - 1.5f; break; /* 5 values: long runs of ties */
+        case R_ZEROS: x[i] = u < 0.3 ? 0.0f : u < 0.6 ? -0.0f : (float)(u * 4 - 3); break;
+        case R_INF: x[i] = u < 0.2 ? -INFINITY : (float)(u * 8 - 4); break;
+        case R_PEAKED: x[i] = (float)(u * 6 - 20) + (i % 97 == 3 ? 25.0f : 0.0f); break; /* a trained model's shape */
+        }
+    }
+}
+
+static void check_rows(int V, int n_rows) {
+    static const float temps[] = {0.0f, 0.3f, 1.0f, 2.5f};
+    static const float top_ps[] = {1.0f, 0.95f, 0.5f, 0.0f};
+    int top_ks[] = {0, 1, 5, 50, V - 1, V, V + 3};
+    float *x = malloc(sizeof(float) * (size_t)V);
+    int cases = 0;
+    for (int r = 0; r < n_rows; r++) {
+        make_row(x, V, (enum row_kind)(r % 5));
+        for (int ti = 0; ti < 4; ti++)
+            for (int ki = 0; ki < 7; ki++)
+                for (int pi = 0; pi < 4; pi++) {
+                    if (top_ks[ki] < 0) continue;
+                    struct sample_params p = {.temperature = temps[ti], .top_k = top_ks[ki], .top_p = top_ps[pi],
+                                              .seed = 7 + (uint64_t)r};
+                    uint64_t req = (uint64_t)(r * 31 + ki), pos = (uint64_t)(pi * 5 + ti);
+                    int want = ref_pick(x, V, &p, req, pos), got = sampler_pick(x, V, &p, req, pos);
+                    if (want != got)
+                        fail_msg("V=%d row %d (kind %d) T=%g top_k=%d top_p=%g: token %d, the first version drew %d", V,
+                                 r, r % 5, p.temperature, p.top_k, p.top_p, got, want);
+                    cases++;
+                }
+        for (int k = 0; k < 4; k++) {
+            int tok = (int)(rnd() % (uint64_t)V);
+            double a = ref_logprob(x, V, tok), b = sampler_logprob(x, V, tok);
+            if (memcmp(&a, &b, sizeof a))
+                fail_msg("V=%d row %d: logprob of %d is %.17g, the first version's %.17g", V, r, tok, b, a);
+        }
+    }
+    assert_true(cases > 0);
+    free(x);
+}
+
+static void test_same_tokens_small(void **s) {
+    (void)s;
+    for (int V = 1; V <= 40; V += 3) check_rows(V, 10);
+    check_rows(1000, 10);
+}
+
+/* the real vocabulary (fewer rows: the oracle's qsort takes ~25 ms a row) */
+static void test_same_tokens_vocab(void **s) {
+    (void)s;
+    check_rows(129280, 5);
+}
+
+/* Temperature draws follow the distribution: 20,000 draws over 6 logits, each token's count
+ * within 5 standard deviations of its probability (a draw that ignored the weights, the
+ * temperature or the uniform would be far outside). */
+static void test_draw_distribution(void **s) {
+    (void)s;
+    float x[6] = {1.0f, 0.5f, -0.25f, 2.0f, 0.0f, -1.0f};
+    struct sample_params p = {.temperature = 0.7f, .seed = 11};
+    int count[6] = {0};
+    enum { N = 20000 };
+    for (int i = 0; i < N; i++) count[sampler_pick(x, 6, &p, 5, (uint64_t)i)]++;
+    double z = 0;
+    for (int i = 0; i < 6; i++) z += exp((x[i] - 2.0) / 0.7);
+    for (int i = 0; i < 6; i++) {
+        double pr = exp((x[i] - 2.0) / 0.7) / z, sd = sqrt(N * pr * (1 - pr));
+        if (fabs(count[i] - N * pr) > 5 * sd) fail_msg("token %d drawn %d times of %d, expected %.0f", i, count[i], N, N * pr);
+    }
+}
+
+/* NaN entries are never drawn; a NaN anywhere makes the log-probability NaN. */
+static void test_nan_rows(void **s) {
+    (void)s;
+    enum { V = 300 };
+    float x[V];
+    for (int r = 0; r < 20; r++) {
+        make_row(x, V, (enum row_kind)(r % 5));
+        for (int i = 0; i < V; i++)
+            if (rnd() % 4 == 0) x[i] = NAN;
+        x[0] = NAN; /* the first version's scan kept entry 0 when it was NaN */
+        for (int k = 0; k < 6; k++) {
+            struct sample_params p = {.temperature = k ? 0.5f * k : 0.0f, .top_k = k == 3 ? 4 : 0,
+                                      .top_p = k == 4 ? 0.8f : 1.0f, .seed = 3};
+            int t = sampler_pick(x, V, &p, (uint64_t)r, (uint64_t)k);
+            assert_true(t >= 0 && t < V);
+            if (isnan(x[t])) fail_msg("row %d, case %d: drew NaN entry %d", r, k, t);
+        }
+        assert_true(isnan(sampler_logprob(x, V, 1)));
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_same_tokens_small),
+        cmocka_unit_test(test_same_tokens_vocab),
+        cmocka_unit_test(test_draw_distribution),
+        cmocka_unit_test(test_nan_rows),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
