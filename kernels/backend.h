@@ -101,6 +101,12 @@ struct backend_ops {
      * segment's source or destination — so a backend may run them in any order or at once. */
     void (*copy_segs)(struct backend *be, const struct copy_seg *segs, int64_t n);
     void (*sync)(struct backend *be);
+    /* Host memory that downloads land in at the link's full rate (page-locked on a GPU), for the
+     * buffers a forward downloads into every step: the logits, [rows, vocab] fp32 (33 MB at 64
+     * rows). Always returns memory (pageable when the system will not lock that much); host_free
+     * releases it. Optional: NULL where plain malloc is as good (engine_host_alloc). */
+    void *(*host_alloc)(struct backend *be, size_t bytes);
+    void (*host_free)(struct backend *be, void *p);
     /* Make a host weight (pointing into the checkpoint mmap) usable by the backend; the CPU
      * backend keeps the host pointers. `dequant_bf16` asks for a bf16 copy of an FP8 weight
      * (wo_a: the reference dequantizes it to bf16 at load). */

@@ -520,7 +520,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     bool *inflight = ds_calloc((size_t)G, sizeof(bool));
     int32_t *tok_out = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
     double *lp_out = ds_malloc(sizeof(double) * (size_t)(S + 1));
-    float *logits = t->pp == 1 ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
+    float *logits = t->pp == 1 ? engine_host_alloc(&d->be, sizeof(float) * (size_t)S * V) : NULL;
     int next = t->dp_rank, done = 0, mine = 0;
     int64_t generated = 0;
     for (int i = t->dp_rank; i < n; i += t->dp)
@@ -650,7 +650,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     free(inflight);
     free(tok_out);
     free(lp_out);
-    free(logits);
+    if (logits) engine_host_free(&d->be, logits);
     free(sr);
     return rc;
 }
@@ -664,7 +664,7 @@ static int run_later_stage(struct dist_engine *d) {
     int S = model_max_seqs(d->m), V = c->vocab_size;
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
     double *lp = ds_malloc(sizeof(double) * (size_t)(S + 1));
-    float *logits = last ? ds_malloc(sizeof(float) * (size_t)S * V) : NULL;
+    float *logits = last ? engine_host_alloc(&d->be, sizeof(float) * (size_t)S * V) : NULL;
     /* the previous answer to stage 0, in flight while the next micro-batch is received */
     int64_t rh[2];
     int32_t *rtok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
@@ -710,7 +710,7 @@ static int run_later_stage(struct dist_engine *d) {
     mb_free(&b);
     free(tok);
     free(lp);
-    free(logits);
+    if (logits) engine_host_free(&d->be, logits);
     return rc;
 }
 

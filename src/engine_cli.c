@@ -1,6 +1,7 @@
 /* Engine switches and engine construction shared by the commands (see engine_cli.h). */
 #include "engine_cli.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "log.h"
@@ -51,6 +52,15 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
         return 1;
     }
     return 0;
+}
+
+void *engine_host_alloc(struct backend *be, size_t bytes) {
+    return be->ops->host_alloc ? be->ops->host_alloc(be, bytes) : ds_malloc(bytes);
+}
+
+void engine_host_free(struct backend *be, void *p) {
+    if (be->ops->host_free) be->ops->host_free(be, p);
+    else free(p);
 }
 
 const char *engine_backend_name(enum engine_backend b) { return b == ENGINE_BACKEND_CUDA ? "cuda" : "cpu"; }

@@ -32,6 +32,11 @@ const char *engine_backend_name(enum engine_backend b);
 void engine_backend_init(struct backend *be, const struct engine_flags *f, int device);
 void engine_backend_free(struct backend *be, const struct engine_flags *f);
 
+/* Host buffers the backend downloads into every step (backend_ops.host_alloc, else malloc); they
+ * must be released with engine_host_free before the backend goes. */
+void *engine_host_alloc(struct backend *be, size_t bytes);
+void engine_host_free(struct backend *be, void *p);
+
 /* If argv[*i] is an engine switch, consume it (and its value) and return 1; else 0. */
 int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f);
 

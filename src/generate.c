@@ -473,7 +473,7 @@ int cmd_score(int argc, char **argv) {
     int64_t rows = 1;
     for (int i = 0; i < np; i++) rows = ps[i].n > rows ? ps[i].n : rows;
     if (rows > o.chunk) rows = o.chunk;
-    float *logits = ds_malloc(sizeof(float) * (size_t)rows * V);
+    float *logits = engine_host_alloc(&be, sizeof(float) * (size_t)rows * V); /* downloaded into every chunk */
     struct trace_event *ev = NULL;
     int64_t nev = 0, cap_ev = 0;
     double t0 = MPI_Wtime();
@@ -539,7 +539,7 @@ int cmd_score(int argc, char **argv) {
     for (int i = 0; i < np; i++) cJSON_Delete(ps[i].id);
     free(ev);
     free(ps);
-    free(logits);
+    engine_host_free(&be, logits);
     engine_close(m, &lm, &be, &o.ef);
     if (!up) CHECK_MPI(MPI_Finalize());
     return 0;

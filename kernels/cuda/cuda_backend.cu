@@ -31,6 +31,7 @@
 extern "C" void *ds_malloc(size_t n);
 extern "C" void *ds_calloc(size_t n, size_t m);
 extern "C" void *ds_realloc(void *p, size_t n);
+extern "C" void log_warn(const char *fmt, ...);
 
 /* A prepared tensor: what release must undo. */
 enum prep_kind { PREP_DEVICE, PREP_REGISTERED, PREP_PINNED_COPY };
@@ -415,6 +416,32 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
 }
 
 static void *cu_alloc(struct backend *be, size_t bytes) { return cuda_be_scratch(be, bytes); }
+
+/* A download into pageable memory goes through the driver's staging copies (a fraction of the
+ * link's rate); page-locked memory takes the DMA directly. When the system will not lock that
+ * much, pageable memory still works, only slower (said once). */
+static void *cu_host_alloc(struct backend *be, size_t bytes) {
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    static int said;
+    if (!said++)
+        log_warn("cudaHostAlloc of %zu bytes failed (%s): the logits go to pageable memory (slower downloads)", bytes,
+                 cudaGetErrorString(e));
+    return ds_malloc(bytes);
+}
+
+static void cu_host_free(struct backend *be, void *p) {
+    if (!p) return;
+    unsigned int flags = 0;
+    if (cudaHostGetFlags(&flags, p) == cudaSuccess) { /* ours from cudaHostAlloc */
+        CUDA_CHECK(cudaFreeHost(p));
+        return;
+    }
+    (void)cudaGetLastError();
+    free(p);
+}
 static void *cu_scratch(struct backend *be, size_t bytes) { return cuda_be_scratch_raw(be, bytes); }
 static void cu_free(struct backend *be, void *p) { cuda_be_scratch_free(be, p); }
 
@@ -632,6 +659,8 @@ static const struct backend_ops cuda_ops = {
     .copy = cu_copy,
     .copy_segs = cu_copy_segs,
     .sync = cu_sync,
+    .host_alloc = cu_host_alloc,
+    .host_free = cu_host_free,
     .weight_prepare = cu_weight_prepare,
     .weight_release = cu_weight_release,
     .tensor_prepare = cu_tensor_prepare,
