@@ -42,8 +42,9 @@ struct mpi_priv {
     void *tmp;
     size_t tmp_cap;
     /* device staging: the backend whose pointers the ops receive (NULL: host buffers) and the
-     * host copy they go through, kept between calls like tmp */
-    struct backend *stage_be;
+     * host copy they go through, kept between calls like tmp: page-locked by the backend that
+     * allocated it (stage_owner's host_alloc), so the copies run at the link's rate */
+    struct backend *stage_be, *stage_owner;
     void *stage;
     size_t stage_cap;
 };
@@ -94,22 +95,31 @@ MPI_Comm comm_mpi_handle(const struct comm *c) {
     return priv_of(c)->comm;
 }
 
+/* Release the staging copy with what allocated it. */
+static void stage_release(struct mpi_priv *p) {
+    struct backend *o = p->stage_owner;
+    if (o && o->ops->host_free) o->ops->host_free(o, p->stage);
+    else free(p->stage);
+    p->stage = NULL;
+    p->stage_cap = 0;
+    p->stage_owner = NULL;
+}
+
 void comm_mpi_set_staging(struct comm *c, struct backend *be) {
     require_mpi(c, __func__);
     struct mpi_priv *p = priv_of(c);
+    /* back to host buffers, or another backend: the copy goes (the next is the new one's) */
+    if (p->stage && be != p->stage_owner) stage_release(p);
     p->stage_be = be;
-    if (!be) { /* back to host buffers: the copy is no longer needed */
-        free(p->stage);
-        p->stage = NULL;
-        p->stage_cap = 0;
-    }
 }
 
 /* The comm's host copy for a staged operation, grown (never shrunk) to `bytes`. */
 static void *stage_host(struct mpi_priv *p, size_t bytes) {
     if (p->stage_cap < bytes) {
-        free(p->stage);
-        p->stage = ds_malloc(bytes);
+        stage_release(p);
+        struct backend *be = p->stage_be;
+        p->stage = be->ops->host_alloc ? be->ops->host_alloc(be, bytes) : ds_malloc(bytes);
+        p->stage_owner = be;
         p->stage_cap = bytes;
     }
     return p->stage;
@@ -510,7 +520,7 @@ static void mpi_free(struct comm *c) {
     struct mpi_priv *p = priv_of(c);
     CHECK_MPI(MPI_Comm_free(&p->comm));
     free(p->tmp);
-    free(p->stage);
+    stage_release(p); /* before the backend goes: comm_mpi_set_staging says so */
     free(p);
     free(c);
 }

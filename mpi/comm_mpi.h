@@ -29,7 +29,8 @@ MPI_Comm comm_mpi_handle(const struct comm *c);
 
 /* Device staging (local, not collective): from now on every buffer handed to an op of `c` is a
  * pointer of backend `be` (be->ops->alloc memory). Each op downloads its input into a host buffer
- * that the comm owns and grows as needed, runs the usual MPI operation on it, and uploads the
+ * that the comm owns and grows as needed (page-locked by `be` where it can: host_alloc), runs
+ * the usual MPI operation on it, and uploads the
  * result (isend stages into a buffer of its own, freed by wait). Results are the same bits as the
  * host path: allreduce_sum still adds in rank order on the host. Ranks need not agree: staging
  * changes only where this rank's buffers live, not the bytes on the wire. be == NULL turns
