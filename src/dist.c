@@ -363,6 +363,24 @@ static void trace_comm(struct dist_engine *d, double seconds) {
     if (d->n_trace > 0) d->trace[d->n_trace - 1].comm += seconds;
 }
 
+/* Row-split draws: rank j of the TP group drew rows [j Rp, j Rp + Rp) (fewer at the end); one
+ * all-gather over the group's host comm gives every rank every row's token and log-probability,
+ * in row order (rank-major blocks are row order). */
+struct drawn {
+    int32_t tok, pad;
+    double lp;
+};
+static void draws_share(struct dist_engine *d, int n, int64_t r0, int64_t r1, int32_t *out, double *lp) {
+    struct comm *tc = d->topo.tp_comm;
+    int64_t Rp = (n + tc->size - 1) / tc->size;
+    struct drawn *mine = ds_calloc((size_t)Rp, sizeof *mine), *all = ds_malloc(sizeof *all * (size_t)(Rp * tc->size));
+    for (int64_t i = r0; i < r1; i++) mine[i - r0] = (struct drawn){.tok = out[i], .lp = lp[i]};
+    tc->ops->allgather(tc, mine, all, sizeof *mine * (size_t)Rp, "drawn tokens");
+    for (int i = 0; i < n; i++) out[i] = all[i].tok, lp[i] = all[i].lp;
+    free(mine);
+    free(all);
+}
+
 /* Run this rank's layers on the micro-batch; on the last stage also sample (out[i] = token or -1,
  * lp[i] its log-probability when the job records them, else 0). */
 static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double *lp, float *logits) {
@@ -382,15 +400,20 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     int V = c->vocab_size;
     /* the rows are independent (each draw is keyed by its request and position), so they are
      * drawn by the rank's threads, the same bits as one by one: a row over the whole vocabulary
-     * costs ~1 ms on the host (sampler.c), 64 of them more than a GPU decode step */
-#pragma omp parallel for schedule(dynamic, 1) if (b->n > 1)
-    for (int i = 0; i < b->n; i++) {
+     * costs ~1 ms on the host (sampler.c), 64 of them more than a GPU decode step. With row-split
+     * logits (model_logits_split) this rank holds rows [r0, r1) only and the TP group shares the
+     * draws out: each draws its rows, an all-gather hands everyone every row's token. */
+    int64_t r0, r1;
+    bool split = model_logits_split(d->m, b->n, &r0, &r1);
+#pragma omp parallel for schedule(dynamic, 1) if (r1 - r0 > 1)
+    for (int64_t i = r0; i < r1; i++) {
         const struct wire_seq *w = &b->ws[i];
         struct sample_params sp = {.temperature = w->temperature, .top_k = w->top_k, .top_p = w->top_p, .seed = w->seed};
-        const float *row = logits + (size_t)i * V;
+        const float *row = logits + (size_t)(i - r0) * V;
         out[i] = w->sample ? sampler_pick(row, V, &sp, (uint64_t)w->req, (uint64_t)(w->start + w->len)) : -1;
         lp[i] = out[i] >= 0 && d->logprobs ? sampler_logprob(row, V, out[i]) : 0.0;
     }
+    if (split) draws_share(d, b->n, r0, r1, out, lp);
     for (int i = 0; i < b->n && d->on_logits; i++)
         if (out[i] >= 0) d->on_logits(d->on_logits_ctx, b->ws[i].req, logits + (size_t)i * V, V);
     trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
@@ -768,6 +791,11 @@ int dist_forward_sync(void *ctx, const struct fwd_seq *seqs, int n, float *logit
 }
 
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
+    /* the last stage's TP ranks share a step's draws (model_set_split_logits) unless some rank
+     * keeps whole logits rows (--save-logits): every rank must choose alike */
+    int keep = d->on_logits != NULL, any = 0;
+    CHECK_MPI(MPI_Allreduce(&keep, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    model_set_split_logits(d->m, !any);
     struct results rs;
     results_init(d, &rs, reqs, n);
     int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk, &rs) : run_later_stage(d);

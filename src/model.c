@@ -527,6 +527,20 @@ static int64_t g_head_rows_max;
 
 int64_t model_head_rows_max(void) { return g_head_rows_max; }
 
+void model_set_split_logits(struct model *m, bool on) { m->split_logits = on; }
+
+bool model_logits_split(const struct model *m, int64_t R, int64_t *r0, int64_t *r1) {
+    int64_t P = m->tp_size;
+    if (!m->split_logits || P < 2 || R < P) {
+        *r0 = 0, *r1 = R;
+        return false;
+    }
+    int64_t Rp = (R + P - 1) / P;
+    *r0 = m->opt.tp->rank * Rp;
+    *r1 = *r0 + Rp < R ? *r0 + Rp : R;
+    return true;
+}
+
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
     int64_t r = 0;
     for (int i = 0; i < n; i++) r += seqs[i].all_logits ? seqs[i].len : 1;
@@ -852,16 +866,32 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         }
         seg_flush(m, &sl);
         seg_free(&sl);
-        /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows */
-        int64_t V = c->vocab_size, Vl = m->w->vocab_rows;
+        /* vocab-split head: each rank's [R, V/tp] columns gathered into whole rows; split
+         * (model_logits_split): rows padded to np * Rp, an all-to-all hands rank j every rank's
+         * columns of rows [j Rp, j Rp + Rp) (the padding rows are sent, never read) */
+        int64_t V = c->vocab_size, Vl = m->w->vocab_rows, r0, r1;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        float *lg = model_tmp(m, sizeof(float) * (size_t)(R * Vl));
-        float *full = model_tmp(m, sizeof(float) * (size_t)(R * V));
-        OPS->head(m->be, lg, hr, R, &m->w->head);
-        model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
-        OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));
-        model_tfree(m, lg);
-        model_tfree(m, full);
+        if (model_logits_split(m, R, &r0, &r1)) {
+            int64_t np = m->tp_size, Rp = (R + np - 1) / np;
+            float *lg = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np Rp, Vl] */
+            float *blk = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np][Rp, Vl] */
+            float *mine = model_tmp(m, sizeof(float) * (size_t)(Rp * V));      /* [Rp, V] */
+            OPS->head(m->be, lg, hr, R, &m->w->head);
+            m->opt.tp->ops->alltoall(m->opt.tp, lg, blk, sizeof(float) * (size_t)(Rp * Vl), "logits (row blocks)");
+            OPS->interleave(m->be, mine, blk, np, Rp, sizeof(float) * (size_t)Vl);
+            if (r1 > r0) OPS->download(m->be, logits, mine, sizeof(float) * (size_t)((r1 - r0) * V));
+            model_tfree(m, lg);
+            model_tfree(m, blk);
+            model_tfree(m, mine);
+        } else {
+            float *lg = model_tmp(m, sizeof(float) * (size_t)(R * Vl));
+            float *full = model_tmp(m, sizeof(float) * (size_t)(R * V));
+            OPS->head(m->be, lg, hr, R, &m->w->head);
+            model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
+            OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));
+            model_tfree(m, lg);
+            model_tfree(m, full);
+        }
         model_tfree(m, h);
         model_tfree(m, hr);
     }

@@ -135,6 +135,16 @@ int model_key_sync_apply(struct model *m, const uint8_t *buf, size_t len);
 
 /* Number of logits rows model_forward writes for this batch. */
 int64_t model_logits_rows(const struct fwd_seq *seqs, int n);
+
+/* Row-split logits (off by default): with TP and at least as many logits rows R as TP ranks, the
+ * last stage hands each TP rank only its block of rows, [r0, r1) with r0 = rank * ceil(R / tp),
+ * as whole rows (an all-to-all of the vocab-split head's columns instead of gathering every row
+ * on every rank: 1/tp of the bytes, and 1/tp of the download), so the ranks can draw a step's
+ * rows between them. Every rank of the TP group must set the same. */
+void model_set_split_logits(struct model *m, bool on);
+/* Whether a forward of R logits rows is split, and this rank's rows [*r0, *r1) (r0 may be >= R:
+ * none). Not split: false, and [0, R). */
+bool model_logits_split(const struct model *m, int64_t R, int64_t *r0, int64_t *r1);
 /* The most rows any forward of this process has passed to the head (its logits buffers are that
  * many rows x vocab): a debugging and test counter of the logits path's largest allocation. */
 int64_t model_head_rows_max(void);

@@ -63,6 +63,7 @@ struct model {
     struct fbuf fb[FB_N];          /* persistent segment-edge buffers (enum fbuf_id) */
     bool graph_open;               /* a graph segment is recording (model_graph_begin) */
     uint64_t serial;               /* this model's number among those of the process (graph keys) */
+    bool split_logits;             /* model_set_split_logits */
 };
 
 /* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes

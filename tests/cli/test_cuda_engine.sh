@@ -88,8 +88,10 @@ $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jso
 check "16 ranks TP8 x PP2 on the GPU give the tokens and logprobs of one GPU rank" \
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/six.jsonl"'
 # the experts' owner exchange on the GPU (pack and unpack interleaves, the column-block combine,
-# its own graph segment in decode steps); these small models pick the gather by default
-$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/own.jsonl" --max-seqs 4 \
+# its own graph segment in decode steps; these small models pick the gather by default), and with
+# 8 sequences a step (>= TP) the row-split logits: an all-to-all of the head's columns and the
+# draws shared out over the TP group (model_logits_split)
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/own.jsonl" --max-seqs 8 \
   --logprobs --tp 8 --pp 2 --backend cuda --quiet --moe-exchange owner 2>"$T/g16o.err"
-check "16 ranks TP8 x PP2 on the GPU with --moe-exchange owner give the tokens and logprobs of one GPU rank" \
+check "16 ranks TP8 x PP2 on the GPU, --moe-exchange owner, 8 sequences (row-split draws), give the tokens and logprobs of one GPU rank" \
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'

@@ -45,6 +45,24 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
   done
 done
 
+# TP8 with 8 sequences a step: every TP rank draws one row of the step (row-split logits,
+# model_logits_split: an all-to-all of the head's columns, the draws all-gathered), sampled
+python3 -c "
+import json,random
+r=random.Random(12)
+with open('$T/p10.jsonl','w') as f:
+    for i in range(10): f.write(json.dumps({'id':i,'tokens':[r.randrange(3,496) for _ in range(r.randrange(3,30))],'max_new_tokens':8})+'\n')
+"
+S="--temperature 0.9 --top-p 0.95 --top-k 40 --seed 5"
+"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p10.jsonl" --out "$T/r10.jsonl" --max-seqs 8 --logprobs $S 2>/dev/null
+$MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p10.jsonl" --out "$T/o10.jsonl" --max-seqs 8 \
+  --logprobs --tp 8 --pp 2 --watchdog 120 $S >"$T/log" 2>&1
+if [ $? -eq 0 ] && [ -s "$T/r10.jsonl" ] && cmp -s "$T/r10.jsonl" "$T/o10.jsonl"; then
+  ok "TP8 x PP2, 8 sequences a step (the TP ranks share the draws), sampled with top-k and top-p: bit-identical to one rank"
+else
+  nok "TP8 x PP2 with shared draws differs from one rank: $(grep -m1 error "$T/log")"
+fi
+
 # Engram tables served once per node (the default on many ranks) vs each rank's row slice + sum
 for e in service per-rank; do
   $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/e_$e.jsonl" --max-seqs 4 \
