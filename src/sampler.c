@@ -145,6 +145,37 @@ static void sort_desc(const float *x, int V, float *out, uint32_t *k0, uint32_t 
     if (va != out) memcpy(out, va, sizeof(float) * (size_t)V); /* three passes: the result is in tmp */
 }
 
+/* The drawn position among n values in draw order: weights e^((v - mx) / temp) in double, the
+ * top-p prefix (the smallest whose share reaches top_p), then the first position whose running
+ * sum exceeds u0 times the total — the first version's arithmetic, operation for operation. */
+static int draw_position(const float *val, int n, double mx, double temp, float top_p, double u0) {
+    double *pr = ds_malloc(sizeof(double) * (size_t)n), sum = 0;
+    for (int i = 0; i < n; i++) sum += pr[i] = exp(((double)val[i] - mx) / temp);
+    if (top_p > 0 && top_p < 1) {
+        double c = 0;
+        for (int i = 0; i < n; i++) {
+            c += pr[i] / sum;
+            if (c >= top_p) {
+                n = i + 1;
+                break;
+            }
+        }
+        sum = 0;
+        for (int i = 0; i < n; i++) sum += pr[i];
+    }
+    double u = u0 * sum, c = 0;
+    int pos = n - 1;
+    for (int i = 0; i < n; i++) {
+        c += pr[i];
+        if (u < c) {
+            pos = i;
+            break;
+        }
+    }
+    free(pr);
+    return pos;
+}
+
 int sampler_pick(const float *logits, int V, const struct sample_params *p, uint64_t request, uint64_t position) {
     int best;
     float fmx = row_max(logits, V, &best);
@@ -154,64 +185,21 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     if (p->top_k > 0 && p->top_k < V) {
         int *ids = ds_malloc(sizeof(int) * (size_t)p->top_k);
         int n = top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
-        double *pr = ds_malloc(sizeof(double) * (size_t)n), sum = 0;
-        for (int i = 0; i < n; i++) sum += pr[i] = exp(((double)logits[ids[i]] - mx) / temp);
-        if (p->top_p > 0 && p->top_p < 1) {
-            double c = 0;
-            for (int i = 0; i < n; i++) {
-                c += pr[i] / sum;
-                if (c >= p->top_p) {
-                    n = i + 1;
-                    break;
-                }
-            }
-            sum = 0;
-            for (int i = 0; i < n; i++) sum += pr[i];
-        }
-        double u = u0 * sum, c = 0;
-        int pick = ids[n - 1];
-        for (int i = 0; i < n; i++) {
-            c += pr[i];
-            if (u < c) {
-                pick = ids[i];
-                break;
-            }
-        }
-        free(pr);
+        float *val = ds_malloc(sizeof(float) * (size_t)n);
+        for (int i = 0; i < n; i++) val[i] = logits[ids[i]];
+        int pick = ids[draw_position(val, n, mx, temp, p->top_p, u0)];
+        free(val);
         free(ids);
         return pick;
     }
     /* every entry in play: their weights in descending order of the logits (the values alone fix
      * the weights and the sums; which id holds a value matters only for the drawn position) */
-    int n = V, pos = -1;
+    int n = V;
     float *val = ds_malloc(sizeof(float) * (size_t)V * 2);
     uint32_t *keys = ds_malloc(sizeof(uint32_t) * (size_t)V * 2);
     sort_desc(logits, V, val, keys, keys + V, val + V);
     while (n > 0 && val[n - 1] != val[n - 1]) n--; /* NaN entries sort last and are never drawn */
-    double *pr = ds_malloc(sizeof(double) * (size_t)n), sum = 0;
-    for (int i = 0; i < n; i++) sum += pr[i] = exp(((double)val[i] - mx) / temp);
-    if (p->top_p > 0 && p->top_p < 1) {
-        double c = 0;
-        for (int i = 0; i < n; i++) {
-            c += pr[i] / sum;
-            if (c >= p->top_p) {
-                n = i + 1;
-                break;
-            }
-        }
-        sum = 0;
-        for (int i = 0; i < n; i++) sum += pr[i];
-    }
-    double u = u0 * sum, c = 0;
-    for (int i = 0; i < n; i++) {
-        c += pr[i];
-        if (u < c) {
-            pos = i;
-            break;
-        }
-    }
-    if (pos < 0) pos = n - 1;
-    free(pr);
+    int pos = draw_position(val, n, mx, temp, p->top_p, u0);
     /* the id at sorted position pos: among the entries equal to its value (a contiguous run of
      * the sorted values), the one of that rank by id */
     float v = val[pos];
