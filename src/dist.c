@@ -32,6 +32,7 @@ enum { TAG_HDR = 11, TAG_SEQ, TAG_TOK, TAG_X, TAG_P, TAG_KEY, TAG_REPLY_HDR, TAG
 
 struct wire_seq {
     int32_t slot, len, req, top_k, all_logits, sample; /* sample: this chunk ends the prompt or decodes */
+    int32_t next, pad; /* score mode: the prompt's token after the chunk (-1: the chunk ends it) */
     int64_t start;
     uint64_t seed;
     float temperature, top_p;
@@ -117,6 +118,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     memcpy(d->stop_ids, o->stop_ids, sizeof d->stop_ids);
     d->quiet = o->quiet;
     d->logprobs = o->logprobs;
+    d->score = o->score;
     if (o->quiet) log_set_quiet(1);
     if (loader_open_config(&d->lm, dir)) ds_die_err();
     const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
@@ -370,13 +372,16 @@ struct drawn {
     int32_t tok, pad;
     double lp;
 };
-static void draws_share(struct dist_engine *d, int n, int64_t r0, int64_t r1, int32_t *out, double *lp) {
+static void draws_share(struct dist_engine *d, int64_t n, int64_t r0, int64_t r1, int32_t *out, double *lp) {
     struct comm *tc = d->topo.tp_comm;
     int64_t Rp = (n + tc->size - 1) / tc->size;
     struct drawn *mine = ds_calloc((size_t)Rp, sizeof *mine), *all = ds_malloc(sizeof *all * (size_t)(Rp * tc->size));
-    for (int64_t i = r0; i < r1; i++) mine[i - r0] = (struct drawn){.tok = out[i], .lp = lp[i]};
+    for (int64_t i = r0; i < r1; i++) mine[i - r0] = (struct drawn){.tok = out ? out[i] : -1, .lp = lp[i]};
     tc->ops->allgather(tc, mine, all, sizeof *mine * (size_t)Rp, "drawn tokens");
-    for (int i = 0; i < n; i++) out[i] = all[i].tok, lp[i] = all[i].lp;
+    for (int64_t i = 0; i < n; i++) {
+        if (out) out[i] = all[i].tok;
+        lp[i] = all[i].lp;
+    }
     free(mine);
     free(all);
 }
@@ -398,6 +403,23 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         return 0;
     }
     int V = c->vocab_size;
+    if (d->score) { /* every row scores the prompt's token after it (the chunk's last row: w->next) */
+        int64_t T = b->T, r0, r1, row = 0;
+        bool split = model_logits_split(d->m, T, &r0, &r1);
+        int32_t *target = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
+        for (int i = 0; i < b->n; i++) {
+            const struct wire_seq *w = &b->ws[i];
+            for (int64_t k = 0; k < w->len; k++, row++) target[row] = k + 1 < w->len ? b->tok[row + 1] : w->next;
+            out[i] = -1;
+        }
+#pragma omp parallel for schedule(static) if (r1 - r0 > 1)
+        for (int64_t r = r0; r < r1; r++)
+            lp[r] = target[r] >= 0 ? sampler_logprob(logits + (size_t)(r - r0) * V, V, target[r]) : 0.0;
+        if (split) draws_share(d, T, r0, r1, NULL, lp);
+        free(target);
+        trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
+        return 0;
+    }
     /* the rows are independent (each draw is keyed by its request and position), so they are
      * drawn by the rank's threads, the same bits as one by one: a row over the whole vocabulary
      * costs ~1 ms on the host (sampler.c), 64 of them more than a GPU decode step. With row-split
@@ -487,7 +509,7 @@ static void request_finished(struct dist_engine *d, struct results *rs, struct g
     *h = (struct result_hdr){.index = i, .n_out = q->n_out, .finish = q->finish, .admit_s = q->admit_s,
                              .first_s = q->first_s, .last_s = q->last_s};
     results_isend(d, rs, h, sizeof *h, TAG_RESULT);
-    results_isend(d, rs, q->out, sizeof(int32_t) * (size_t)q->n_out, TAG_RESULT_TOK);
+    if (!d->score) results_isend(d, rs, q->out, sizeof(int32_t) * (size_t)q->n_out, TAG_RESULT_TOK);
     results_isend(d, rs, q->lp, sizeof(double) * (size_t)q->n_out, TAG_RESULT_LP);
 }
 
@@ -510,12 +532,13 @@ static void results_poll(struct dist_engine *d, struct results *rs, struct gen_r
         CHECK_MPI(MPI_Recv(&h, (int)sizeof h, MPI_BYTE, src, TAG_RESULT, d->results_comm, MPI_STATUS_IGNORE));
         int replica = src / (t->pp * t->tp);
         if (h.index < 0 || h.index >= n || h.index % t->dp != replica || reqs[h.index].skip || h.n_out < 0 ||
-            h.n_out > reqs[h.index].max_new)
+            h.n_out > (d->score ? reqs[h.index].n - 1 : reqs[h.index].max_new))
             ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "result from another replica",
                      "a result that replica does not own (index, size or duplicate)");
         struct gen_request *q = &reqs[h.index];
-        CHECK_MPI(MPI_Recv(q->out, (int)(sizeof(int32_t) * (size_t)h.n_out), MPI_BYTE, src, TAG_RESULT_TOK,
-                           d->results_comm, MPI_STATUS_IGNORE));
+        if (!d->score)
+            CHECK_MPI(MPI_Recv(q->out, (int)(sizeof(int32_t) * (size_t)h.n_out), MPI_BYTE, src, TAG_RESULT_TOK,
+                               d->results_comm, MPI_STATUS_IGNORE));
         CHECK_MPI(MPI_Recv(q->lp, (int)(sizeof(double) * (size_t)h.n_out), MPI_BYTE, src, TAG_RESULT_LP,
                            d->results_comm, MPI_STATUS_IGNORE));
         q->n_out = h.n_out;
@@ -532,6 +555,38 @@ static void results_free(struct results *rs) {
     free(rs->hdr);
 }
 
+/* The host logits buffer for a step of `rows` rows, grown as needed (*cap rows now). */
+static float *logits_room(struct dist_engine *d, float *buf, int64_t *cap, int64_t rows) {
+    if (rows <= *cap) return buf;
+    if (buf) engine_host_free(&d->be, buf);
+    *cap = rows;
+    return engine_host_alloc(&d->be, sizeof(float) * (size_t)rows * (size_t)d->lm.cfg.vocab_size);
+}
+
+/* Score mode: the rows of a micro-batch's reply go to their prompts' positions; a prompt whose
+ * last chunk this was is finished. */
+static void scored_rows(struct dist_engine *d, struct results *rs, struct gen_request *reqs, struct slot_run *sr,
+                        const struct mb *b, const double *lp, double now, int *done, int64_t *scored) {
+    int64_t row = 0;
+    for (int i = 0; i < b->n; i++) {
+        const struct wire_seq *w = &b->ws[i];
+        struct gen_request *q = &reqs[w->req];
+        for (int64_t k = 0; k < w->len; k++)
+            if (w->start + k + 1 < q->n) q->lp[w->start + k] = lp[row + k];
+        row += w->len;
+        *scored += w->len;
+        if (isnan(q->first_s)) q->first_s = now;
+        q->last_s = now;
+        if (w->start + w->len >= q->n) {
+            q->n_out = q->n - 1;
+            q->finish = GEN_FINISH_LENGTH;
+            sr[w->slot].req = -1;
+            (*done)++;
+            request_finished(d, rs, reqs, w->req);
+        }
+    }
+}
+
 static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk, struct results *rs) {
     struct topo *t = &d->topo;
     const struct model_config *c = &d->lm.cfg;
@@ -541,9 +596,16 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     for (int s = 0; s < S; s++) sr[s].req = -1;
     struct mb *mbs = ds_calloc((size_t)G, sizeof *mbs);
     bool *inflight = ds_calloc((size_t)G, sizeof(bool));
+    /* rows of a step's reply: one a sequence, or in score mode every row of its chunks */
+    int64_t rows_max = S, logits_cap = 0;
+    if (d->score) {
+        rows_max = (int64_t)S * chunk;
+        if (d->max_batch_tokens > 0 && d->max_batch_tokens < rows_max) rows_max = d->max_batch_tokens;
+    }
     int32_t *tok_out = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
-    double *lp_out = ds_malloc(sizeof(double) * (size_t)(S + 1));
-    float *logits = t->pp == 1 ? engine_host_alloc(&d->be, sizeof(float) * (size_t)S * V) : NULL;
+    double *lp_out = ds_malloc(sizeof(double) * (size_t)(rows_max + 1));
+    float *logits = t->pp == 1 ? logits_room(d, NULL, &logits_cap, rows_max) : NULL;
+    (void)V;
     int next = t->dp_rank, done = 0, mine = 0;
     int64_t generated = 0;
     for (int i = t->dp_rank; i < n; i += t->dp)
@@ -557,7 +619,8 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
             int64_t h[2];
             pp->ops->recv(pp, h, sizeof h, t->pp - 1, TAG_REPLY_HDR, "pipeline reply");
             pp->ops->recv(pp, tok_out, sizeof(int32_t) * (size_t)h[0], t->pp - 1, TAG_REPLY_TOK, "pipeline reply");
-            pp->ops->recv(pp, lp_out, sizeof(double) * (size_t)h[0], t->pp - 1, TAG_REPLY_LP, "pipeline reply");
+            pp->ops->recv(pp, lp_out, sizeof(double) * (size_t)(d->score ? b->T : h[0]), t->pp - 1, TAG_REPLY_LP,
+                          "pipeline reply");
             if (h[1]) {
                 uint8_t *key = ds_malloc((size_t)h[1]);
                 pp->ops->recv(pp, key, (size_t)h[1], t->pp - 1, TAG_REPLY_KEY, "pipeline key sync");
@@ -569,6 +632,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
         }
         /* tok_out holds this group's tokens: received just now, or sampled inline (pp == 1) */
         double now = MPI_Wtime() - d->t0;
+        if (d->score) scored_rows(d, rs, reqs, sr, b, lp_out, now, &done, &generated);
         for (int i = 0; i < b->n; i++) {
             if (tok_out[i] < 0) continue;
             struct gen_request *q = &reqs[b->ws[i].req];
@@ -601,7 +665,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
             for (int s = g; s < S; s += G) {
                 if (pass == 1 && sr[s].req < 0 && left > 0) {
                     /* skipped (recorded by an earlier run) and zero-length requests take no slot */
-                    while (next < n && (reqs[next].skip || reqs[next].max_new == 0)) {
+                    while (next < n && (reqs[next].skip || (d->score ? reqs[next].n < 2 : reqs[next].max_new == 0))) {
                         struct gen_request *z = &reqs[next];
                         if (!z->skip) {
                             z->finish = GEN_FINISH_LENGTH;
@@ -622,6 +686,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
                 if (sr[s].req < 0) continue;
                 struct gen_request *q = &reqs[sr[s].req];
                 bool decoding = sr[s].fed >= q->n;
+                if (d->score && decoding) continue; /* its last chunk's reply is on the way */
                 if (decoding != (pass == 0) || (decoding && left < 1)) continue;
                 int64_t len = 1, start = q->n + q->n_out - 1;
                 if (!decoding) {
@@ -635,7 +700,9 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
                 struct wire_seq *w = &b->ws[b->n++];
                 *w = (struct wire_seq){.slot = s, .req = sr[s].req, .top_k = q->sp.top_k, .seed = q->sp.seed,
                                        .temperature = q->sp.temperature, .top_p = q->sp.top_p, .start = start,
-                                       .len = (int32_t)len, .sample = start + len >= q->n};
+                                       .len = (int32_t)len, .sample = !d->score && start + len >= q->n,
+                                       .all_logits = d->score,
+                                       .next = d->score && start + len < q->n ? q->tokens[start + len] : -1};
                 b->T += len;
                 left -= len;
             }
@@ -684,10 +751,12 @@ static int run_later_stage(struct dist_engine *d) {
     struct comm *pp = t->pp_comm;
     bool last = t->pp_rank == t->pp - 1;
     struct mb b = {0};
-    int S = model_max_seqs(d->m), V = c->vocab_size;
+    int S = model_max_seqs(d->m);
+    /* log-probabilities a reply carries: one a sequence, or in score mode one a row (grown) */
+    int64_t cap_lp = S, cap_rlp = S, logits_cap = 0;
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
     double *lp = ds_malloc(sizeof(double) * (size_t)(S + 1));
-    float *logits = last ? engine_host_alloc(&d->be, sizeof(float) * (size_t)S * V) : NULL;
+    float *logits = last ? logits_room(d, NULL, &logits_cap, S) : NULL;
     /* the previous answer to stage 0, in flight while the next micro-batch is received */
     int64_t rh[2];
     int32_t *rtok = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
@@ -698,6 +767,9 @@ static int run_later_stage(struct dist_engine *d) {
     for (double w0 = MPI_Wtime(); rc == 0 && mb_recv(pp, t->pp_rank - 1, &b, c); w0 = MPI_Wtime()) {
         d->pend_wait += MPI_Wtime() - w0;
         comm_set_context(t->pp_rank, step++);
+        int64_t nlp = d->score ? b.T : b.n;
+        if (last && nlp > cap_lp) lp = ds_realloc(lp, sizeof(double) * (size_t)((cap_lp = nlp) + 1));
+        if (last) logits = logits_room(d, logits, &logits_cap, d->score ? b.T : S);
         if (mb_forward(d, &b, tok, lp, logits)) {
             rc = -1;
             break;
@@ -712,13 +784,14 @@ static int run_later_stage(struct dist_engine *d) {
         rh[0] = b.n;
         rh[1] = (int64_t)b.key_len;
         memcpy(rtok, tok, sizeof(int32_t) * (size_t)b.n);
-        memcpy(rlp, lp, sizeof(double) * (size_t)b.n);
+        if (nlp > cap_rlp) rlp = ds_realloc(rlp, sizeof(double) * (size_t)((cap_rlp = nlp) + 1)); /* not in flight now */
+        memcpy(rlp, lp, sizeof(double) * (size_t)nlp);
         free(rkey);
         rkey = b.key; /* handed over: mb_recv allocates a fresh one */
         b.key = NULL;
         rq[0] = pp->ops->isend(pp, rh, sizeof rh, 0, TAG_REPLY_HDR, "pipeline reply");
         rq[1] = pp->ops->isend(pp, rtok, sizeof(int32_t) * (size_t)b.n, 0, TAG_REPLY_TOK, "pipeline reply");
-        rq[2] = pp->ops->isend(pp, rlp, sizeof(double) * (size_t)b.n, 0, TAG_REPLY_LP, "pipeline reply");
+        rq[2] = pp->ops->isend(pp, rlp, sizeof(double) * (size_t)nlp, 0, TAG_REPLY_LP, "pipeline reply");
         if (rh[1]) rq[3] = pp->ops->isend(pp, rkey, (size_t)rh[1], 0, TAG_REPLY_KEY, "pipeline key sync");
         trace_comm(d, MPI_Wtime() - c0);
     }

@@ -25,6 +25,7 @@ struct dist_opts {
     int n_stop_ids, stop_ids[64]; /* --stop-ids a,b,...: end a sequence besides EOS */
     bool quiet;                /* --quiet: no progress line */
     bool logprobs;             /* the job records log-probabilities (else none is computed) */
+    bool score;                /* score the prompts (dist_generate's score mode) instead of generating */
     int64_t max_seq_len, min_len;
     int max_seqs;              /* sequence slots per DP replica */
 };
@@ -61,6 +62,7 @@ struct dist_engine {
     int n_stop_ids, stop_ids[64];
     bool quiet;
     bool logprobs; /* compute each drawn token's log-probability (dist_opts.logprobs) */
+    bool score;    /* dist_opts.score */
     struct trace_event *trace;
     int n_trace, cap_trace;
     double pend_wait;         /* wait time of the step being prepared (goes into its trace event) */
@@ -92,8 +94,9 @@ struct gen_request {
     const int32_t *tokens;
     int64_t n, max_new;
     struct sample_params sp;
-    int32_t *out; /* [max_new], filled on world rank 0 after dist_generate */
-    double *lp;   /* [max_new] log-probability of each generated token under the model (temperature 1) */
+    int32_t *out; /* [max_new], filled on world rank 0 after dist_generate (score mode: unused) */
+    double *lp;   /* [max_new] log-probability of each generated token under the model (temperature 1);
+                   * score mode: [n - 1], lp[k] = log p(tokens[k + 1] | tokens[0..k]) */
     int64_t n_out;
     int finish;   /* enum gen_finish */
     bool skip;    /* already recorded by an earlier run (resume): neither generated nor reported */
@@ -102,7 +105,10 @@ struct gen_request {
     double admit_s, first_s, last_s;
 };
 
-/* Generate every request (all ranks pass the same list); results land on world rank 0.
+/* Generate every request (all ranks pass the same list); results land on world rank 0. In score
+ * mode (dist_opts.score) every prompt runs as prefill chunks only, each chunk's rows all give
+ * logits, the last stage turns row k into the log-probability of the prompt's token k + 1, and a
+ * request ends with its last chunk: n_out = n - 1 values in lp.
  * chunk: prefill chunk size. A request's sampling stream is keyed by its index in the list, so
  * pass every prompt of a job (skipped ones too) to keep its tokens whatever else runs.
  * Returns 0 or -1 (ds_err_set). */

@@ -246,7 +246,7 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
             h5io_set_zstd_level((int)lv);
         }
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
-        else if (!score && dist_flag_parse(argc, argv, &i, &o->dist)) continue;
+        else if (dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {
             printf("usage: dsbatch %s --model DIR --prompts P.jsonl|P.h5 --out R.jsonl|R.h5 [--max-new-tokens N]\n"
                    "       [--max-seqs N] [--max-seq-len N] [--chunk N] [--temperature T] [--top-k K] [--top-p P]\n"
@@ -429,6 +429,45 @@ int cmd_generate(int argc, char **argv) {
     return 0;
 }
 
+/* A scored prompt, on world rank 0 as it finishes: into the HDF5 output at once (the NLL summed
+ * in position order, as one rank always did). */
+static void score_done(void *ctx, int index, const struct gen_request *q) {
+    double nll = 0;
+    for (int64_t k = 0; k < q->n_out; k++) nll -= q->lp[k];
+    struct h5_request_trace tr = {.admit_s = q->admit_s, .first_token_s = q->first_s, .last_token_s = q->last_s,
+                                  .prompt_tokens = q->n};
+    job_out_scored(ctx, index, q->lp, q->n_out, nll, &tr);
+}
+
+/* The JSONL output of score, in input order (world rank 0, at the end). */
+static void write_score_jsonl(const struct gen_opts *o, struct prompt *ps, const struct gen_request *rq, int np) {
+    char tmp[1100];
+    FILE *f = open_out(o->out, tmp, sizeof tmp);
+    for (int i = 0; i < np; i++) {
+        double nll = 0;
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddItemToObject(j, "id", ps[i].id);
+        ps[i].id = NULL;
+        cJSON *a = cJSON_AddArrayToObject(j, "token_logprobs");
+        for (int64_t k = 0; k < rq[i].n_out; k++) {
+            nll -= rq[i].lp[k];
+            cJSON_AddItemToArray(a, cJSON_CreateNumber(rq[i].lp[k]));
+        }
+        cJSON_AddNumberToObject(j, "nll", nll);
+        cJSON_AddNumberToObject(j, "n_tokens", (double)(ps[i].n - 1));
+        char *txt = cJSON_PrintUnformatted(j);
+        fprintf(f, "%s\n", txt);
+        free(txt);
+        cJSON_Delete(j);
+    }
+    close_out(f, tmp, o->out);
+}
+
+/* Scoring runs on the distributed engine like generate (dist_generate's score mode), so a model
+ * that needs 16 GPUs scores on 16 ranks: each prompt goes through as prefill chunks of every row's
+ * logits, and the last stage turns row k into log p(token k + 1 | tokens 0..k). One sequence slot
+ * a replica (max-seqs 1), so a step holds at most one chunk of rows: the logits never take more than
+ * --chunk rows x vocab, whatever the prompt's length. */
 int cmd_score(int argc, char **argv) {
     struct gen_opts o;
     parse_gen_opts(argc, argv, &o, true);
@@ -436,111 +475,75 @@ int cmd_score(int argc, char **argv) {
     o.max_seqs = 1;
     bool h5_out = job_out_is_h5(o.out);
     check_job_opts(&o, h5_out);
-    /* MPI only to tell a one-rank run from a job: every rank of a job would score every prompt
-     * into the same output */
-    int up = 0, world = 1;
-    MPI_Initialized(&up);
-    if (!up) CHECK_MPI(MPI_Init(NULL, NULL));
-    CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world));
-    if (world > 1)
-        ds_die("score runs on one rank (this job has %d): run it without mpirun, or with -np 1", world);
-    struct loaded_model lm;
-    struct backend be;
-    struct model *m = engine_open(&lm, &be, o.model, &o.ef, o.max_seq_len, 0, o.max_seqs);
-    o.max_seq_len = model_max_seq_len(m);
+    struct dist_engine d;
+    struct dist_opts dopt = o.dist;
+    dopt.score = true;
+    dopt.logprobs = true;
+    dopt.max_seq_len = o.max_seq_len;
+    dopt.max_seqs = o.max_seqs;
+    dist_open(&d, o.model, &o.ef, &dopt);
+    struct topo *t = &d.topo;
+    bool rank0 = t->world_rank == 0;
+    o.max_seq_len = model_max_seq_len(d.m);
     int np;
     struct tokenizer *tk = NULL;
-    struct prompt *ps = load_prompts(&o, MPI_COMM_SELF, &lm.cfg, &tk, true, &np);
+    struct prompt *ps = load_prompts(&o, MPI_COMM_WORLD, &d.lm.cfg, &tk, true, &np);
     tok_free(tk);
-    int V = lm.cfg.vocab_size;
-    struct job_out jo = {0};
-    FILE *f = NULL;
-    char tmp[1100];
-    if (h5_out) {
-        char host[64] = "?";
-        gethostname(host, sizeof host - 1);
-        char *hosts = job_hosts(NULL, host);
-        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &lm.cfg, .hosts = hosts};
-        job_out_open(&jo, NULL, true, o.out, H5_OUT_SCORE, o.resume, true, &jd, np);
-        free(hosts);
-        if (o.resume && jo.n_resumed)
-            log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
-                     (long long)jo.n_resumed, np);
-    } else {
-        f = open_out(o.out, tmp, sizeof tmp);
-    }
-    /* the logits buffer: one chunk of rows at most, fewer when every prompt is shorter */
-    int64_t rows = 1;
-    for (int i = 0; i < np; i++) rows = ps[i].n > rows ? ps[i].n : rows;
-    if (rows > o.chunk) rows = o.chunk;
-    float *logits = engine_host_alloc(&be, sizeof(float) * (size_t)rows * V); /* downloaded into every chunk */
-    struct trace_event *ev = NULL;
-    int64_t nev = 0, cap_ev = 0;
-    double t0 = MPI_Wtime();
+    struct gen_request *rq = ds_calloc((size_t)np + 1, sizeof *rq);
     for (int i = 0; i < np; i++) {
-        struct prompt *p = &ps[i];
-        if (h5_out && jo.done[i]) {
-            free(p->tokens);
-            continue;
-        }
-        struct h5_request_trace tr = {.admit_s = MPI_Wtime() - t0, .first_token_s = NAN, .prompt_tokens = p->n};
-        model_reset_slot(m, 0);
-        double *lps = ds_malloc(sizeof(double) * (size_t)p->n);
-        int64_t nl = 0;
-        double nll = 0;
-        /* row r of a chunk predicts token start+r+1: the chunk's logits are consumed at once */
-        for (int64_t start = 0; start < p->n; start += o.chunk) {
-            int64_t len = p->n - start < o.chunk ? p->n - start : o.chunk;
-            struct fwd_seq s = {.slot = 0, .start = start, .len = len, .tokens = p->tokens + start, .all_logits = true};
-            double f0 = MPI_Wtime();
-            if (model_forward(m, &s, 1, logits, NULL)) ds_die_err();
-            double f1 = MPI_Wtime();
-            if (nev == cap_ev) ev = ds_realloc(ev, sizeof *ev * (size_t)(cap_ev = cap_ev ? 2 * cap_ev : 256));
-            ev[nev] = (struct trace_event){.step = (int32_t)nev, .seqs = 1, .rows = (int32_t)len, .start = f0 - t0,
-                                           .end = f1 - t0};
-            nev++;
-            /* each row's log-probability on the rank's threads (~1 ms a row over the vocabulary),
-             * then the sum in row order */
-            int64_t rows = len < p->n - 1 - start ? len : p->n - 1 - start;
-#pragma omp parallel for schedule(static) if (rows > 1)
-            for (int64_t r = 0; r < rows; r++)
-                lps[nl + r] = sampler_logprob(logits + (size_t)r * V, V, p->tokens[start + r + 1]);
-            for (int64_t r = 0; r < rows; r++) nll -= lps[nl++];
-            if (isnan(tr.first_token_s)) tr.first_token_s = MPI_Wtime() - t0;
-        }
-        tr.last_token_s = MPI_Wtime() - t0;
-        if (h5_out) {
-            job_out_scored(&jo, i, lps, nl, nll, &tr);
-        } else {
-            cJSON *j = cJSON_CreateObject();
-            cJSON_AddItemToObject(j, "id", p->id);
-            p->id = NULL;
-            cJSON *a = cJSON_AddArrayToObject(j, "token_logprobs");
-            for (int64_t k = 0; k < nl; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(lps[k]));
-            cJSON_AddNumberToObject(j, "nll", nll);
-            cJSON_AddNumberToObject(j, "n_tokens", (double)(p->n - 1));
-            char *s = cJSON_PrintUnformatted(j);
-            fprintf(f, "%s\n", s);
-            free(s);
-            cJSON_Delete(j);
-        }
-        free(lps);
-        free(p->tokens);
+        rq[i] = (struct gen_request){.tokens = ps[i].tokens, .n = ps[i].n, .max_new = 0, .sp = ps[i].sp};
+        rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].n + 1));
     }
+    struct job_out jo = {0};
     if (h5_out) {
-        job_out_steps(&jo, ev, nev);
-        job_out_finish(&jo, NULL, false, NULL);
-    } else {
-        close_out(f, tmp, o.out);
+        char *table = topo_rank_table(t), *hosts = job_hosts(t->world, t->host);
+        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &d.lm.cfg, .rank_table = table, .hosts = hosts};
+        job_out_open(&jo, t->world, rank0, o.out, H5_OUT_SCORE, o.resume, true, &jd, np);
+        free(table);
+        free(hosts);
+        for (int i = 0; i < np; i++) rq[i].skip = jo.done[i] != 0;
+        if (rank0) {
+            d.on_done = score_done;
+            d.on_done_ctx = &jo;
+            if (o.resume && jo.n_resumed)
+                log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
+                         (long long)jo.n_resumed, np);
+        }
     }
-    if (o.report_logits_rows)
-        printf("logits rows: at most %lld per forward (chunk %lld, buffer %lld rows x vocab %d)\n",
-               (long long)model_head_rows_max(), (long long)o.chunk, (long long)rows, V);
-    for (int i = 0; i < np; i++) cJSON_Delete(ps[i].id);
-    free(ev);
+    double t_start = MPI_Wtime();
+    if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
+    double t_run = MPI_Wtime() - t_start;
+    if (o.trace && dist_trace_write(&d, o.trace)) ds_die_err();
+    if (h5_out) {
+        struct trace_event *ev;
+        int64_t nev;
+        dist_trace_gather(&d, &ev, &nev);
+        if (rank0) job_out_steps(&jo, ev, nev);
+        free(ev);
+    }
+    /* the head's largest forward over every rank (it runs on the last stage) */
+    long long head_rows = model_head_rows_max(), head_max = 0;
+    CHECK_MPI(MPI_Allreduce(&head_rows, &head_max, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
+    if (rank0) {
+        int64_t scored = 0;
+        int ran = 0;
+        for (int i = 0; i < np; i++)
+            if (!rq[i].skip) scored += rq[i].n_out, ran++;
+        log_info("scored %lld tokens of %d prompts in %.2f s: %.1f tok/s", (long long)scored, ran, t_run,
+                 (double)scored / t_run);
+    }
+    if (h5_out) job_out_finish(&jo, NULL, false, NULL);
+    else if (rank0) write_score_jsonl(&o, ps, rq, np);
+    if (o.report_logits_rows && rank0)
+        printf("logits rows: at most %lld per forward (chunk %lld, max-seqs %d)\n", head_max, (long long)o.chunk,
+               o.max_seqs);
+    for (int i = 0; i < np; i++) {
+        cJSON_Delete(ps[i].id);
+        free(ps[i].tokens);
+        free(rq[i].lp);
+    }
     free(ps);
-    engine_host_free(&be, logits);
-    engine_close(m, &lm, &be, &o.ef);
-    if (!up) CHECK_MPI(MPI_Finalize());
+    free(rq);
+    dist_close(&d);
     return 0;
 }

@@ -232,6 +232,17 @@ def cmd_scores_h5(args):  # OUT.h5 N_TOKENS: a score output's layout
     st = f["trace/steps"][:]
     print("score output: %d logprobs, nll %.3f, %d steps of at most %d rows" % (n, s["nll"][0], len(st), st["rows"].max()))
 
+def cmd_scores_same(args):  # A.h5 B.h5: the same prompts scored, bit for bit (rows in any order)
+    def load(path):
+        s = h5py.File(path, "r")["scores"]
+        idx, off, lp, nll = s["prompt_index"][:], s["offsets"][:], s["logprobs"][:], s["nll"][:]
+        return {int(p): (lp[off[r]:off[r + 1]].tobytes(), nll[r].tobytes()) for r, p in enumerate(idx)}
+    a, b = load(args[0]), load(args[1])
+    assert a.keys() == b.keys() and len(a) > 0, (sorted(a), sorted(b))
+    bad = [p for p in a if a[p] != b[p]]
+    assert not bad, "prompts scored differently: %s" % bad
+    print("%d prompts, %d logprobs: identical" % (len(a), sum(len(v[0]) // 8 for v in a.values())))
+
 globals()["cmd_" + sys.argv[1].replace("-", "_")](sys.argv[2:])
 EOF
 
@@ -371,6 +382,23 @@ check "resume, 16 ranks: the resumed file has bit-identical tokens and logprobs 
   '[ $? -eq 0 ] && [ $rc -eq 0 ] && [ ! -e "$T/k16.h5.journal" ]' "rc=$rc $(grep -m3 error "$T/log"; cat "$T/py.out")"
 sed 's/^/# /' "$T/py.out"
 
+# score through the same kill and resume (one rank; --chunk 2 makes it long enough to kill)
+S=(--model "$M" --prompts "$T/W.h5" --quiet --chunk 2)
+t0=$(now)
+"$DSBATCH" score "${S[@]}" --out "$T/sfull.h5" 2>"$T/err" || nok "uninterrupted score run" "$(cat "$T/err")"
+"$DSBATCH" score "${S[@]}" --out "$T/sk.h5" 2>"$T/err" &
+pid=$!
+c=$(wait_recorded "$T/sk.h5.journal" 2 $pid)
+kill -9 $pid 2>/dev/null
+wait $pid 2>/dev/null
+rc=$?
+"$DSBATCH" score "${S[@]}" --out "$T/sk.h5" --resume 2>"$T/err"
+rc2=$?
+"${H5PY[@]}" scores-same "$T/sfull.h5" "$T/sk.h5" >"$T/py.out" 2>&1
+check "score: SIGKILL after $c of 48 prompts were recorded, --resume completes the file: $(tail -1 "$T/py.out") ($(since "$t0") s)" \
+  '[ $rc -eq 137 ] && [ "$c" -ge 2 ] && [ "$c" -lt 48 ] && [ $rc2 -eq 0 ] && grep -q identical "$T/py.out"' \
+  "rc=$rc rc2=$rc2 $(cat "$T/err" "$T/py.out")"
+
 # ---------------------------------------------------------------- (d) score = log-softmax of the engine's logits
 "$PY" - "$T" <<'EOF'
 import json, random, sys
@@ -439,11 +467,24 @@ check "score of a 4,000-token prompt with --chunk 256: the head never sees more 
   '[ $rc -eq 0 ] && [ -n "$rows" ] && [ "$rows" -le 256 ] && [ "$rows" -ge 1 ] && grep -q "^score output" "$T/py.out"' \
   "rc=$rc $(cat "$T/out" "$T/err" "$T/py.out")"
 sed 's/^/# /' "$T/out" "$T/py.out"
-"${MPIRUN[@]}" -np 2 "$DSBATCH" score --model "$T/tiny2" --prompts "$T/long.h5" --out "$T/s2.h5" >"$T/log" 2>&1
+# score on 16 ranks (TP8 x PP2: the model a single GPU cannot hold scores the same way): the same
+# logprobs and NLL as one rank, bit for bit, and the 4,000-token prompt's bound on every rank
+t0=$(now)
+"$DSBATCH" score --model "$T/m16" --prompts "$T/P.h5" --out "$T/sc1.h5" --quiet 2>"$T/err"
+"${MPIRUN[@]}" -np 16 "$DSBATCH" score --model "$T/m16" --prompts "$T/P.h5" --out "$T/sc16.h5" --quiet --watchdog 120 \
+  >"$T/log" 2>&1
 rc=$?
-n=$(grep -c "score runs on one rank" "$T/log")
-check "score under mpirun -np 2: one error per rank, no output" '[ $rc -ne 0 ] && [ "$n" -eq 2 ] && [ ! -e "$T/s2.h5" ]' \
-  "$(cat "$T/log")"
+"${H5PY[@]}" scores-same "$T/sc1.h5" "$T/sc16.h5" >"$T/py.out" 2>&1
+check "score on 16 ranks (TP8 x PP2) = one rank: $(tail -1 "$T/py.out") ($(since "$t0") s)" \
+  '[ $rc -eq 0 ] && grep -q "identical" "$T/py.out"' "rc=$rc $(grep -m2 error "$T/log"; cat "$T/py.out")"
+"${MPIRUN[@]}" -np 2 "$DSBATCH" score --model "$T/tiny2" --prompts "$T/long.h5" --out "$T/s2.h5" --chunk 256 --tp 2 \
+  --report-logits-rows --quiet >"$T/out2" 2>"$T/log"
+rc=$?
+rows2=$(sed -n 's/^logits rows: at most \([0-9]*\) per forward.*/\1/p' "$T/out2")
+"${H5PY[@]}" scores-same "$T/long_score.h5" "$T/s2.h5" >"$T/py.out" 2>&1
+check "score of the 4,000-token prompt on 2 ranks (TP2): the same 3999 logprobs, at most ${rows2:-?} rows a forward on any rank" \
+  '[ $rc -eq 0 ] && grep -q identical "$T/py.out" && [ -n "$rows2" ] && [ "$rows2" -le 256 ]' \
+  "rc=$rc $(grep -m2 error "$T/log"; cat "$T/out2" "$T/py.out")"
 
 # ---------------------------------------------------------------- (f) bad input
 "$PY" - "$T" <<'EOF' >"$T/py.out" 2>&1
