@@ -95,3 +95,9 @@ $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jso
   --logprobs --tp 8 --pp 2 --backend cuda --quiet --moe-exchange owner 2>"$T/g16o.err"
 check "16 ranks TP8 x PP2 on the GPU, --moe-exchange owner, 8 sequences (row-split draws), give the tokens and logprobs of one GPU rank" \
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'
+# score on the distributed engine: every row's log-probability, split over the TP ranks
+"$DSBATCH" score --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/sc1.jsonl" --backend cuda --chunk 16 2>/dev/null
+$MPIRUN -np 16 "$DSBATCH" score --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/sc16.jsonl" --tp 8 --pp 2 \
+  --backend cuda --chunk 16 --quiet 2>"$T/s16.err"
+check "score on 16 ranks TP8 x PP2 on the GPU gives one GPU rank's log-probabilities" \
+  '[ -s "$T/sc1.jsonl" ] && cmp -s "$T/sc1.jsonl" "$T/sc16.jsonl"'
