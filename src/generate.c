@@ -332,6 +332,39 @@ static void check_job_opts(const struct gen_opts *o, bool h5_out) {
         ds_die("--save-logits is a debug option whose rows live in memory until the job ends; it cannot be resumed");
 }
 
+/* The HDF5 output of a generate or score job (collective: the rank table and host list for
+ * /meta, then rank 0 opens it): prompts recorded by an earlier run are skipped, and rank 0 records
+ * each request as it finishes (on_done). */
+static void h5_job_open(struct job_out *jo, struct dist_engine *d, const struct gen_opts *o, int argc, char **argv,
+                        enum h5_out_kind kind, bool logprobs, struct gen_request *rq, int np, gen_done_fn on_done) {
+    struct topo *t = &d->topo;
+    bool rank0 = t->world_rank == 0;
+    char *table = topo_rank_table(t), *hosts = job_hosts(t->world, t->host);
+    struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &d->lm.cfg, .rank_table = table, .hosts = hosts};
+    job_out_open(jo, t->world, rank0, o->out, kind, o->resume, logprobs, &jd, np);
+    free(table);
+    free(hosts);
+    for (int i = 0; i < np; i++) rq[i].skip = jo->done[i] != 0;
+    if (rank0) {
+        d->on_done = on_done;
+        d->on_done_ctx = jo;
+        if (o->resume && jo->n_resumed)
+            log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o->out,
+                     (long long)jo->n_resumed, np);
+    }
+}
+
+/* The step traces after the run (collective): --trace's CSV, and the HDF5 output's /trace/steps. */
+static void job_traces(struct dist_engine *d, const struct gen_opts *o, struct job_out *jo) {
+    if (o->trace && dist_trace_write(d, o->trace)) ds_die_err();
+    if (!jo) return;
+    struct trace_event *ev;
+    int64_t nev;
+    dist_trace_gather(d, &ev, &nev);
+    if (d->topo.world_rank == 0) job_out_steps(jo, ev, nev);
+    free(ev);
+}
+
 int cmd_generate(int argc, char **argv) {
     struct gen_opts o;
     parse_gen_opts(argc, argv, &o, false);
@@ -372,22 +405,7 @@ int cmd_generate(int argc, char **argv) {
         rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].max_new + 1));
     }
     struct job_out jo = {0};
-    if (h5_out) {
-        /* collective: the rank table and host list for /meta, then rank 0 opens the output */
-        char *table = topo_rank_table(t), *hosts = job_hosts(t->world, t->host);
-        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &d.lm.cfg, .rank_table = table, .hosts = hosts};
-        job_out_open(&jo, t->world, rank0, o.out, H5_OUT_GENERATE, o.resume, o.logprobs, &jd, np);
-        free(table);
-        free(hosts);
-        for (int i = 0; i < np; i++) rq[i].skip = jo.done[i] != 0;
-        if (rank0) {
-            d.on_done = job_out_on_done;
-            d.on_done_ctx = &jo;
-            if (o.resume && jo.n_resumed)
-                log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
-                         (long long)jo.n_resumed, np);
-        }
-    }
+    if (h5_out) h5_job_open(&jo, &d, &o, argc, argv, H5_OUT_GENERATE, o.logprobs, rq, np, job_out_on_done);
     struct logit_rows lr = {0};
     if (o.save_logits && rank0) {
         logit_rows_init(&lr, np, V);
@@ -397,14 +415,7 @@ int cmd_generate(int argc, char **argv) {
     double t_start = MPI_Wtime();
     if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
     double t_gen = MPI_Wtime() - t_start;
-    if (o.trace && dist_trace_write(&d, o.trace)) ds_die_err();
-    if (h5_out) {
-        struct trace_event *ev;
-        int64_t nev;
-        dist_trace_gather(&d, &ev, &nev);
-        if (rank0) job_out_steps(&jo, ev, nev);
-        free(ev);
-    }
+    job_traces(&d, &o, h5_out ? &jo : NULL);
     if (rank0) {
         int64_t gen = 0, pin = 0;
         int ran = 0;
@@ -495,32 +506,11 @@ int cmd_score(int argc, char **argv) {
         rq[i].lp = ds_malloc(sizeof(double) * (size_t)(ps[i].n + 1));
     }
     struct job_out jo = {0};
-    if (h5_out) {
-        char *table = topo_rank_table(t), *hosts = job_hosts(t->world, t->host);
-        struct job_desc jd = {.argc = argc, .argv = argv, .cfg = &d.lm.cfg, .rank_table = table, .hosts = hosts};
-        job_out_open(&jo, t->world, rank0, o.out, H5_OUT_SCORE, o.resume, true, &jd, np);
-        free(table);
-        free(hosts);
-        for (int i = 0; i < np; i++) rq[i].skip = jo.done[i] != 0;
-        if (rank0) {
-            d.on_done = score_done;
-            d.on_done_ctx = &jo;
-            if (o.resume && jo.n_resumed)
-                log_info("resuming %s: %lld of %d prompts recorded by earlier runs are skipped", o.out,
-                         (long long)jo.n_resumed, np);
-        }
-    }
+    if (h5_out) h5_job_open(&jo, &d, &o, argc, argv, H5_OUT_SCORE, true, rq, np, score_done);
     double t_start = MPI_Wtime();
     if (dist_generate(&d, rq, np, o.chunk)) ds_die_err();
     double t_run = MPI_Wtime() - t_start;
-    if (o.trace && dist_trace_write(&d, o.trace)) ds_die_err();
-    if (h5_out) {
-        struct trace_event *ev;
-        int64_t nev;
-        dist_trace_gather(&d, &ev, &nev);
-        if (rank0) job_out_steps(&jo, ev, nev);
-        free(ev);
-    }
+    job_traces(&d, &o, h5_out ? &jo : NULL);
     /* the head's largest forward over every rank (it runs on the last stage) */
     long long head_rows = model_head_rows_max(), head_max = 0;
     CHECK_MPI(MPI_Allreduce(&head_rows, &head_max, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
