@@ -215,6 +215,7 @@ static struct prompt *load_prompts(const struct gen_opts *o, MPI_Comm comm, cons
 
 static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score) {
     *o = (struct gen_opts){.max_new = 16, .max_seqs = 8, .chunk = 512, .sp = {.temperature = 0, .top_p = 1}};
+    if (score) o->max_seqs = 1; /* a step of one prompt's chunk: the logits never exceed --chunk rows */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && (i++, 1))
@@ -476,14 +477,15 @@ static void write_score_jsonl(const struct gen_opts *o, struct prompt *ps, const
 
 /* Scoring runs on the distributed engine like generate (dist_generate's score mode), so a model
  * that needs 16 GPUs scores on 16 ranks: each prompt goes through as prefill chunks of every row's
- * logits, and the last stage turns row k into log p(token k + 1 | tokens 0..k). One sequence slot
- * a replica (max-seqs 1), so a step holds at most one chunk of rows: the logits never take more than
- * --chunk rows x vocab, whatever the prompt's length. */
+ * logits, and the last stage turns row k into log p(token k + 1 | tokens 0..k). By default one
+ * sequence slot a replica (--max-seqs 1), so a step holds at most one chunk of rows: the logits
+ * never take more than --chunk rows x vocab, whatever the prompt's length; --max-seqs N puts the
+ * chunks of N prompts in a step (up to N x --chunk rows, or --max-batch-tokens), for sets of short
+ * prompts. The engine is batch-invariant, so the values do not depend on N. */
 int cmd_score(int argc, char **argv) {
     struct gen_opts o;
     parse_gen_opts(argc, argv, &o, true);
     o.max_new = 0;
-    o.max_seqs = 1;
     bool h5_out = job_out_is_h5(o.out);
     check_job_opts(&o, h5_out);
     struct dist_engine d;

@@ -472,10 +472,10 @@ sed 's/^/# /' "$T/out" "$T/py.out"
 t0=$(now)
 "$DSBATCH" score --model "$T/m16" --prompts "$T/P.h5" --out "$T/sc1.h5" --quiet 2>"$T/err"
 "${MPIRUN[@]}" -np 16 "$DSBATCH" score --model "$T/m16" --prompts "$T/P.h5" --out "$T/sc16.h5" --quiet --watchdog 120 \
-  >"$T/log" 2>&1
+  --max-seqs 3 >"$T/log" 2>&1
 rc=$?
 "${H5PY[@]}" scores-same "$T/sc1.h5" "$T/sc16.h5" >"$T/py.out" 2>&1
-check "score on 16 ranks (TP8 x PP2) = one rank: $(tail -1 "$T/py.out") ($(since "$t0") s)" \
+check "score on 16 ranks (TP8 x PP2), 3 prompts a step = one rank, one prompt a step: $(tail -1 "$T/py.out") ($(since "$t0") s)" \
   '[ $rc -eq 0 ] && grep -q "identical" "$T/py.out"' "rc=$rc $(grep -m2 error "$T/log"; cat "$T/py.out")"
 "${MPIRUN[@]}" -np 2 "$DSBATCH" score --model "$T/tiny2" --prompts "$T/long.h5" --out "$T/s2.h5" --chunk 256 --tp 2 \
   --report-logits-rows --quiet >"$T/out2" 2>"$T/log"
