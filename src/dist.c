@@ -572,9 +572,8 @@ static void scored_rows(struct dist_engine *d, struct results *rs, struct gen_re
         const struct wire_seq *w = &b->ws[i];
         struct gen_request *q = &reqs[w->req];
         for (int64_t k = 0; k < w->len; k++)
-            if (w->start + k + 1 < q->n) q->lp[w->start + k] = lp[row + k];
+            if (w->start + k + 1 < q->n) q->lp[w->start + k] = lp[row + k], (*scored)++;
         row += w->len;
-        *scored += w->len;
         if (isnan(q->first_s)) q->first_s = now;
         q->last_s = now;
         if (w->start + w->len >= q->n) {
