@@ -119,6 +119,7 @@ void dist_open(struct dist_engine *d, const char *dir, const struct engine_flags
     d->quiet = o->quiet;
     d->logprobs = o->logprobs;
     d->score = o->score;
+    d->whole_logits = o->whole_logits;
     if (o->quiet) log_set_quiet(1);
     if (loader_open_config(&d->lm, dir)) ds_die_err();
     const int *counts = o->pp_counts[0] ? o->pp_counts : NULL;
@@ -590,7 +591,7 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     struct topo *t = &d->topo;
     const struct model_config *c = &d->lm.cfg;
     struct comm *pp = t->pp_comm;
-    int S = model_max_seqs(d->m), G = t->pp < S ? t->pp : S, V = c->vocab_size;
+    int S = model_max_seqs(d->m), G = t->pp < S ? t->pp : S;
     struct slot_run *sr = ds_calloc((size_t)S, sizeof *sr);
     for (int s = 0; s < S; s++) sr[s].req = -1;
     struct mb *mbs = ds_calloc((size_t)G, sizeof *mbs);
@@ -604,7 +605,6 @@ static int run_stage0(struct dist_engine *d, struct gen_request *reqs, int n, in
     int32_t *tok_out = ds_malloc(sizeof(int32_t) * (size_t)(S + 1));
     double *lp_out = ds_malloc(sizeof(double) * (size_t)(rows_max + 1));
     float *logits = t->pp == 1 ? logits_room(d, NULL, &logits_cap, rows_max) : NULL;
-    (void)V;
     int next = t->dp_rank, done = 0, mine = 0;
     int64_t generated = 0;
     for (int i = t->dp_rank; i < n; i += t->dp)
@@ -863,11 +863,9 @@ int dist_forward_sync(void *ctx, const struct fwd_seq *seqs, int n, float *logit
 }
 
 int dist_generate(struct dist_engine *d, struct gen_request *reqs, int n, int64_t chunk) {
-    /* the last stage's TP ranks share a step's draws (model_set_split_logits) unless some rank
-     * keeps whole logits rows (--save-logits): every rank must choose alike */
-    int keep = d->on_logits != NULL, any = 0;
-    CHECK_MPI(MPI_Allreduce(&keep, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-    model_set_split_logits(d->m, !any);
+    /* the last stage's TP ranks share a step's draws (model_set_split_logits) unless a rank keeps
+     * whole logits rows (--save-logits; the option is every rank's, so all choose alike) */
+    model_set_split_logits(d->m, !d->whole_logits);
     struct results rs;
     results_init(d, &rs, reqs, n);
     int rc = d->topo.pp_rank == 0 ? run_stage0(d, reqs, n, chunk, &rs) : run_later_stage(d);

@@ -26,6 +26,7 @@ struct dist_opts {
     bool quiet;                /* --quiet: no progress line */
     bool logprobs;             /* the job records log-probabilities (else none is computed) */
     bool score;                /* score the prompts (dist_generate's score mode) instead of generating */
+    bool whole_logits;         /* a rank keeps whole logits rows (--save-logits): no row-split draws */
     int64_t max_seq_len, min_len;
     int max_seqs;              /* sequence slots per DP replica */
 };
@@ -63,6 +64,7 @@ struct dist_engine {
     bool quiet;
     bool logprobs; /* compute each drawn token's log-probability (dist_opts.logprobs) */
     bool score;    /* dist_opts.score */
+    bool whole_logits; /* dist_opts.whole_logits */
     struct trace_event *trace;
     int n_trace, cap_trace;
     double pend_wait;         /* wait time of the step being prepared (goes into its trace event) */

@@ -6,6 +6,13 @@
 
 #include "log.h"
 
+enum moe_exchange engine_moe_exchange_parse(const char *v) {
+    if (!strcmp(v, "auto")) return MOE_EXCHANGE_AUTO;
+    if (!strcmp(v, "gather")) return MOE_EXCHANGE_GATHER;
+    if (!strcmp(v, "owner")) return MOE_EXCHANGE_OWNER;
+    ds_die("--moe-exchange: '%s' is not one of auto, gather, owner", v);
+}
+
 int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
     if (!strcmp(argv[*i], "--no-stale-index-keys")) {
         f->no_stale_keys = true;
@@ -30,15 +37,7 @@ int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f) {
         return 1;
     }
     if (!strcmp(argv[*i], "--moe-exchange") && *i + 1 < argc) {
-        const char *v = argv[++*i];
-        if (!strcmp(v, "auto"))
-            f->moe_exchange = MOE_EXCHANGE_AUTO;
-        else if (!strcmp(v, "gather"))
-            f->moe_exchange = MOE_EXCHANGE_GATHER;
-        else if (!strcmp(v, "owner"))
-            f->moe_exchange = MOE_EXCHANGE_OWNER;
-        else
-            ds_die("--moe-exchange: '%s' is not one of auto, gather, owner", v);
+        f->moe_exchange = engine_moe_exchange_parse(argv[++*i]);
         return 1;
     }
     if (!strcmp(argv[*i], "--backend") && *i + 1 < argc) {

@@ -37,6 +37,9 @@ void engine_backend_free(struct backend *be, const struct engine_flags *f);
 void *engine_host_alloc(struct backend *be, size_t bytes);
 void engine_host_free(struct backend *be, void *p);
 
+/* --moe-exchange's value (dies with one error line on anything else). */
+enum moe_exchange engine_moe_exchange_parse(const char *v);
+
 /* If argv[*i] is an engine switch, consume it (and its value) and return 1; else 0. */
 int engine_flag_parse(int argc, char **argv, int *i, struct engine_flags *f);
 

@@ -333,6 +333,19 @@ static void check_job_opts(const struct gen_opts *o, bool h5_out) {
         ds_die("--save-logits is a debug option whose rows live in memory until the job ends; it cannot be resumed");
 }
 
+/* The engine of a generate or score job (dist_open with the job's options); o->max_seq_len then
+ * holds the engine's positions per sequence. */
+static void job_engine_open(struct dist_engine *d, struct gen_opts *o, bool score) {
+    struct dist_opts dopt = o->dist;
+    dopt.score = score;
+    dopt.logprobs = score || o->logprobs;
+    dopt.whole_logits = o->save_logits;
+    dopt.max_seq_len = o->max_seq_len;
+    dopt.max_seqs = o->max_seqs;
+    dist_open(d, o->model, &o->ef, &dopt);
+    o->max_seq_len = model_max_seq_len(d->m);
+}
+
 /* The HDF5 output of a generate or score job (collective: the rank table and host list for
  * /meta, then rank 0 opens it): prompts recorded by an earlier run are skipped, and rank 0 records
  * each request as it finishes (on_done). */
@@ -372,14 +385,9 @@ int cmd_generate(int argc, char **argv) {
     bool h5_out = job_out_is_h5(o.out);
     check_job_opts(&o, h5_out);
     struct dist_engine d;
-    struct dist_opts dopt = o.dist;
-    dopt.logprobs = o.logprobs;
-    dopt.max_seq_len = o.max_seq_len;
-    dopt.max_seqs = o.max_seqs;
-    dist_open(&d, o.model, &o.ef, &dopt);
+    job_engine_open(&d, &o, false);
     struct topo *t = &d.topo;
     bool rank0 = t->world_rank == 0;
-    o.max_seq_len = model_max_seq_len(d.m);
     int np, V = d.lm.cfg.vocab_size;
     struct tokenizer *tk = NULL;
     struct prompt *ps = load_prompts(&o, MPI_COMM_WORLD, &d.lm.cfg, &tk, false, &np);
@@ -489,15 +497,9 @@ int cmd_score(int argc, char **argv) {
     bool h5_out = job_out_is_h5(o.out);
     check_job_opts(&o, h5_out);
     struct dist_engine d;
-    struct dist_opts dopt = o.dist;
-    dopt.score = true;
-    dopt.logprobs = true;
-    dopt.max_seq_len = o.max_seq_len;
-    dopt.max_seqs = o.max_seqs;
-    dist_open(&d, o.model, &o.ef, &dopt);
+    job_engine_open(&d, &o, true);
     struct topo *t = &d.topo;
     bool rank0 = t->world_rank == 0;
-    o.max_seq_len = model_max_seq_len(d.m);
     int np;
     struct tokenizer *tk = NULL;
     struct prompt *ps = load_prompts(&o, MPI_COMM_WORLD, &d.lm.cfg, &tk, true, &np);

@@ -871,27 +871,22 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
          * columns of rows [j Rp, j Rp + Rp) (the padding rows are sent, never read) */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows, r0, r1;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        if (model_logits_split(m, R, &r0, &r1)) {
-            int64_t np = m->tp_size, Rp = (R + np - 1) / np;
-            float *lg = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np Rp, Vl] */
+        bool split = model_logits_split(m, R, &r0, &r1);
+        int64_t np = m->tp_size, Rp = split ? (R + np - 1) / np : R; /* whole rows this rank gets */
+        float *lg = model_tmp(m, sizeof(float) * (size_t)((split ? np * Rp : R) * Vl)); /* [R or np Rp, Vl] */
+        float *rows = model_tmp(m, sizeof(float) * (size_t)(Rp * V));                   /* [Rp, V] */
+        OPS->head(m->be, lg, hr, R, &m->w->head);
+        if (split) {
             float *blk = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np][Rp, Vl] */
-            float *mine = model_tmp(m, sizeof(float) * (size_t)(Rp * V));      /* [Rp, V] */
-            OPS->head(m->be, lg, hr, R, &m->w->head);
             m->opt.tp->ops->alltoall(m->opt.tp, lg, blk, sizeof(float) * (size_t)(Rp * Vl), "logits (row blocks)");
-            OPS->interleave(m->be, mine, blk, np, Rp, sizeof(float) * (size_t)Vl);
-            if (r1 > r0) OPS->download(m->be, logits, mine, sizeof(float) * (size_t)((r1 - r0) * V));
-            model_tfree(m, lg);
+            OPS->interleave(m->be, rows, blk, np, Rp, sizeof(float) * (size_t)Vl);
             model_tfree(m, blk);
-            model_tfree(m, mine);
         } else {
-            float *lg = model_tmp(m, sizeof(float) * (size_t)(R * Vl));
-            float *full = model_tmp(m, sizeof(float) * (size_t)(R * V));
-            OPS->head(m->be, lg, hr, R, &m->w->head);
-            model_tp_gather_cols(m, full, lg, R, sizeof(float) * (size_t)Vl, "logits");
-            OPS->download(m->be, logits, full, sizeof(float) * (size_t)(R * V));
-            model_tfree(m, lg);
-            model_tfree(m, full);
+            model_tp_gather_cols(m, rows, lg, R, sizeof(float) * (size_t)Vl, "logits");
         }
+        if (r1 > r0) OPS->download(m->be, logits, rows, sizeof(float) * (size_t)((r1 - r0) * V));
+        model_tfree(m, lg);
+        model_tfree(m, rows);
         model_tfree(m, h);
         model_tfree(m, hr);
     }

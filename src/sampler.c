@@ -77,6 +77,19 @@ static float row_max(const float *x, int V, int *first) {
 /* The order of the draw: a before b when its logit is larger, ties by the lower id. */
 static inline int before(const float *x, int a, int b) { return x[a] > x[b] || (x[a] == x[b] && a < b); }
 
+/* Put `item` at the root of heap[0..n) (the last of the order at the root) and sift it down. */
+static void sift_down(const float *x, int *heap, int n, int item) {
+    int h = 0;
+    for (;;) {
+        int c = 2 * h + 1;
+        if (c >= n) break;
+        if (c + 1 < n && before(x, heap[c], heap[c + 1])) c++;
+        if (!before(x, item, heap[c])) break;
+        heap[h] = heap[c], h = c;
+    }
+    heap[h] = item;
+}
+
 /* The first k entries of that order into out[k], sorted (a bounded heap whose root is the last of
  * the k kept); NaN entries are left out, so fewer than k come back when there are not k numbers.
  * Returns how many. */
@@ -84,34 +97,18 @@ static int top_k_ids(const float *x, int V, int k, int *out) {
     int n = 0;
     for (int i = 0; i < V; i++) {
         if (x[i] != x[i]) continue;
-        if (n == k && !before(x, i, out[0])) continue;
-        int h;
         if (n < k) { /* sift up from the end */
-            h = n++;
+            int h = n++;
             while (h > 0 && before(x, out[(h - 1) / 2], i)) out[h] = out[(h - 1) / 2], h = (h - 1) / 2;
-        } else { /* replace the root, sift down */
-            h = 0;
-            for (;;) {
-                int c = 2 * h + 1;
-                if (c >= n) break;
-                if (c + 1 < n && before(x, out[c], out[c + 1])) c++;
-                if (!before(x, i, out[c])) break;
-                out[h] = out[c], h = c;
-            }
+            out[h] = i;
+        } else if (before(x, i, out[0])) { /* it beats the last kept: replaces the root */
+            sift_down(x, out, n, i);
         }
-        out[h] = i;
     }
     for (int end = n - 1; end > 0; end--) { /* heap sort: the root (last in order) to the end */
-        int last = out[end], h = 0;
+        int last = out[end];
         out[end] = out[0];
-        for (;;) {
-            int c = 2 * h + 1;
-            if (c >= end) break;
-            if (c + 1 < end && before(x, out[c], out[c + 1])) c++;
-            if (!before(x, last, out[c])) break;
-            out[h] = out[c], h = c;
-        }
-        out[h] = last;
+        sift_down(x, out, end, last);
     }
     return n;
 }

@@ -163,12 +163,7 @@ static void parse_args(int argc, char **argv, struct args *a) {
         if (i + 1 >= argc) ds_die("%s: needs a value (see --help)", k);
         const char *v = argv[++i];
         if (!strcmp(k, "--backend")) a->backend = v;
-        else if (!strcmp(k, "--moe-exchange")) {
-            if (!strcmp(v, "auto")) a->moe_x = MOE_EXCHANGE_AUTO;
-            else if (!strcmp(v, "gather")) a->moe_x = MOE_EXCHANGE_GATHER;
-            else if (!strcmp(v, "owner")) a->moe_x = MOE_EXCHANGE_OWNER;
-            else ds_die("--moe-exchange: auto, gather or owner, not '%s'", v);
-        }
+        else if (!strcmp(k, "--moe-exchange")) a->moe_x = engine_moe_exchange_parse(v);
         else if (!strcmp(k, "--device")) a->device = (int)parse_ll(k, v, 0, 1023);
         else if (!strcmp(k, "--preset")) a->preset = v;
         else if (!strcmp(k, "--csv")) a->csv = v;
