@@ -139,6 +139,13 @@ struct backend_ops {
                            const struct qweight *W);
     /* logits[T,n] fp32 = x[T,k] bf16 widened · W (BF16 widened to fp32)ᵀ, fp32, BE_DOT_SEG segments. */
     void (*head)(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+    /* The greedy draw of each row (sampler_pick at temperature 0) where the logits are: out[2r] =
+     * the bits of row r's largest non-NaN value (-inf counts), out[2r + 1] its lowest index; NaN
+     * bits and -1 where every entry is NaN. x [R, V] fp32, out [R][2] int32, backend memory. A
+     * maximum and a position, exact in any order, so a vocab-split head's ranks each take their
+     * columns' and the host keeps the first best (model_forward_greedy): 8 bytes a row leave the
+     * device instead of the row's V floats. */
+    void (*argmax)(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
 
     /* ---- elementwise / norms ---- */
     /* y[T,n] = bf16( w_f32 · (x_f32 · 1/sqrtf(mean(x_f32²) + eps)) ); mean = (Σ x² in order)/n.

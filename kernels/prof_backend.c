@@ -34,6 +34,7 @@ enum prof_op {
     PROF_LINEAR_F32,
     PROF_GROUPED_LINEAR,
     PROF_HEAD,
+    PROF_ARGMAX,
     PROF_RMSNORM,
     PROF_ROPE,
     PROF_QDQ_FP8_32,
@@ -68,7 +69,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -182,6 +183,11 @@ static void prof_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const b
     double t0 = prof_begin(be);
     PR(be)->inner->ops->rmsnorm(PR(be)->inner, y, x, w, T, n, eps, post);
     prof_end(be, PROF_RMSNORM, t0);
+}
+static void prof_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->argmax(PR(be)->inner, out, x, R, V);
+    prof_end(be, PROF_ARGMAX, t0);
 }
 static void prof_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
     double t0 = prof_begin(be);
@@ -313,6 +319,7 @@ static const struct backend_ops prof_ops = {
     .linear_f32 = prof_linear_f32,
     .grouped_linear = prof_grouped_linear,
     .head = prof_head,
+    .argmax = prof_argmax,
     .rmsnorm = prof_rmsnorm,
     .rope = prof_rope,
     .qdq_fp8_32 = prof_qdq_fp8_32,

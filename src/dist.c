@@ -397,9 +397,30 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     for (int i = 0; i < b->n; i++)
         if (b->seqs[i].start == 0) model_reset_slot(d->m, b->seqs[i].slot);
     struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
-    if (model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL)) return -1;
+    /* a step whose drawn rows are all greedy, with no log-probabilities or logits kept, draws where
+     * the logits are (model_forward_greedy: the same tokens as sampler_pick on the downloaded rows);
+     * every rank of the step sees the same rows, so the TP group agrees on the path */
+    bool greedy = !d->score && !d->logprobs && !d->on_logits;
+    for (int i = 0; i < b->n && greedy; i++)
+        if (b->ws[i].sample && !(b->ws[i].temperature <= 0)) greedy = false;
+    int32_t *drawn = greedy && last ? ds_malloc(sizeof(int32_t) * (size_t)b->n) : NULL;
+    int rc = greedy ? model_forward_greedy(d->m, b->seqs, b->n, first && last ? NULL : &io, drawn, NULL)
+                    : model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL);
+    if (rc) {
+        free(drawn);
+        return -1;
+    }
     if (!first) model_key_sync_append(d->m, b->seqs, b->n, &b->key, &b->key_len);
     if (!last) {
+        trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
+        return 0;
+    }
+    if (drawn) {
+        for (int i = 0; i < b->n; i++) {
+            out[i] = b->ws[i].sample ? drawn[i] : -1;
+            lp[i] = 0.0;
+        }
+        free(drawn);
         trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
         return 0;
     }

@@ -11,6 +11,7 @@
 #include "formats.h"
 #include "log.h"
 #include "model_internal.h"
+#include "sampler.h"
 
 #define OPS (m->be->ops)
 
@@ -776,12 +777,49 @@ static int check_batch(struct model *m, const struct fwd_seq *seqs, int n) {
     return 0;
 }
 
+static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                        float *logits, int32_t *tokens, const struct fwd_hooks *hooks);
+
 int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks) {
     return model_forward_stage(m, seqs, n, NULL, logits, hooks);
 }
 
 int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         float *logits, const struct fwd_hooks *hooks) {
+    return forward_impl(m, seqs, n, io, logits, NULL, hooks);
+}
+
+int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                         int32_t *tokens, const struct fwd_hooks *hooks) {
+    if (m->w->opt.last_stage && !tokens) {
+        ds_err_set("model_forward_greedy: the last stage needs a token buffer");
+        return -1;
+    }
+    return forward_impl(m, seqs, n, io, NULL, m->w->opt.last_stage ? tokens : NULL, hooks);
+}
+
+/* The greedy draws of R rows from the vocab-split head's logits lg [R, Vl] (backend memory): each
+ * rank's best of its columns (the argmax op), all-gathered, merged on the host in rank order
+ * (sampler_greedy_merge: the ranks' columns are consecutive id ranges). */
+static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64_t R, int64_t Vl) {
+    int64_t np = m->tp_size;
+    int32_t *am = model_tmp(m, sizeof(int32_t) * (size_t)(2 * R)), *all = am; /* [R][2] */
+    OPS->argmax(m->be, am, lg, R, Vl);
+    if (np > 1) {
+        all = model_tmp(m, sizeof(int32_t) * (size_t)(2 * R * np)); /* [np][R][2] */
+        m->opt.tp->ops->allgather(m->opt.tp, am, all, sizeof(int32_t) * (size_t)(2 * R), "greedy draws");
+    }
+    int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)(2 * R * np));
+    OPS->download(m->be, h, all, sizeof(int32_t) * (size_t)(2 * R * np));
+    sampler_greedy_merge(tokens, h, R, np, Vl);
+    free(h);
+    if (all != am) model_tfree(m, all);
+    model_tfree(m, am);
+}
+
+/* model_forward_stage with the head's output as logits or, tokens != NULL, as greedy draws. */
+static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                        float *logits, int32_t *tokens, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     bool first = m->w->opt.first_stage, last = m->w->opt.last_stage;
     if ((!first && (!io || !io->X_in || !io->P_in)) || (!last && (!io || !io->X_out || !io->P_out))) {
@@ -789,6 +827,10 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     if (check_batch(m, seqs, n)) return -1;
+    if (tokens && model_logits_rows(seqs, n) != n) {
+        ds_err_set("model_forward_greedy: a sequence asks for the logits of every position");
+        return -1;
+    }
     struct batch b = {.seqs = seqs, .n = n};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
     for (int i = 0; i < n; i++) {
@@ -871,12 +913,15 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
          * columns of rows [j Rp, j Rp + Rp) (the padding rows are sent, never read) */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows, r0, r1;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        bool split = model_logits_split(m, R, &r0, &r1);
+        bool split = !tokens && model_logits_split(m, R, &r0, &r1);
+        if (!split) r0 = 0, r1 = R;
         int64_t np = m->tp_size, Rp = split ? (R + np - 1) / np : R; /* whole rows this rank gets */
         float *lg = model_tmp(m, sizeof(float) * (size_t)((split ? np * Rp : R) * Vl)); /* [R or np Rp, Vl] */
-        float *rows = model_tmp(m, sizeof(float) * (size_t)(Rp * V));                   /* [Rp, V] */
+        float *rows = tokens ? NULL : model_tmp(m, sizeof(float) * (size_t)(Rp * V));   /* [Rp, V] */
         OPS->head(m->be, lg, hr, R, &m->w->head);
-        if (split) {
+        if (tokens) {
+            head_greedy(m, tokens, lg, R, Vl);
+        } else if (split) {
             float *blk = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np][Rp, Vl] */
             m->opt.tp->ops->alltoall(m->opt.tp, lg, blk, sizeof(float) * (size_t)(Rp * Vl), "logits (row blocks)");
             OPS->interleave(m->be, rows, blk, np, Rp, sizeof(float) * (size_t)Vl);
@@ -884,9 +929,9 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
         } else {
             model_tp_gather_cols(m, rows, lg, R, sizeof(float) * (size_t)Vl, "logits");
         }
-        if (r1 > r0) OPS->download(m->be, logits, rows, sizeof(float) * (size_t)((r1 - r0) * V));
+        if (!tokens && r1 > r0) OPS->download(m->be, logits, rows, sizeof(float) * (size_t)((r1 - r0) * V));
         model_tfree(m, lg);
-        model_tfree(m, rows);
+        if (rows) model_tfree(m, rows);
         model_tfree(m, h);
         model_tfree(m, hr);
     }

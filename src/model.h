@@ -126,6 +126,15 @@ struct stage_io {
 int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         float *logits, const struct fwd_hooks *hooks);
 
+/* model_forward_stage for steps whose rows are all drawn greedily (sampler_pick at temperature 0)
+ * and whose logits nobody keeps: the last stage writes tokens[i], the draw of sequence i's last
+ * position (one row a sequence: no all_logits), the same token sampler_pick gives for the row
+ * model_forward_stage would write. The logits stay in backend memory: each TP rank takes the best
+ * of its vocab columns there (the argmax op) and 8 bytes a row are gathered, instead of the rows'
+ * V floats moved between the ranks and downloaded. tokens is unused on other stages. */
+int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                         int32_t *tokens, const struct fwd_hooks *hooks);
+
 /* Stale index keys across stages (MODEL.md §3.12): an open-group decode step on stage 0 scores
  * against the keys a later stage published last. After a forward, a later stage appends the index
  * key rows its layers wrote and which layer published last per sequence (key_sync_append); stage 0

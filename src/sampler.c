@@ -219,3 +219,17 @@ double sampler_logprob(const float *logits, int V, int token) {
     for (int i = 0; i < V; i++) s += exp((double)logits[i] - mx);
     return (double)logits[token] - mx - log(s);
 }
+
+void sampler_greedy_merge(int32_t *tokens, const int32_t *parts, int64_t R, int64_t np, int64_t Vl) {
+    for (int64_t r = 0; r < R; r++) {
+        float bv = 0;
+        int64_t best = -1;
+        for (int64_t j = 0; j < np; j++) { /* slices in id order: a later one wins only when larger */
+            const int32_t *e = parts + 2 * (j * R + r);
+            float v;
+            memcpy(&v, &e[0], sizeof v);
+            if (e[1] >= 0 && (best < 0 || v > bv)) bv = v, best = j * Vl + e[1];
+        }
+        tokens[r] = best < 0 ? 0 : (int32_t)best;
+    }
+}

@@ -24,4 +24,10 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
 /* log-softmax of logits at `token`, computed in double over the row. */
 double sampler_logprob(const float *logits, int V, int token);
 
+/* The greedy draws of R rows whose vocabulary is split in np consecutive slices of Vl ids: parts
+ * [np][R][2] int32 holds each slice's best (the backend's argmax op: a float's bits, then its index
+ * in the slice or -1). tokens[r] = sampler_pick's draw at temperature 0 over the whole row: the
+ * first best across the slices, 0 where every entry is NaN. */
+void sampler_greedy_merge(int32_t *tokens, const int32_t *parts, int64_t R, int64_t np, int64_t Vl);
+
 #endif /* DS_SAMPLER_H */

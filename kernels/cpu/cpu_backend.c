@@ -98,6 +98,7 @@ static const struct backend_ops cpu_ops = {
     .linear_f32 = cpu_op_linear_f32,
     .grouped_linear = cpu_op_grouped_linear,
     .head = cpu_op_head,
+    .argmax = cpu_op_argmax,
     .rmsnorm = cpu_op_rmsnorm,
     .rope = cpu_op_rope,
     .qdq_fp8_32 = cpu_op_qdq_fp8_32,

@@ -36,6 +36,7 @@ void cpu_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T,
 void cpu_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
                            const struct qweight *W);
 void cpu_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+void cpu_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
 
 /* ---- cpu_elementwise.c ---- */
 void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,

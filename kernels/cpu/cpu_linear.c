@@ -10,6 +10,7 @@
  * each lane (one output) keeps its own sum so the compiler may vectorize across outputs, and
  * panels are spread over OpenMP threads (each output is owned by one thread, so the thread count
  * never matters). */
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -243,4 +244,20 @@ void cpu_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64
 
 void cpu_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
     cpu_op_linear_f32(be, logits, x, T, W);
+}
+
+/* The rows in index order: a later entry wins only when larger, so ties keep the lowest index. */
+void cpu_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V) {
+    (void)be;
+    if (V > INT32_MAX) ds_die("cpu argmax: V = %lld does not fit an int32 index", (long long)V);
+#pragma omp parallel for schedule(static) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * V;
+        float best = NAN;
+        int32_t at = -1;
+        for (int64_t i = 0; i < V; i++)
+            if (row[i] == row[i] && (at < 0 || row[i] > best)) best = row[i], at = (int32_t)i;
+        memcpy(&out[2 * r], &best, sizeof best);
+        out[2 * r + 1] = at;
+    }
 }

@@ -669,6 +669,7 @@ static const struct backend_ops cuda_ops = {
     .linear_f32 = cuda_op_linear_f32,
     .grouped_linear = cuda_op_grouped_linear,
     .head = cuda_op_head,
+    .argmax = cuda_op_argmax,
     .rmsnorm = cuda_op_rmsnorm,
     .rope = cuda_op_rope,
     .qdq_fp8_32 = cuda_op_qdq_fp8_32,

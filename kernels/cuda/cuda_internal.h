@@ -56,6 +56,7 @@ void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T
 void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
                             const struct qweight *W);
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
+void cuda_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
 
 /* ---- cuda_elementwise.cu ---- */
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,

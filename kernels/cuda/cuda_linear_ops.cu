@@ -1,5 +1,5 @@
 /* Dense projections of the SM80 backend: the op-table entries linear, linear_f32, grouped_linear
- * (wo_a) and head. FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
+ * (wo_a) and head, and the head's greedy draw (argmax). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
  * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
  * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
  * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
@@ -657,4 +657,74 @@ void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int6
  * to 8 rows; V_local / 32 CTAs, 505 at V = 129280 / 8). */
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
     cuda_op_linear_f32(be, logits, x, T, W);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * argmax: a CTA per row, each thread walks its strided entries keeping the first best, then the
+ * warps and the CTA reduce (value, index) pairs under the order of backend.h: a larger value wins,
+ * an equal one with the lower index, NaN never, an index of -1 (nothing yet) always loses. That
+ * order is total on the pairs a row can give, so any reduction tree keeps the same winner. */
+#define AM_THREADS 512
+
+__device__ __forceinline__ bool am_better(float v, int32_t i, float bv, int32_t bi) {
+    return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+__global__ void __launch_bounds__(AM_THREADS) argmax_kernel(int32_t *__restrict__ out, const float *__restrict__ x,
+                                                            int64_t V) {
+    __shared__ float sv[AM_THREADS / 32];
+    __shared__ int32_t si[AM_THREADS / 32];
+    const float *row = x + (int64_t)blockIdx.x * V;
+    float bv = __int_as_float(0x7fc00000);
+    int32_t bi = -1;
+    /* 16-byte loads where the row allows (a thread's entries then come in index order, 4 apart
+     * groups; the comparison keeps the first of equal values whatever the order) */
+    const bool v4 = V % 4 == 0 && ((uintptr_t)x & 15) == 0;
+    if (v4) {
+        const float4 *r4 = reinterpret_cast<const float4 *>(row);
+        for (int64_t q = threadIdx.x; q < V / 4; q += AM_THREADS) {
+            const float4 f = __ldcs(r4 + q);
+            const int32_t i = (int32_t)(4 * q);
+            if (am_better(f.x, f.x == f.x ? i : -1, bv, bi)) bv = f.x, bi = i;
+            if (am_better(f.y, f.y == f.y ? i + 1 : -1, bv, bi)) bv = f.y, bi = i + 1;
+            if (am_better(f.z, f.z == f.z ? i + 2 : -1, bv, bi)) bv = f.z, bi = i + 2;
+            if (am_better(f.w, f.w == f.w ? i + 3 : -1, bv, bi)) bv = f.w, bi = i + 3;
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < V; i += AM_THREADS) {
+            const float f = __ldcs(row + i);
+            if (am_better(f, f == f ? (int32_t)i : -1, bv, bi)) bv = f, bi = (int32_t)i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int32_t i = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (am_better(v, i, bv, bi)) bv = v, bi = i;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) sv[warp] = bv, si[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < AM_THREADS / 32 ? sv[lane] : __int_as_float(0x7fc00000);
+        bi = lane < AM_THREADS / 32 ? si[lane] : -1;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int32_t i = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (am_better(v, i, bv, bi)) bv = v, bi = i;
+        }
+        if (lane == 0) {
+            out[2 * (int64_t)blockIdx.x] = __float_as_int(bi >= 0 ? bv : __int_as_float(0x7fc00000));
+            out[2 * (int64_t)blockIdx.x + 1] = bi;
+        }
+    }
+}
+
+void cuda_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V) {
+    if (R <= 0) return;
+    if (V <= 0 || V > INT32_MAX || R > INT32_MAX)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "argmax", "V must be in 1 .. INT32_MAX and R a grid");
+    argmax_kernel<<<(unsigned)R, AM_THREADS, 0, cuda_be_stream(be)>>>(out, x, V);
+    KERNEL_CHECK();
 }

@@ -1,5 +1,5 @@
 /* The CUDA backend against the CPU reference backend: the elementwise ops (rmsnorm, rope,
- * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave), mHC (hc_mixes with its Sinkhorn
+ * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave, the head's argmax), mHC (hc_mixes with its Sinkhorn
  * comb, hc_collapse / hc_expand / hc_init), embed and Engram (engram_gather from host-resident
  * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), the tensor-core
  * kernels' act quant and weight decodes, and batch invariance of sparse_attn and index_scores.
@@ -1058,6 +1058,56 @@ static void test_interleave(void **st) {
 }
 
 /* =============================================================================================
+ * argmax (the head's greedy draw): exact, value bits and index */
+
+static void argmax_case(int64_t R, int64_t V) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "argmax R=%lld V=%lld", (long long)R, (long long)V);
+    seed_tag(tag);
+    float *x = NEW(float, (size_t)(R * V));
+    int32_t *oc = NEW(int32_t, (size_t)(2 * R)), *og = NEW(int32_t, (size_t)(2 * R));
+    for (int64_t r = 0; r < R; r++) {
+        float *row = x + r * V;
+        const int kind = (int)(r % 6);
+        for (int64_t i = 0; i < V; i++) {
+            const uint64_t u = rnd64();
+            switch (kind) {
+            case 0: row[i] = (float)((double)(u >> 11) / 9007199254740992.0 * 30 - 15); break; /* spread */
+            case 1: row[i] = (float)(int)(u % 5) * 0.75f - 1.5f; break;                       /* long runs of ties */
+            case 2: row[i] = u % 3 == 0 ? NAN : (float)(int)(u % 7); break;                    /* ties among NaN */
+            case 3: row[i] = u % 2 ? -INFINITY : NAN; break;                                    /* nothing above -inf */
+            case 4: row[i] = (u >> 8) % 2 ? 0.0f : -0.0f; break;                                /* ±0: all equal */
+            default: row[i] = NAN; break;                                                       /* all NaN */
+            }
+        }
+        if (kind == 0 && r % 12 == 6) row[V - 1] = INFINITY;
+    }
+    CPU->argmax(&cpu_be, oc, x, R, V);
+    void *dx = g_in(x, sizeof(float) * (size_t)(R * V)), *dd = g_out(sizeof(int32_t) * (size_t)(2 * R), PZ_32I);
+    GPU->argmax(&gpu_be, dd, dx, R, V);
+    g_get(og, dd, sizeof(int32_t) * (size_t)(2 * R));
+    g_free(dx);
+    g_free(dd);
+    struct cmp c;
+    cmp_begin(&c, "argmax", "R=%lld V=%lld", (long long)R, (long long)V);
+    for (int64_t i = 0; i < 2 * R; i++) cmp_bits(&c, (long long)i, og[i], oc[i], og[i], oc[i]);
+    cmp_end(&c);
+    free(x);
+    free(oc);
+    free(og);
+}
+
+static void test_argmax(void **st) {
+    NEED_GPU(st);
+    static const int64_t Rs[] = {1, 8, 64, 256};
+    for (int i = 0; i < 4; i++) argmax_case(Rs[i], VOCAB_LOCAL); /* a TP8 rank's head columns */
+    argmax_case(12, VOCAB);                                       /* one rank's whole vocabulary */
+    argmax_case(13, 1001);                                        /* rows not 16-byte aligned */
+    argmax_case(6, 1);
+    argmax_case(6, 3);
+}
+
+/* =============================================================================================
  * Attention: sparse_attn, compress_pool, index_scores */
 
 /* The kv rows one sparse_attn call reads: WINDOW window rows (FP8 QDQ'd) then ncomp compressed rows
@@ -1492,6 +1542,7 @@ int main(void) {
         cmocka_unit_test(test_engram_gather),
         cmocka_unit_test(test_engram_gate),
         cmocka_unit_test(test_interleave),
+        cmocka_unit_test(test_argmax),
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),

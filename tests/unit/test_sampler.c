@@ -5,7 +5,9 @@
  * and the same log-probability bits for every row free of NaN: rows built to tie (a handful of
  * levels), with +0 and -0, -inf and +inf entries, sizes from 1 to the real vocabulary, every
  * combination of temperature, top-k and top-p. Rows with NaN follow the new rule instead: a NaN
- * entry is never drawn, and the log-probability over such a row is NaN. */
+ * entry is never drawn, and the log-probability over such a row is NaN. Also the greedy draw where
+ * the logits are (the backend's argmax op per vocab slice + sampler_greedy_merge, what
+ * model_forward_greedy runs): the token sampler_pick draws at temperature 0, for every split. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "sampler.h"
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
@@ -129,12 +132,62 @@ static void test_nan_rows(void **s) {
     }
 }
 
+/* The CPU argmax op on each of np slices of R rows, merged, against sampler_pick(temperature 0)
+ * on the whole rows: rows of every kind, NaN sprinkled into some, and rows all NaN, all -inf, -inf
+ * with NaN, a single +inf, ±0 ties. */
+static void test_greedy_split(void **s) {
+    (void)s;
+    struct backend be;
+    assert_int_equal(backend_cpu_init(&be), 0);
+    static const int Vs[] = {1, 2, 3, 8, 40, 1000, 129280};
+    for (size_t vi = 0; vi < sizeof Vs / sizeof *Vs; vi++) {
+        const int V = Vs[vi], R = V > 1000 ? 6 : 24;
+        float *x = malloc(sizeof(float) * (size_t)R * V), *sl = malloc(sizeof(float) * (size_t)R * V);
+        int32_t *parts = malloc(sizeof(int32_t) * 2 * (size_t)R * 8), *tok = malloc(sizeof(int32_t) * (size_t)R);
+        for (int r = 0; r < R; r++) {
+            float *row = x + (size_t)r * V;
+            make_row(row, V, (enum row_kind)(r % 5));
+            if (r % 3 == 1)
+                for (int i = 0; i < V; i++)
+                    if (rnd() % 3 == 0) row[i] = NAN;
+            if (r == R - 1) for (int i = 0; i < V; i++) row[i] = NAN;
+            if (r == R - 2) for (int i = 0; i < V; i++) row[i] = -INFINITY;
+            if (r == R - 3) for (int i = 0; i < V; i++) row[i] = i % 2 ? NAN : -INFINITY;
+            if (r == R - 4) row[V / 2] = INFINITY;
+            if (r == R - 5) for (int i = 0; i < V; i++) row[i] = i % 3 ? -0.0f : 0.0f;
+        }
+        for (int np = 1; np <= 8; np *= 2) {
+            if (V % np) continue;
+            const int Vl = V / np;
+            for (int j = 0; j < np; j++) {
+                for (int r = 0; r < R; r++) memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
+                be.ops->argmax(&be, parts + 2 * (size_t)j * R, sl, R, Vl);
+            }
+            sampler_greedy_merge(tok, parts, R, np, Vl);
+            for (int r = 0; r < R; r++) {
+                struct sample_params p = {.temperature = 0.0f};
+                const int want = sampler_pick(x + (size_t)r * V, V, &p, 1, 2);
+                if (tok[r] != want) fail_msg("V=%d split %d row %d: merged argmax %d, sampler_pick %d", V, np, r, tok[r], want);
+                if (np == 1) { /* the op's value is the drawn entry's, NaN bits where it found none */
+                    float v;
+                    memcpy(&v, &parts[2 * r], sizeof v);
+                    if (parts[2 * r + 1] >= 0 ? memcmp(&v, &x[(size_t)r * V + parts[2 * r + 1]], sizeof v) != 0 : !isnan(v))
+                        fail_msg("V=%d row %d: argmax value %g at %d", V, r, v, parts[2 * r + 1]);
+                }
+            }
+        }
+        free(x), free(sl), free(parts), free(tok);
+    }
+    backend_cpu_free(&be);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_same_tokens_small),
         cmocka_unit_test(test_same_tokens_vocab),
         cmocka_unit_test(test_draw_distribution),
         cmocka_unit_test(test_nan_rows),
+        cmocka_unit_test(test_greedy_split),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,174 @@
+/* The last stage's head and greedy draw at the real per-rank shapes, both ways the engine can run
+ * them (make bench; GPU machine, or --backend cpu anywhere):
+ *  - host: the head's logits [R, V_local] fp32 downloaded into host_alloc memory (page-locked on
+ *    a GPU) and each row drawn by sampler_pick at temperature 0 on the rank's OpenMP threads
+ *    (what a step with --logprobs, --save-logits or a temperature still does);
+ *  - backend: the argmax op where the logits are, [R][2] int32 downloaded and merged
+ *    (model_forward_greedy's path on one rank: sampler_greedy_merge of one slice).
+ * Both are timed from the head's launch to the tokens on the host (the backend synchronized), as
+ * a step pays them, and the head alone beside them; the tokens of the two must agree (exit 1
+ * otherwise). x [R, 5120] bf16 and the head [V_local, 5120] bf16 are random. V_local 16,160 is a
+ * TP8 rank's columns of the 129,280 vocabulary (the row-split draw then hands each rank R/8 whole
+ * rows: the host path's download and draws shrink by 8, the all-to-all is not counted here);
+ * 129,280 is one rank's whole head.
+ *   bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] [--iters N] [--csv F]
+ * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend). */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "formats.h"
+#include "sampler.h"
+
+#define DIM 5120
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int parse_list(const char *s, int64_t *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *e;
+        long long v = strtoll(s, &e, 10);
+        if (e == s || v <= 0) return -1;
+        out[n++] = v;
+        s = *e == ',' ? e + 1 : e;
+    }
+    return n;
+}
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+
+int main(int argc, char **argv) {
+    const char *backend = "cuda", *csv = NULL;
+    int64_t rows[16] = {1, 8, 64, 256}, vocab[8] = {16160, 129280};
+    int n_rows = 4, n_vocab = 2, iters = 20;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) n_rows = parse_list(argv[++i], rows, 16);
+        else if (!strcmp(argv[i], "--vocab") && i + 1 < argc) n_vocab = parse_list(argv[++i], vocab, 8);
+        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
+        else {
+            fprintf(stderr, "usage: bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] "
+                            "[--iters N] [--csv F]\n");
+            return 2;
+        }
+    }
+    if (n_rows <= 0 || n_vocab <= 0 || iters <= 0) {
+        fprintf(stderr, "bench_head_draw: --rows, --vocab and --iters take positive numbers\n");
+        return 2;
+    }
+    struct backend be;
+    const char *device = "cpu";
+    if (!strcmp(backend, "cpu")) {
+        if (backend_cpu_init(&be)) return 2;
+    } else {
+#ifdef DS_HAVE_CUDA
+        if (backend_cuda_init(&be, 0)) {
+            fprintf(stderr, "bench_head_draw: no usable CUDA device\n");
+            return 2;
+        }
+        device = "cuda:0";
+#else
+        fprintf(stderr, "bench_head_draw: built without CUDA (use --backend cpu)\n");
+        return 2;
+#endif
+    }
+    const struct backend_ops *ops = be.ops;
+    FILE *f = csv ? fopen(csv, "w") : NULL;
+    if (csv && !f) {
+        perror(csv);
+        return 2;
+    }
+    if (f) fprintf(f, "backend,device,v_local,rows,path,ms,ms_min\n");
+    printf("%-8s %8s %5s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n", "backend", "v_local",
+           "rows", "head", "host", "backend", iters);
+    int rc = 0;
+    for (int vi = 0; vi < n_vocab; vi++) {
+        const int64_t V = vocab[vi];
+        bf16_t *wh = malloc(sizeof(uint16_t) * (size_t)(V * DIM));
+        for (int64_t i = 0; i < V * DIM; i++) wh[i] = bf16_from_f32((float)((int64_t)(rnd() % 2001) - 1000) * 1e-4f);
+        struct qweight W = {.fmt = WF_BF16, .n = V, .k = DIM, .ld = DIM, .w = wh};
+        if (ops->weight_prepare(&be, &W, false)) {
+            fprintf(stderr, "bench_head_draw: weight_prepare failed\n");
+            return 2;
+        }
+        for (int ri = 0; ri < n_rows; ri++) {
+            const int64_t R = rows[ri];
+            bf16_t *xh = malloc(sizeof(uint16_t) * (size_t)(R * DIM));
+            for (int64_t i = 0; i < R * DIM; i++) xh[i] = bf16_from_f32((float)((int64_t)(rnd() % 2001) - 1000) * 1e-3f);
+            bf16_t *x = ops->alloc(&be, sizeof(uint16_t) * (size_t)(R * DIM));
+            float *lg = ops->alloc(&be, sizeof(float) * (size_t)(R * V));
+            int32_t *am = ops->alloc(&be, sizeof(int32_t) * (size_t)(2 * R));
+            float *host = ops->host_alloc ? ops->host_alloc(&be, sizeof(float) * (size_t)(R * V))
+                                          : malloc(sizeof(float) * (size_t)(R * V));
+            int32_t *amh = malloc(sizeof(int32_t) * (size_t)(2 * R)), *t_host = malloc(sizeof(int32_t) * (size_t)R),
+                    *t_be = malloc(sizeof(int32_t) * (size_t)R);
+            ops->upload(&be, x, xh, sizeof(uint16_t) * (size_t)(R * DIM));
+            double sum[3] = {0}, mn[3] = {1e30, 1e30, 1e30};
+            for (int it = -2; it < iters; it++) { /* two warm-up rounds */
+                double t[3];
+                for (int p = 0; p < 3; p++) {
+                    ops->sync(&be);
+                    const double t0 = now_s();
+                    ops->head(&be, lg, x, R, &W);
+                    if (p == 1) {
+                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
+                        ops->sync(&be);
+                        struct sample_params sp = {.temperature = 0.0f};
+#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+                        for (int64_t r = 0; r < R; r++) t_host[r] = sampler_pick(host + r * V, (int)V, &sp, 0, 0);
+                    } else if (p == 2) {
+                        ops->argmax(&be, am, lg, R, V);
+                        ops->download(&be, amh, am, sizeof(int32_t) * (size_t)(2 * R));
+                        ops->sync(&be);
+                        sampler_greedy_merge(t_be, amh, R, 1, V);
+                    }
+                    ops->sync(&be);
+                    t[p] = now_s() - t0;
+                }
+                if (it < 0) continue;
+                for (int p = 0; p < 3; p++) {
+                    sum[p] += t[p];
+                    if (t[p] < mn[p]) mn[p] = t[p];
+                }
+                if (memcmp(t_host, t_be, sizeof(int32_t) * (size_t)R)) {
+                    fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's draws differ from the host's\n",
+                            (long long)V, (long long)R);
+                    rc = 1;
+                }
+            }
+            static const char *const names[3] = {"head", "host", "backend"};
+            printf("%-8s %8lld %5lld %10.3f %10.3f %10.3f\n", backend, (long long)V, (long long)R, 1e3 * sum[0] / iters,
+                   1e3 * sum[1] / iters, 1e3 * sum[2] / iters);
+            for (int p = 0; p < 3 && f; p++)
+                fprintf(f, "%s,%s,%lld,%lld,%s,%.4f,%.4f\n", backend, device, (long long)V, (long long)R, names[p],
+                        1e3 * sum[p] / iters, 1e3 * mn[p]);
+            ops->free(&be, x);
+            ops->free(&be, lg);
+            ops->free(&be, am);
+            if (ops->host_alloc) ops->host_free(&be, host);
+            else free(host);
+            free(xh), free(amh), free(t_host), free(t_be);
+        }
+        ops->weight_release(&be, &W);
+        free(wh);
+    }
+    if (f) fclose(f);
+    return rc;
+}
