@@ -12,6 +12,9 @@ cuda_linear_prefill.csv  -> cuda_linear_prefill.png: each FP8/FP4 linear at pref
                             of cuda_gemm_ceiling.csv (its best row) and the 40 % prefill target.
 cuda_step_alternated.csv -> cuda_step_alternated.png: two binaries' bench_step runs alternated in one device
                             call (step_alternated.py): decode % of copy bandwidth and prefill tokens/s per rev.
+cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head and greedy draw (bench_head_draw), ms a
+                            step per row count: the head alone (tensor cores / exact kernel), and head +
+                            draw on the host (logits downloaded) or where the logits are (argmax op).
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -192,6 +195,28 @@ def main():
                      "in each label (% of that card's copy bandwidth)", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(os.path.join(d, "cuda_step_alternated.png"), dpi=110)
+
+    hd = os.path.join(d, "cuda_head_draw.csv")
+    if os.path.exists(hd):
+        r = rows(hd)
+        vs = sorted({int(x["v_local"]) for x in r})
+        fig, axes = plt.subplots(1, len(vs), figsize=(6 * len(vs), 4.2), squeeze=False)
+        styles = {"head": ("head (tensor cores)", "-", "o"), "head_exact": ("head (exact kernel)", ":", "s"),
+                  "host": ("head + download + host draw", "--", "^"), "backend": ("head + argmax op", "-", "v")}
+        for ax, v in zip(axes[0], vs):
+            for path, (label, ls, mk) in styles.items():
+                pts = sorted((int(x["rows"]), float(x["ms"])) for x in r if int(x["v_local"]) == v and x["path"] == path)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("rows (sequences drawn this step)")
+            ax.set_ylabel("ms a step")
+            ax.set_title("head [%d, 5120] bf16 (%s)" % (v, r[0]["device"]), fontsize=9)
+            ax.legend(fontsize=8)
+        fig.suptitle("bench_head_draw: the last stage's head and greedy draw", fontsize=10)
+        fig.tight_layout(rect=(0, 0, 1, 0.93))
+        fig.savefig(os.path.join(d, "cuda_head_draw.png"), dpi=110)
 
 
 if __name__ == "__main__":
