@@ -114,6 +114,12 @@
  * rounded add per term (no FMA), so the outputs are the CPU's bits. (Any other order would need
  * the sum bound k · u · Σ|x·w|; the test also checks the CPU against that bound of the exact sum.) */
 #define TOL_GPU_DENSE_F32_EXACT 0
+/* head under the tensor-core switch (the engine's default; cuda_op_head): the BF16 mma tilings with
+ * fp32 outputs, each k-chunk of 1,024 summed by the mma accumulator in its own order, the chunks
+ * added in order. Every product of two bf16 is exact in fp32, so both backends are within their
+ * fp32 sum bounds of the exact sum (the GPU's, TOL_GPU_SUM_U_PER_TERM, holds for any order):
+ *     |gpu − cpu| <= TOL_GPU_HEAD_MMA_U_PER_TERM · k · u · Σ|x·w| (+ the underflow term) */
+#define TOL_GPU_HEAD_MMA_U_PER_TERM (TOL_GPU_SUM_U_PER_TERM + TOL_CPU_SUM_U_PER_TERM)
 
 /* rmsnorm: the mean of squares is an fp32 sum of n non-negative terms (Σ|t| = the sum itself), so
  * the two sums differ by at most δ = 3·n·u relatively; r ∝ (sum)^-1/2 moves by at most

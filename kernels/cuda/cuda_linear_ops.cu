@@ -653,10 +653,34 @@ void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int6
     dense_launch(be, y, false, G * r, r, x, G * kg, kg, W->w, W->fmt, W->ld, r * W->ld, T, r, kg, G);
 }
 
-/* The head: logits fp32 = x · Wᵀ, the same kernel as linear_f32 (one weight read per call for up
- * to 8 rows; V_local / 32 CTAs, 505 at V = 129280 / 8). */
+/* The head: logits fp32 = x · Wᵀ. Under the tensor-core switch (the engine's default) a BF16 head
+ * runs on the BF16 mma tilings with fp32 outputs (CUDA_MMA_OUT_F32: an output's k-chunks summed by
+ * the mma accumulator, the chunks added in order, no rounding), at every T, so the logits stay
+ * batch invariant; its rows go in blocks whose chunk partials fit HEAD_MMA_WS bytes (rows are
+ * independent: the blocks change no bit). The exact kernel (linear_f32's, the CPU's order) was
+ * compute bound from a few dozen rows: H100, bench_head_draw, [16160, 5120] at 256 rows 1.63 ms,
+ * [129280, 5120] 13.1 ms (26 TFLOP/s). Otherwise (--exact-linears, shapes the tiles cannot take)
+ * the exact kernel. */
+#define HEAD_MMA_WS ((size_t)128 << 20)
+
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
-    cuda_op_linear_f32(be, logits, x, T, W);
+    const int64_t n = W->n, k = W->k;
+    if (T <= 0 || n <= 0) return;
+    if (!cuda_be_mma(be) || W->fmt != WF_BF16 || k % 32 || (W->ld * 2) % 16 || ((uintptr_t)W->w & 15) ||
+        ((uintptr_t)x & 15) || k > ((int64_t)1 << 21)) {
+        cuda_op_linear_f32(be, logits, x, T, W);
+        return;
+    }
+    const size_t per_row = cuda_linear_mma_workspace_bytes(1, n, k);
+    int64_t rb = (int64_t)(HEAD_MMA_WS / (per_row ? per_row : 1));
+    rb = rb < 1 ? 1 : rb > T ? T : rb;
+    void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(rb, n, k));
+    for (int64_t t0 = 0; t0 < T; t0 += rb) {
+        const int64_t nt = T - t0 < rb ? T - t0 : rb;
+        cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_F32, WF_BF16, (uint16_t *)(logits + t0 * n), x + t0 * k, nt,
+                               W->w, NULL, n, k, W->ld, 0, ws, (void *)cuda_be_stream(be));
+    }
+    cuda_be_scratch_free(be, ws);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -53,6 +53,10 @@ enum {
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);
  * the workspace then only holds the k-chunks' partials. The same bits. */
 #define CUDA_MMA_PREQUANT 0x100
+/* OR'ed into `tiling` (BF16 only, not the pair call): y is fp32 [T, n], the chunks' sum unrounded
+ * (the head's logits): one chunk's accumulator is stored as it is, more are folded in chunk order
+ * as for bf16 outputs, without the final rounding to bf16. */
+#define CUDA_MMA_OUT_F32 0x200
 void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
                             void *stream);

@@ -359,6 +359,28 @@ __global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float 
     }
 }
 
+/* CUDA_MMA_OUT_F32: the same fold into fp32 outputs, no rounding to bf16; 4 outputs a thread where
+ * tn % 4 == 0 and y is 16-byte aligned (V4 true: then part is too). */
+template <bool V4>
+__global__ void mma_chunk_sum_f32_kernel(float *__restrict__ y, const float *__restrict__ part, int64_t tn, int nch) {
+    const int64_t m = V4 ? tn / 4 : tn;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
+        if (V4) {
+            const float4 *p4 = reinterpret_cast<const float4 *>(part);
+            float4 v = __ldcs(p4 + i);
+            for (int c = 1; c < nch; c++) {
+                const float4 u = __ldcs(p4 + (int64_t)c * m + i);
+                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+            }
+            reinterpret_cast<float4 *>(y)[i] = v;
+        } else {
+            float v = part[i];
+            for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
+            y[i] = v;
+        }
+    }
+}
+
 /* The same folds 4 outputs a thread (tn % 4 == 0, y 8-byte aligned): 16-byte loads of every
  * chunk's partials, issued together, and one 8-byte store; each output's adds as above. The scalar
  * form moved a 2K-token prefill's partials at ~2 TB/s (27.5 µs a call on average, Nsight). */
@@ -941,8 +963,10 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
                             void *stream, dpair pr) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
-    const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0;
-    tiling &= ~CUDA_MMA_PREQUANT;
+    const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0, out_f32 = (tiling & CUDA_MMA_OUT_F32) != 0;
+    tiling &= ~(CUDA_MMA_PREQUANT | CUDA_MMA_OUT_F32);
+    if (out_f32 && (fmt != WF_BF16 || pr.n1 < n))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "CUDA_MMA_OUT_F32 is for one BF16 weight");
     /* a forced FP8 decode form: 1, 2 or 4 m16 tiles a CTA (0: the call's own choice) */
     const int form =
         tiling >= CUDA_MMA_DECODE_MT1 && tiling <= CUDA_MMA_DECODE_MT4 ? 1 << (tiling - CUDA_MMA_DECODE_MT1) : 0;
@@ -982,16 +1006,19 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     const uint8_t *wb = (const uint8_t *)w;
     /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
+    /* fp32 out of one chunk: the kernels' partial store is the output itself */
+    float *direct = out_f32 && nch == 1 ? (float *)y : NULL;
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
     if (pr.n1 < n && !decode)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_pair", "a pair call takes the decode tiling");
+    float *kpart = part ? part : direct;
     if (decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_BF16) {
-            if (T <= 8) launch_decode<K_BF16, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else launch_decode<K_BF16, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            if (T <= 8) launch_decode<K_BF16, 8>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= 16) launch_decode<K_BF16, 16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_BF16, 16, 4>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else if (fmt == WF_FP8) {
             /* m16 tiles a CTA: the forced form, else by T (up to 8 rows the split kernel) */
             const int mt = form ? form : T <= MMA_MT1_T ? 1 : T <= MMA_MT2_T ? 2 : 4;
@@ -1006,13 +1033,24 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         }
     } else {
         switch (fmt) {
-        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
         case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
         default: launch<K_FP4, cfg_fp4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
         }
     }
     KERNEL_CHECK();
-    if (part) {
+    if (part && out_f32) {
+        const int64_t tn = T * n;
+        float *yf = (float *)y;
+        if (tn % 4 == 0 && ((uintptr_t)yf % 16) == 0 && ((uintptr_t)part % 16) == 0) {
+            const int64_t blocks = (tn / 4 + 255) / 256;
+            mma_chunk_sum_f32_kernel<true><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yf, part, tn, (int)nch);
+        } else {
+            const int64_t blocks = (tn + 255) / 256;
+            mma_chunk_sum_f32_kernel<false><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yf, part, tn, (int)nch);
+        }
+        KERNEL_CHECK();
+    } else if (part) {
         const int64_t tn = T * n;
         if (tn % 4 == 0 && ((uintptr_t)yb % 8) == 0 && ((uintptr_t)part % 16) == 0) {
             const int64_t blocks = (tn / 4 + 255) / 256;

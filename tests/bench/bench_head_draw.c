@@ -6,13 +6,14 @@
  *  - backend: the argmax op where the logits are, [R][2] int32 downloaded and merged
  *    (model_forward_greedy's path on one rank: sampler_greedy_merge of one slice).
  * Both are timed from the head's launch to the tokens on the host (the backend synchronized), as
- * a step pays them, and the head alone beside them; the tokens of the two must agree (exit 1
- * otherwise). x [R, 5120] bf16 and the head [V_local, 5120] bf16 are random. V_local 16,160 is a
+ * a step pays them, and the head alone beside them — on the GPU as the engine runs it (the
+ * tensor-core switch on: cuda_op_head's BF16 mma tilings) and with --exact-linears' exact kernel
+ * (path head_exact); the tokens of the host and backend draws must agree (exit 1 otherwise). x [R, 5120] bf16 and the head [V_local, 5120] bf16 are random. V_local 16,160 is a
  * TP8 rank's columns of the 129,280 vocabulary (the row-split draw then hands each rank R/8 whole
  * rows: the host path's download and draws shrink by 8, the all-to-all is not counted here);
  * 129,280 is one rank's whole head.
  *   bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] [--iters N] [--csv F]
- * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend). */
+ * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend, head_exact). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -20,6 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#ifdef DS_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "backend.h"
 #include "formats.h"
@@ -83,7 +88,9 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_head_draw: no usable CUDA device\n");
             return 2;
         }
-        device = "cuda:0";
+        static struct cudaDeviceProp prop;
+        device = cudaGetDeviceProperties(&prop, 0) == cudaSuccess ? prop.name : "cuda:0";
+        backend_cuda_set_mma(&be, true); /* as the engine runs (--exact-linears: off) */
 #else
         fprintf(stderr, "bench_head_draw: built without CUDA (use --backend cpu)\n");
         return 2;
@@ -96,8 +103,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (f) fprintf(f, "backend,device,v_local,rows,path,ms,ms_min\n");
-    printf("%-8s %8s %5s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n", "backend", "v_local",
-           "rows", "head", "host", "backend", iters);
+    printf("%-8s %8s %5s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n", "backend",
+           "v_local", "rows", "head", "host", "backend", "head_exact", iters);
     int rc = 0;
     for (int vi = 0; vi < n_vocab; vi++) {
         const int64_t V = vocab[vi];
@@ -120,10 +127,13 @@ int main(int argc, char **argv) {
             int32_t *amh = malloc(sizeof(int32_t) * (size_t)(2 * R)), *t_host = malloc(sizeof(int32_t) * (size_t)R),
                     *t_be = malloc(sizeof(int32_t) * (size_t)R);
             ops->upload(&be, x, xh, sizeof(uint16_t) * (size_t)(R * DIM));
-            double sum[3] = {0}, mn[3] = {1e30, 1e30, 1e30};
+            double sum[4] = {0}, mn[4] = {1e30, 1e30, 1e30, 1e30};
             for (int it = -2; it < iters; it++) { /* two warm-up rounds */
-                double t[3];
-                for (int p = 0; p < 3; p++) {
+                double t[4];
+                for (int p = 0; p < 4; p++) {
+#ifdef DS_HAVE_CUDA
+                    if (p == 3 && strcmp(backend, "cpu")) backend_cuda_set_mma(&be, false);
+#endif
                     ops->sync(&be);
                     const double t0 = now_s();
                     ops->head(&be, lg, x, R, &W);
@@ -141,9 +151,12 @@ int main(int argc, char **argv) {
                     }
                     ops->sync(&be);
                     t[p] = now_s() - t0;
+#ifdef DS_HAVE_CUDA
+                    if (p == 3 && strcmp(backend, "cpu")) backend_cuda_set_mma(&be, true);
+#endif
                 }
                 if (it < 0) continue;
-                for (int p = 0; p < 3; p++) {
+                for (int p = 0; p < 4; p++) {
                     sum[p] += t[p];
                     if (t[p] < mn[p]) mn[p] = t[p];
                 }
@@ -153,10 +166,10 @@ int main(int argc, char **argv) {
                     rc = 1;
                 }
             }
-            static const char *const names[3] = {"head", "host", "backend"};
-            printf("%-8s %8lld %5lld %10.3f %10.3f %10.3f\n", backend, (long long)V, (long long)R, 1e3 * sum[0] / iters,
-                   1e3 * sum[1] / iters, 1e3 * sum[2] / iters);
-            for (int p = 0; p < 3 && f; p++)
+            static const char *const names[4] = {"head", "host", "backend", "head_exact"};
+            printf("%-8s %8lld %5lld %10.3f %10.3f %10.3f %10.3f\n", backend, (long long)V, (long long)R,
+                   1e3 * sum[0] / iters, 1e3 * sum[1] / iters, 1e3 * sum[2] / iters, 1e3 * sum[3] / iters);
+            for (int p = 0; p < 4 && f; p++)
                 fprintf(f, "%s,%s,%lld,%lld,%s,%.4f,%.4f\n", backend, device, (long long)V, (long long)R, names[p],
                         1e3 * sum[p] / iters, 1e3 * mn[p]);
             ops->free(&be, x);
