@@ -19,7 +19,7 @@ struct engine_flags {
     bool no_stale_keys;
     enum window_layout layout;
     enum engine_backend backend; /* --backend cpu|cuda */
-    bool exact_linears;          /* --exact-linears: FP8/FP4 linears and sparse attention in the CPU backend's order on the GPU */
+    bool exact_linears;          /* --exact-linears: linears, experts, head and sparse attention in the CPU backend's order on the GPU */
     bool eager;                  /* --eager: every op launched by the host, no graph segments (same bits) */
     enum moe_exchange moe_exchange; /* --moe-exchange auto|gather|owner: the experts' TP exchange (same bits) */
 };
