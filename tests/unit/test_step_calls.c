@@ -6,7 +6,9 @@
  * the logits download, never for the indexer's top-k mid-forward. On a GPU every call is host time
  * on the step's critical path, so per-sequence copies (thousands per step at batch 64) were the
  * step's largest cost; this pins that they are gone. The step of 8 must also give each sequence
- * exactly the logits of the step of 1 (the batch changes no number). */
+ * exactly the logits of the step of 1 (the batch changes no number). A greedy step
+ * (model_forward_greedy) draws with one argmax call and downloads only the draws, the tokens
+ * sampler_pick takes from the logits of sequences in the same state. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -20,6 +22,7 @@
 #include "golden_fixture.h"
 #include "model.h"
 #include "prof_backend.h"
+#include "sampler.h"
 
 #define B 8
 
@@ -74,6 +77,22 @@ static void test_decode_calls_independent_of_batch(void **s) {
     assert_int_equal(prof_backend_calls(&pb, "index_topk"), n_index);
     assert_int_equal(prof_backend_calls(&pb, "download"), 1); /* the logits */
     for (int q = 0; q < B; q++) assert_memory_equal(l1, lb + (size_t)q * V, sizeof(float) * (size_t)V);
+
+    /* slots 1..B are in one state: the next step's logits for the first half, greedy draws for
+     * the second; every draw is sampler_pick's over those logits */
+    int32_t tok2 = 7, drawn[B / 2];
+    struct fwd_seq lo[B / 2], hi[B / 2];
+    for (int q = 0; q < B / 2; q++) {
+        lo[q] = (struct fwd_seq){.slot = q + 1, .start = g.S + 1, .len = 1, .tokens = &tok2};
+        hi[q] = (struct fwd_seq){.slot = q + 1 + B / 2, .start = g.S + 1, .len = 1, .tokens = &tok2};
+    }
+    assert_int_equal(model_forward(m, lo, B / 2, lb, NULL), 0);
+    prof_backend_reset(&pb);
+    assert_int_equal(model_forward_greedy(m, hi, B / 2, NULL, drawn, NULL), 0);
+    assert_int_equal(prof_backend_calls(&pb, "argmax"), 1);
+    assert_int_equal(prof_backend_calls(&pb, "download"), 1); /* the draws, 8 bytes a row */
+    struct sample_params greedy = {.temperature = 0.0f};
+    for (int q = 0; q < B / 2; q++) assert_int_equal(drawn[q], sampler_pick(lb + (size_t)q * V, (int)V, &greedy, 0, 0));
 
     free(l1);
     free(lb);
