@@ -400,7 +400,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     /* a step whose drawn rows are all greedy, with no log-probabilities or logits kept, draws where
      * the logits are (model_forward_greedy: the same tokens as sampler_pick on the downloaded rows);
      * every rank of the step sees the same rows, so the TP group agrees on the path */
-    bool greedy = !d->score && !d->logprobs && !d->on_logits;
+    bool greedy = !d->score && !d->logprobs && !d->whole_logits;
     for (int i = 0; i < b->n && greedy; i++)
         if (b->ws[i].sample && !(b->ws[i].temperature <= 0)) greedy = false;
     int32_t *drawn = greedy && last ? ds_malloc(sizeof(int32_t) * (size_t)b->n) : NULL;

@@ -66,6 +66,18 @@ for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   fi
 done
 
+# --save-logits keeps the rows on rank 0 only, yet the TP group must take one path: every rank
+# draws on the host then (a rank drawing on the backend would gather 8 bytes a row against rank
+# 0's rows and abort)
+"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/sl1.jsonl" --max-seqs 4 --save-logits 2>/dev/null
+$MPIRUN -np 2 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/sl2.jsonl" --max-seqs 4 \
+  --save-logits --tp 2 --watchdog 120 >"$T/log" 2>&1
+if [ $? -eq 0 ] && [ -s "$T/sl1.jsonl" ] && cmp -s "$T/sl1.jsonl" "$T/sl2.jsonl"; then
+  ok "greedy with --save-logits on TP2: the saved rows and tokens of one rank"
+else
+  nok "greedy with --save-logits on TP2 differs from one rank: $(grep -m1 -i "error\|abort" "$T/log")"
+fi
+
 # TP8 with 8 sequences a step: every TP rank draws one row of the step (row-split logits,
 # model_logits_split: an all-to-all of the head's columns, the draws all-gathered), sampled
 python3 -c "
