@@ -82,7 +82,7 @@ $(BUILD_DIR)/mpitests/%: tests/mpi/%.c $(BUILD_DIR)/libdsbatch.a
 
 $(BUILD_DIR)/bench/%: tests/bench/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
-	$(MPICC) $(CFLAGS) -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
+	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
 
 test: all
 	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh

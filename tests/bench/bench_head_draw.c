@@ -29,6 +29,7 @@
 #include "backend.h"
 #include "formats.h"
 #include "sampler.h"
+#include "xorshift.h"
 
 #define DIM 5120
 
@@ -51,12 +52,7 @@ static int parse_list(const char *s, int64_t *out, int max) {
 }
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return g_rng;
-}
+static uint64_t rnd(void) { return xorshift64(&g_rng); }
 
 int main(int argc, char **argv) {
     const char *backend = "cuda", *csv = NULL;

@@ -97,17 +97,13 @@ check "16 ranks TP8 x PP2 on the GPU, --moe-exchange owner, 8 sequences (row-spl
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'
 # greedy without --logprobs draws on the GPU (model_forward_greedy: the argmax op over each rank's
 # head columns, 8 bytes a row gathered and downloaded): the tokens of the host's draw over the rows
-same_tokens() { python3 -c "
-import json,sys
-t=lambda f: [(j['id'], j['output_tokens']) for j in map(json.loads, open(f))]
-sys.exit(0 if t('$1') == t('$2') and len(t('$1')) > 0 else 1)"; }
 "$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/gd8.jsonl" --max-seqs 8 --backend cuda 2>/dev/null
 check "greedy drawn on the GPU (no --logprobs, max-seqs 8): the tokens of the host's draw" \
-  'same_tokens "$T/g8.jsonl" "$T/gd8.jsonl"'
+  'python3 tests/tools/same_tokens.py "$T/g8.jsonl" "$T/gd8.jsonl"'
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/gd16.jsonl" --max-seqs 8 \
   --tp 8 --pp 2 --backend cuda --quiet 2>"$T/gd16.err"
 check "greedy drawn on the GPU by 16 ranks TP8 x PP2 (each rank its vocab columns): one GPU rank's host-drawn tokens" \
-  'same_tokens "$T/one.jsonl" "$T/gd16.jsonl"'
+  'python3 tests/tools/same_tokens.py "$T/one.jsonl" "$T/gd16.jsonl"'
 # score on the distributed engine: every row's log-probability, split over the TP ranks
 "$DSBATCH" score --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/sc1.jsonl" --backend cuda --chunk 16 2>/dev/null
 $MPIRUN -np 16 "$DSBATCH" score --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/sc16.jsonl" --tp 8 --pp 2 \

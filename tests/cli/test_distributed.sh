@@ -48,10 +48,6 @@ done
 # greedy steps that keep no log-probabilities draw where the logits are (model_forward_greedy: each
 # TP rank's argmax over its vocab columns, 8 bytes a row gathered, no rows downloaded): the tokens of
 # the host's draw over the downloaded rows (the --logprobs run), on 1 and on 16 ranks
-same_tokens() { python3 -c "
-import json,sys
-t=lambda f: [(j['id'], j['output_tokens']) for j in map(json.loads, open(f))]
-sys.exit(0 if t('$1') == t('$2') and len(t('$1')) > 0 else 1)"; }
 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gl.jsonl" --max-seqs 4 --logprobs 2>/dev/null
 for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   set -- $lay
@@ -59,7 +55,7 @@ for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   if [ $1 -eq 1 ]; then run=("$DSBATCH"); else run=($MPIRUN -np $1 "$DSBATCH"); fi
   "${run[@]}" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gn.jsonl" --max-seqs 4 --tp $2 --pp $3 \
     --watchdog 120 $X >"$T/log" 2>&1
-  if [ $? -eq 0 ] && same_tokens "$T/gl.jsonl" "$T/gn.jsonl" && ! grep -q logprobs "$T/gn.jsonl"; then
+  if [ $? -eq 0 ] && python3 tests/tools/same_tokens.py "$T/gl.jsonl" "$T/gn.jsonl" && ! grep -q logprobs "$T/gn.jsonl"; then
     ok "greedy drawn on the backend (no --logprobs), TP$2 x PP$3${X:+ $X} ($1 ranks): the tokens of the host's draw"
   else
     nok "greedy drawn on the backend, TP$2 x PP$3${X:+ $X} ($1 ranks) differs from the host's draw: $(grep -m1 error "$T/log")"

@@ -45,6 +45,7 @@
 #include "backend.h"
 #include "formats.h"
 #include "tolerances.h"
+#include "xorshift.h"
 
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -102,12 +103,7 @@ static int gpu_state; /* 0: no GPU (skip), 1: ready, 2: CPU stand-in, -1: a devi
 
 static uint64_t rng_s = 1;
 
-static inline uint64_t rnd64(void) {
-    rng_s ^= rng_s << 13;
-    rng_s ^= rng_s >> 7;
-    rng_s ^= rng_s << 17;
-    return rng_s;
-}
+static inline uint64_t rnd64(void) { return xorshift64(&rng_s); }
 
 static inline void seed_tag(const char *tag) { /* FNV-1a of the case name: each case reproducible alone */
     uint64_t h = 0xcbf29ce484222325ull;

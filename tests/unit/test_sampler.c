@@ -21,14 +21,10 @@
 
 #include "backend.h"
 #include "sampler.h"
+#include "xorshift.h"
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
-static uint64_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return g_rng;
-}
+static uint64_t rnd(void) { return xorshift64(&g_rng); }
 
 #include "sampler_ref.h"
 

@@ -21,16 +21,12 @@
 static pthread_barrier_t g_bar;
 #define TOPK_SYNC() pthread_barrier_wait(&g_bar)
 #include "topk_core.h"
+#include "xorshift.h"
 
 #define MAX_NT 8
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return g_rng;
-}
+static uint64_t rnd(void) { return xorshift64(&g_rng); }
 
 /* tie-heavy scores: kind 0 = few levels, 1 = mostly zeros, 2 = many distinct, all with -inf and NaN */
 static float draw(int kind) {
