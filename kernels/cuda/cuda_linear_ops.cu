@@ -695,6 +695,16 @@ __device__ __forceinline__ bool am_better(float v, int32_t i, float bv, int32_t 
     return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
 }
 
+/* the warp's best pair, in every lane */
+__device__ __forceinline__ void am_warp_best(float &bv, int32_t &bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int32_t i = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (am_better(v, i, bv, bi)) bv = v, bi = i;
+    }
+}
+
 __global__ void __launch_bounds__(AM_THREADS) argmax_kernel(int32_t *__restrict__ out, const float *__restrict__ x,
                                                             int64_t V) {
     __shared__ float sv[AM_THREADS / 32];
@@ -721,24 +731,14 @@ __global__ void __launch_bounds__(AM_THREADS) argmax_kernel(int32_t *__restrict_
             if (am_better(f, f == f ? (int32_t)i : -1, bv, bi)) bv = f, bi = (int32_t)i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int32_t i = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (am_better(v, i, bv, bi)) bv = v, bi = i;
-    }
+    am_warp_best(bv, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) sv[warp] = bv, si[warp] = bi;
     __syncthreads();
     if (warp == 0) {
         bv = lane < AM_THREADS / 32 ? sv[lane] : __int_as_float(0x7fc00000);
         bi = lane < AM_THREADS / 32 ? si[lane] : -1;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int32_t i = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (am_better(v, i, bv, bi)) bv = v, bi = i;
-        }
+        am_warp_best(bv, bi);
         if (lane == 0) {
             out[2 * (int64_t)blockIdx.x] = __float_as_int(bi >= 0 ? bv : __int_as_float(0x7fc00000));
             out[2 * (int64_t)blockIdx.x + 1] = bi;

@@ -37,7 +37,7 @@
  *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
  *    blocks ahead by one thread per row and staged as fp32 in shared memory;
  *  - mma_chunk_sum_kernel, when k has more than one chunk: the chunks' fp32 partials folded in
- *    order into y (mma_chunk_sum4_kernel, 4 outputs a thread, where T·n % 4 == 0).
+ *    order into y (4 outputs a thread where T·n % 4 == 0).
  *
  * Order contract (what decides an output's bits; none of it depends on T, on the other rows of the
  * call, or on the grid/tile choice: the k split is fixed by k alone, one CTA owns an output over a
@@ -346,59 +346,40 @@ void launch(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 
     }
 }
 
-/* y[t, i] = bf16(((part[0] + part[1]) + part[2]) + ...) over the k-chunks, [nch][T][n] fp32.
+/* y[t, i] = bf16(((part[0] + part[1]) + part[2]) + ...) over the k-chunks, [nch][T][n] fp32, or
+ * with F32 (CUDA_MMA_OUT_F32) the sum itself, unrounded. V4 folds 4 outputs a thread (tn % 4 == 0,
+ * part 16-byte and y 8-byte (bf16) / 16-byte (fp32) aligned): 16-byte streaming loads of every
+ * chunk's partials, issued together, and one store; each output's adds as in the scalar form,
+ * which moved a 2K-token prefill's partials at ~2 TB/s (27.5 µs a call on average, Nsight).
  * Tried and not kept: the decode kernel folding its tile's chunks in the last of its k-chunk CTAs
  * (a counter per tile), which saves this launch: the serial fold at the tail of each tile made the
  * step slower (H200, bench_step: batch 1 7.04 -> 7.17 ms, batch 64 21.9 -> 23.1 ms). */
-__global__ void mma_chunk_sum_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ part, int64_t tn,
-                                     int nch) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < tn; i += (int64_t)gridDim.x * blockDim.x) {
-        float v = part[i];
-        for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
-        y[i] = __float2bfloat16_rn(v);
-    }
-}
-
-/* CUDA_MMA_OUT_F32: the same fold into fp32 outputs, no rounding to bf16; 4 outputs a thread where
- * tn % 4 == 0 and y is 16-byte aligned (V4 true: then part is too). */
-template <bool V4>
-__global__ void mma_chunk_sum_f32_kernel(float *__restrict__ y, const float *__restrict__ part, int64_t tn, int nch) {
+template <bool F32, bool V4>
+__global__ void mma_chunk_sum_kernel(void *__restrict__ y, const float *__restrict__ part, int64_t tn, int nch) {
     const int64_t m = V4 ? tn / 4 : tn;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
         if (V4) {
             const float4 *p4 = reinterpret_cast<const float4 *>(part);
-            float4 v = __ldcs(p4 + i);
+            float4 v = __ldcs(p4 + i); /* partials are read once: streaming loads */
+#pragma unroll 4
             for (int c = 1; c < nch; c++) {
                 const float4 u = __ldcs(p4 + (int64_t)c * m + i);
                 v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
             }
-            reinterpret_cast<float4 *>(y)[i] = v;
+            if (F32) {
+                reinterpret_cast<float4 *>(y)[i] = v;
+            } else {
+                const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+                uint2 o;
+                o.x = *reinterpret_cast<const uint32_t *>(&lo), o.y = *reinterpret_cast<const uint32_t *>(&hi);
+                reinterpret_cast<uint2 *>(y)[i] = o;
+            }
         } else {
             float v = part[i];
             for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
-            y[i] = v;
+            if (F32) reinterpret_cast<float *>(y)[i] = v;
+            else reinterpret_cast<__nv_bfloat16 *>(y)[i] = __float2bfloat16_rn(v);
         }
-    }
-}
-
-/* The same folds 4 outputs a thread (tn % 4 == 0, y 8-byte aligned): 16-byte loads of every
- * chunk's partials, issued together, and one 8-byte store; each output's adds as above. The scalar
- * form moved a 2K-token prefill's partials at ~2 TB/s (27.5 µs a call on average, Nsight). */
-__global__ void mma_chunk_sum4_kernel(__nv_bfloat16 *__restrict__ y, const float *__restrict__ part, int64_t tn,
-                                      int nch) {
-    const int64_t tn4 = tn / 4;
-    const float4 *p4 = reinterpret_cast<const float4 *>(part);
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < tn4; i += (int64_t)gridDim.x * blockDim.x) {
-        float4 v = __ldcs(p4 + i); /* partials are read once: streaming loads */
-#pragma unroll 4
-        for (int c = 1; c < nch; c++) {
-            const float4 u = __ldcs(p4 + (int64_t)c * tn4 + i);
-            v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-        }
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-        uint2 o;
-        o.x = *reinterpret_cast<const uint32_t *>(&lo), o.y = *reinterpret_cast<const uint32_t *>(&hi);
-        reinterpret_cast<uint2 *>(y)[i] = o;
     }
 }
 
@@ -1039,26 +1020,15 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         }
     }
     KERNEL_CHECK();
-    if (part && out_f32) {
+    if (part) {
         const int64_t tn = T * n;
-        float *yf = (float *)y;
-        if (tn % 4 == 0 && ((uintptr_t)yf % 16) == 0 && ((uintptr_t)part % 16) == 0) {
-            const int64_t blocks = (tn / 4 + 255) / 256;
-            mma_chunk_sum_f32_kernel<true><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yf, part, tn, (int)nch);
-        } else {
-            const int64_t blocks = (tn + 255) / 256;
-            mma_chunk_sum_f32_kernel<false><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yf, part, tn, (int)nch);
-        }
-        KERNEL_CHECK();
-    } else if (part) {
-        const int64_t tn = T * n;
-        if (tn % 4 == 0 && ((uintptr_t)yb % 8) == 0 && ((uintptr_t)part % 16) == 0) {
-            const int64_t blocks = (tn / 4 + 255) / 256;
-            mma_chunk_sum4_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
-        } else {
-            const int64_t blocks = (tn + 255) / 256;
-            mma_chunk_sum_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(yb, part, tn, (int)nch);
-        }
+        const bool v4 = tn % 4 == 0 && ((uintptr_t)part % 16) == 0 && ((uintptr_t)y % (out_f32 ? 16 : 8)) == 0;
+        const int64_t blocks = ((v4 ? tn / 4 : tn) + 255) / 256;
+        const unsigned grid = (unsigned)(blocks < 4096 ? blocks : 4096);
+        if (out_f32 && v4) mma_chunk_sum_kernel<true, true><<<grid, 256, 0, st>>>(y, part, tn, (int)nch);
+        else if (out_f32) mma_chunk_sum_kernel<true, false><<<grid, 256, 0, st>>>(y, part, tn, (int)nch);
+        else if (v4) mma_chunk_sum_kernel<false, true><<<grid, 256, 0, st>>>(y, part, tn, (int)nch);
+        else mma_chunk_sum_kernel<false, false><<<grid, 256, 0, st>>>(y, part, tn, (int)nch);
         KERNEL_CHECK();
     }
 }
