@@ -49,6 +49,13 @@ struct qweight {
 
 struct backend;
 
+/* One slice of a logits row for the row_lse op (kernels/lse_core.h): 16 bytes. */
+struct be_lse_part {
+    double s; /* sum of expf(x - m) over the slice, in lse_core.h's order */
+    float m;  /* the slice's maximum, NaN skipped, +0 for ±0; -inf where it has no other */
+    float t;  /* the entry at the row's target when the slice holds it, else 0 */
+};
+
 /* One device-to-device copy of a copy_segs batch. */
 struct copy_seg {
     void *dst;
@@ -146,6 +153,14 @@ struct backend_ops {
      * columns' and the host keeps the first best (model_forward_greedy): 8 bytes a row leave the
      * device instead of the row's V floats. */
     void (*argmax)(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
+    /* The log-sum-exp parts of each row where the logits are (kernels/lse_core.h defines the order
+     * and the terms): x [R, V] fp32 cut into ns slices of V / ns consecutive columns (ns divides V),
+     * out [R][ns] = each slice's maximum, its sum of expf(x - m) and, where target[r] (a column of
+     * x, or -1; [R] int32, backend memory; NULL = none) falls in the slice, x at it. The host merges
+     * a row's slices in column order (sampler_lse_merge): 16 bytes a slice leave the device instead
+     * of the row, and a vocab-split head's ranks each take their own slices. */
+    void (*row_lse)(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
+                    const int32_t *target);
 
     /* ---- elementwise / norms ---- */
     /* y[T,n] = bf16( w_f32 · (x_f32 · 1/sqrtf(mean(x_f32²) + eps)) ); mean = (Σ x² in order)/n.

@@ -35,6 +35,7 @@ enum prof_op {
     PROF_GROUPED_LINEAR,
     PROF_HEAD,
     PROF_ARGMAX,
+    PROF_ROW_LSE,
     PROF_RMSNORM,
     PROF_ROPE,
     PROF_QDQ_FP8_32,
@@ -69,7 +70,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -188,6 +189,11 @@ static void prof_argmax(struct backend *be, int32_t *out, const float *x, int64_
     double t0 = prof_begin(be);
     PR(be)->inner->ops->argmax(PR(be)->inner, out, x, R, V);
     prof_end(be, PROF_ARGMAX, t0);
+}
+static void prof_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns, const int32_t *target) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->row_lse(PR(be)->inner, out, x, R, V, ns, target);
+    prof_end(be, PROF_ROW_LSE, t0);
 }
 static void prof_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
     double t0 = prof_begin(be);
@@ -320,6 +326,7 @@ static const struct backend_ops prof_ops = {
     .grouped_linear = prof_grouped_linear,
     .head = prof_head,
     .argmax = prof_argmax,
+    .row_lse = prof_row_lse,
     .rmsnorm = prof_rmsnorm,
     .rope = prof_rope,
     .qdq_fp8_32 = prof_qdq_fp8_32,

@@ -397,17 +397,31 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     for (int i = 0; i < b->n; i++)
         if (b->seqs[i].start == 0) model_reset_slot(d->m, b->seqs[i].slot);
     struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
-    /* a step whose drawn rows are all greedy, with no log-probabilities or logits kept, draws where
-     * the logits are (model_forward_greedy: the same tokens as sampler_pick on the downloaded rows);
-     * every rank of the step sees the same rows, so the TP group agrees on the path */
-    bool greedy = !d->score && !d->logprobs && !d->whole_logits;
-    for (int i = 0; i < b->n && greedy; i++)
-        if (b->ws[i].sample && !(b->ws[i].temperature <= 0)) greedy = false;
-    int32_t *drawn = greedy && last ? ds_malloc(sizeof(int32_t) * (size_t)b->n) : NULL;
-    int rc = greedy ? model_forward_greedy(d->m, b->seqs, b->n, first && last ? NULL : &io, drawn, NULL)
-                    : model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL);
+    /* a step that keeps no logits rows and scores, or whose drawn rows are all greedy, draws where
+     * the logits are (model_forward_draws: the tokens of sampler_pick and the log-probability bits
+     * of sampler_logprob on the downloaded rows); every rank of the step sees the same rows, so the
+     * TP group agrees on the path */
+    bool draws = !d->whole_logits && (!(d->score || d->logprobs) || model_lse_ready(d->m));
+    for (int i = 0; i < b->n && draws && !d->score; i++)
+        if (b->ws[i].sample && !(b->ws[i].temperature <= 0)) draws = false;
+    int32_t *drawn = NULL, *target = NULL; /* [n] greedy tokens; [T + 1] score: each row's next token */
+    double *dlp = NULL;                    /* [n] the greedy tokens' log-probabilities */
+    if (last && d->score) {
+        target = ds_malloc(sizeof(int32_t) * (size_t)(b->T + 1));
+        for (int i = 0, row = 0; i < b->n; i++) { /* the chunk's last row scores w->next */
+            const struct wire_seq *w = &b->ws[i];
+            for (int64_t k = 0; k < w->len; k++, row++) target[row] = k + 1 < w->len ? b->tok[row + 1] : w->next;
+        }
+    }
+    if (last && draws && !d->score) {
+        drawn = ds_malloc(sizeof(int32_t) * (size_t)b->n);
+        if (d->logprobs) dlp = ds_malloc(sizeof(double) * (size_t)b->n);
+    }
+    struct head_draws hd = {.tokens = drawn, .targets = d->score ? target : NULL, .lp = d->score ? lp : dlp};
+    int rc = draws ? model_forward_draws(d->m, b->seqs, b->n, first && last ? NULL : &io, &hd, NULL)
+                   : model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL);
     if (rc) {
-        free(drawn);
+        free(drawn), free(dlp), free(target);
         return -1;
     }
     if (!first) model_key_sync_append(d->m, b->seqs, b->n, &b->key, &b->key_len);
@@ -415,25 +429,20 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
         return 0;
     }
-    if (drawn) {
+    if (draws) { /* tokens and log-probabilities (score: lp of every row) came with the forward */
         for (int i = 0; i < b->n; i++) {
-            out[i] = b->ws[i].sample ? drawn[i] : -1;
-            lp[i] = 0.0;
+            out[i] = !d->score && b->ws[i].sample ? drawn[i] : -1;
+            if (!d->score) lp[i] = dlp && out[i] >= 0 ? dlp[i] : 0.0;
         }
-        free(drawn);
+        free(drawn), free(dlp), free(target);
         trace_add(d, d->n_trace, b, start, MPI_Wtime(), tp0);
         return 0;
     }
     int V = c->vocab_size;
     if (d->score) { /* every row scores the prompt's token after it (the chunk's last row: w->next) */
-        int64_t T = b->T, r0, r1, row = 0;
+        int64_t T = b->T, r0, r1;
         bool split = model_logits_split(d->m, T, &r0, &r1);
-        int32_t *target = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
-        for (int i = 0; i < b->n; i++) {
-            const struct wire_seq *w = &b->ws[i];
-            for (int64_t k = 0; k < w->len; k++, row++) target[row] = k + 1 < w->len ? b->tok[row + 1] : w->next;
-            out[i] = -1;
-        }
+        for (int i = 0; i < b->n; i++) out[i] = -1;
 #pragma omp parallel for schedule(static) if (r1 - r0 > 1)
         for (int64_t r = r0; r < r1; r++)
             lp[r] = target[r] >= 0 ? sampler_logprob(logits + (size_t)(r - r0) * V, V, target[r]) : 0.0;

@@ -10,6 +10,7 @@
 
 #include "formats.h"
 #include "log.h"
+#include "lse_core.h"
 #include "model_internal.h"
 #include "sampler.h"
 
@@ -778,7 +779,7 @@ static int check_batch(struct model *m, const struct fwd_seq *seqs, int n) {
 }
 
 static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
-                        float *logits, int32_t *tokens, const struct fwd_hooks *hooks);
+                        float *logits, const struct head_draws *hd, const struct fwd_hooks *hooks);
 
 int model_forward(struct model *m, const struct fwd_seq *seqs, int n, float *logits, const struct fwd_hooks *hooks) {
     return model_forward_stage(m, seqs, n, NULL, logits, hooks);
@@ -795,7 +796,31 @@ int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, con
         ds_err_set("model_forward_greedy: the last stage needs a token buffer");
         return -1;
     }
-    return forward_impl(m, seqs, n, io, NULL, m->w->opt.last_stage ? tokens : NULL, hooks);
+    struct head_draws hd = {.tokens = tokens};
+    return forward_impl(m, seqs, n, io, NULL, m->w->opt.last_stage ? &hd : NULL, hooks);
+}
+
+bool model_lse_ready(const struct model *m) { return lse_slices(m->cfg->vocab_size) % m->tp_size == 0; }
+
+int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
+                        const struct head_draws *hd, const struct fwd_hooks *hooks) {
+    if (!m->w->opt.last_stage) return forward_impl(m, seqs, n, io, NULL, NULL, hooks);
+    if (!hd || (!hd->tokens && !hd->lp) || (hd->lp && !hd->tokens && !hd->targets)) {
+        ds_err_set("model_forward_draws: the last stage needs tokens, or log-probabilities with their targets");
+        return -1;
+    }
+    if (hd->lp && !model_lse_ready(m)) {
+        ds_err_set("model_forward_draws: TP %d does not split the vocabulary (%d) into whole log-sum-exp slices",
+                   m->tp_size, m->cfg->vocab_size);
+        return -1;
+    }
+    for (int64_t r = 0, R = model_logits_rows(seqs, n); hd->lp && hd->targets && r < R; r++)
+        if (hd->targets[r] < -1 || hd->targets[r] >= m->cfg->vocab_size) {
+            ds_err_set("model_forward_draws: target %d of row %lld is outside the vocabulary [0, %d)", hd->targets[r],
+                       (long long)r, m->cfg->vocab_size);
+            return -1;
+        }
+    return forward_impl(m, seqs, n, io, NULL, hd, hooks);
 }
 
 /* The greedy draws of R rows from the vocab-split head's logits lg [R, Vl] (backend memory): each
@@ -817,9 +842,49 @@ static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64
     model_tfree(m, am);
 }
 
-/* model_forward_stage with the head's output as logits or, tokens != NULL, as greedy draws. */
+/* The log-probabilities of hd's targets (or of its greedy tokens) from the vocab-split head's
+ * logits lg [R, Vl]: each rank's row_lse parts of its lse_core.h slices, all-gathered, merged per
+ * row on the host in slice order (sampler_lse_merge); the target's entry comes from the slice that
+ * holds it, a greedy token's is the row's maximum. */
+static void head_logprobs(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl) {
+    const int64_t np = m->tp_size, V = m->cfg->vocab_size, ns = lse_slices(V), nsl = ns / np, n = V / ns;
+    int32_t *tg = NULL; /* [R] target columns of this rank's, -1 elsewhere (backend memory) */
+    if (hd->targets) {
+        int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)R);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t c = (int64_t)hd->targets[r] - m->w->vocab_row0;
+            h[r] = hd->targets[r] >= 0 && c >= 0 && c < Vl ? (int32_t)c : -1;
+        }
+        tg = model_tmp(m, sizeof(int32_t) * (size_t)R);
+        OPS->upload(m->be, tg, h, sizeof(int32_t) * (size_t)R);
+        free(h);
+    }
+    const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
+    struct be_lse_part *pt = model_tmp(m, bytes), *all = pt; /* [R][nsl], then [np][R][nsl] */
+    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg);
+    if (np > 1) {
+        all = model_tmp(m, bytes * (size_t)np);
+        m->opt.tp->ops->allgather(m->opt.tp, pt, all, bytes, "log-sum-exp parts");
+    }
+    struct be_lse_part *h = ds_malloc(bytes * (size_t)np), row[LSE_SLICES_MAX];
+    OPS->download(m->be, h, all, bytes * (size_t)np);
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
+        float mx;
+        const double ls = sampler_lse_merge(row, ns, &mx);
+        const int64_t t = hd->targets ? hd->targets[r] : hd->tokens[r];
+        const float tv = hd->targets ? (t >= 0 ? row[t / n].t : 0.0f) : mx;
+        hd->lp[r] = hd->targets && t < 0 ? 0.0 : (double)tv - (double)mx - ls;
+    }
+    free(h);
+    if (all != pt) model_tfree(m, all);
+    model_tfree(m, pt);
+    if (tg) model_tfree(m, tg);
+}
+
+/* model_forward_stage with the head's output as logits or, hd != NULL, as hd's draws. */
 static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
-                        float *logits, int32_t *tokens, const struct fwd_hooks *hooks) {
+                        float *logits, const struct head_draws *hd, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     bool first = m->w->opt.first_stage, last = m->w->opt.last_stage;
     if ((!first && (!io || !io->X_in || !io->P_in)) || (!last && (!io || !io->X_out || !io->P_out))) {
@@ -827,7 +892,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     if (check_batch(m, seqs, n)) return -1;
-    if (tokens && model_logits_rows(seqs, n) != n) {
+    if (hd && hd->tokens && model_logits_rows(seqs, n) != n) {
         ds_err_set("model_forward_greedy: a sequence asks for the logits of every position");
         return -1;
     }
@@ -913,14 +978,15 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
          * columns of rows [j Rp, j Rp + Rp) (the padding rows are sent, never read) */
         int64_t V = c->vocab_size, Vl = m->w->vocab_rows, r0, r1;
         if (R > g_head_rows_max) g_head_rows_max = R;
-        bool split = !tokens && model_logits_split(m, R, &r0, &r1);
+        bool split = !hd && model_logits_split(m, R, &r0, &r1);
         if (!split) r0 = 0, r1 = R;
         int64_t np = m->tp_size, Rp = split ? (R + np - 1) / np : R; /* whole rows this rank gets */
         float *lg = model_tmp(m, sizeof(float) * (size_t)((split ? np * Rp : R) * Vl)); /* [R or np Rp, Vl] */
-        float *rows = tokens ? NULL : model_tmp(m, sizeof(float) * (size_t)(Rp * V));   /* [Rp, V] */
+        float *rows = hd ? NULL : model_tmp(m, sizeof(float) * (size_t)(Rp * V));      /* [Rp, V] */
         OPS->head(m->be, lg, hr, R, &m->w->head);
-        if (tokens) {
-            head_greedy(m, tokens, lg, R, Vl);
+        if (hd) {
+            if (hd->tokens) head_greedy(m, hd->tokens, lg, R, Vl);
+            if (hd->lp) head_logprobs(m, hd, lg, R, Vl);
         } else if (split) {
             float *blk = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np][Rp, Vl] */
             m->opt.tp->ops->alltoall(m->opt.tp, lg, blk, sizeof(float) * (size_t)(Rp * Vl), "logits (row blocks)");
@@ -929,7 +995,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         } else {
             model_tp_gather_cols(m, rows, lg, R, sizeof(float) * (size_t)Vl, "logits");
         }
-        if (!tokens && r1 > r0) OPS->download(m->be, logits, rows, sizeof(float) * (size_t)((r1 - r0) * V));
+        if (!hd && r1 > r0) OPS->download(m->be, logits, rows, sizeof(float) * (size_t)((r1 - r0) * V));
         model_tfree(m, lg);
         if (rows) model_tfree(m, rows);
         model_tfree(m, h);

@@ -7,9 +7,11 @@
  * where a GPU step takes ~12 ms); now top-k selects its k entries with a bounded heap and the
  * top-p path sorts the values alone by radix (the weights and sums depend only on the values in
  * order; the drawn position's id is found after), and the largest logit is found in 8 independent
- * lanes. The arithmetic is the first version's, operation for operation (glibc exp in double, the
- * sums in the same order), so the tokens and log-probabilities are the same bits; a hand-written
- * exp (Taylor, vectorized) was no faster than glibc's here (1.2-1.6 against 1.1 ms a row). NaN
+ * lanes. The draws' arithmetic is the first version's, operation for operation (glibc exp in
+ * double, the sums in the same order), so the tokens are the same; a hand-written exp (Taylor,
+ * vectorized) was no faster than glibc's here (1.2-1.6 against 1.1 ms a row). The log-probability
+ * is kernels/lse_core.h's: slices and lanes a GPU and a vocab-split head can run too, so the
+ * backends' row_lse parts merged here (sampler_lse_merge) give it without downloading rows. NaN
  * logits are never drawn (a log-probability over a row with NaN is NaN). */
 #include "sampler.h"
 
@@ -18,6 +20,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "lse_core.h"
 
 void philox4x32(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
     uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3], k0 = key[0], k1 = key[1];
@@ -213,11 +216,24 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     return pick;
 }
 
+double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < ns; j++)
+        if (p[j].m > mx) mx = p[j].m;
+    double s = 0;
+    for (int64_t j = 0; j < ns; j++) /* a slice of -inf adds nothing; a NaN sum makes s NaN */
+        if (p[j].s != 0) s += p[j].s * exp((double)p[j].m - (double)mx);
+    *M = mx;
+    return log(s);
+}
+
 double sampler_logprob(const float *logits, int V, int token) {
-    int first;
-    double mx = row_max(logits, V, &first), s = 0; /* a NaN anywhere makes s NaN, as it did */
-    for (int i = 0; i < V; i++) s += exp((double)logits[i] - mx);
-    return (double)logits[token] - mx - log(s);
+    struct be_lse_part p[LSE_SLICES_MAX];
+    const int64_t ns = lse_slices(V), n = V / ns;
+    for (int64_t j = 0; j < ns; j++) p[j] = lse_slice_host(logits + j * n, n, -1);
+    float mx;
+    const double ls = sampler_lse_merge(p, ns, &mx);
+    return (double)logits[token] - (double)mx - ls;
 }
 
 void sampler_greedy_merge(int32_t *tokens, const int32_t *parts, int64_t R, int64_t np, int64_t Vl) {

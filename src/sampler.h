@@ -21,8 +21,16 @@ double sampler_uniform(uint64_t seed, uint64_t request, uint64_t position);
 /* Pick a token from logits [V] (not modified). */
 int sampler_pick(const float *logits, int V, const struct sample_params *p, uint64_t request, uint64_t position);
 
-/* log-softmax of logits at `token`, computed in double over the row. */
+/* log-softmax of logits at `token`: x[token] - M - log S in double, M the row's maximum and S its
+ * sum of exponentials in kernels/lse_core.h's order (slices, lanes, float differences, glibc's
+ * expf), so the row_lse op's parts merged by sampler_lse_merge give the same bits on any backend
+ * and any vocab split. NaN or +inf anywhere gives NaN. */
 double sampler_logprob(const float *logits, int V, int token);
+
+/* A row's ns slices' parts (the row_lse op's, in id order) merged: *M = the row's maximum,
+ * returns log Σ_j s_j · exp(m_j - M) (the sum in slice order, double). */
+struct be_lse_part;
+double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M);
 
 /* The greedy draws of R rows whose vocabulary is split in np consecutive slices of Vl ids: parts
  * [np][R][2] int32 holds each slice's best (the backend's argmax op: a float's bits, then its index

@@ -203,4 +203,22 @@
  * other ranks must keep their poison bit for bit. */
 #define TOL_GPU_MOE_FLIP_ULPS 1
 
+/* row_lse (the log-probabilities' slices, kernels/lse_core.h): the same terms (a float difference
+ * and expf, glibc's on the host and its bit-for-bit copy on the device), the same lanes and the same
+ * tree of double adds on both backends, the maximum a comparison: exact. */
+#define TOL_GPU_ROW_LSE_EXACT 0
+
+/* ---------------------------------------------------------------------------------------------
+ * Host arithmetic against a double-precision oracle */
+
+/* The log-probability (sampler_logprob; row_lse + sampler_lse_merge) against the first version's
+ * sum of exp((double)x - max) in double over the row (tests/unit/sampler_ref.h). Each term is now
+ * expf of a float difference: fl(x - m) errs by u·(m - x) in the exponent, hence relatively in the
+ * term, and glibc's expf by at most 1 ulp = 2u (this constant); the slices' maxima m are <= the
+ * row's M. So |lp - ref| <= u·(TOL_LOGPROB_EXPF_U + Σ p_i (M - x_i)) to first order (p_i the row's
+ * probabilities), plus the double sums' n·2^-53 on each side; test_sampler computes the bound per
+ * row (x 1.01 for the second-order terms). Both log-probabilities are in double; logits are fp32 of
+ * bf16-rounded sums, so ~1e-6 here is far below what the model's own rounding moves. */
+#define TOL_LOGPROB_EXPF_U 2.0
+
 #endif /* DS_TOLERANCES_H */

@@ -99,6 +99,7 @@ static const struct backend_ops cpu_ops = {
     .grouped_linear = cpu_op_grouped_linear,
     .head = cpu_op_head,
     .argmax = cpu_op_argmax,
+    .row_lse = cpu_op_row_lse,
     .rmsnorm = cpu_op_rmsnorm,
     .rope = cpu_op_rope,
     .qdq_fp8_32 = cpu_op_qdq_fp8_32,

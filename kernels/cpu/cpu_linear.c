@@ -1,6 +1,7 @@
 /* Dense projections of the CPU reference backend: the quantized linear (FP8 32x32 tiles or FP4
  * rows, with the reference's per-32 activation quantization), the plain bf16 linear, the fp32
- * linear of the router and the ratio-2 compressor, the grouped wo_a projection and the head.
+ * linear of the router and the ratio-2 compressor, the grouped wo_a projection and the head, and
+ * the head's row reductions (argmax; row_lse in kernels/lse_core.h's order).
  *
  * Every output element is one sequential fp32 sum in k order (per 32-wide block for the quantized
  * path; per BE_DOT_SEG segment, the segment sums then added in order, for the dense ones), exactly
@@ -16,6 +17,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "lse_core.h"
 #include "log.h"
 
 /* Rows of x handled per pass: bounds the quantized-activation scratch and keeps it cache-resident
@@ -259,5 +261,18 @@ void cpu_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, 
             if (row[i] == row[i] && (at < 0 || row[i] > best)) best = row[i], at = (int32_t)i;
         memcpy(&out[2 * r], &best, sizeof best);
         out[2 * r + 1] = at;
+    }
+}
+
+/* lse_core.h's slices, each row's in turn (the op's contract is that order, not a thread count). */
+void cpu_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
+                    const int32_t *target) {
+    (void)be;
+    if (ns < 1 || V % ns) ds_die("cpu row_lse: %lld slices do not divide %lld columns", (long long)ns, (long long)V);
+    const int64_t n = V / ns;
+#pragma omp parallel for schedule(static) if (R * ns > 1)
+    for (int64_t q = 0; q < R * ns; q++) {
+        const int64_t r = q / ns, j = q % ns, c = target ? target[r] : -1;
+        out[q] = lse_slice_host(x + r * V + j * n, n, c >= j * n && c < (j + 1) * n ? c - j * n : -1);
     }
 }

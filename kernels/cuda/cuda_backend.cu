@@ -670,6 +670,7 @@ static const struct backend_ops cuda_ops = {
     .grouped_linear = cuda_op_grouped_linear,
     .head = cuda_op_head,
     .argmax = cuda_op_argmax,
+    .row_lse = cuda_op_row_lse,
     .rmsnorm = cuda_op_rmsnorm,
     .rope = cuda_op_rope,
     .qdq_fp8_32 = cuda_op_qdq_fp8_32,

@@ -57,6 +57,8 @@ void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int6
                             const struct qweight *W);
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);
 void cuda_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
+void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
+                     const int32_t *target);
 
 /* ---- cuda_elementwise.cu ---- */
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,

@@ -1,5 +1,6 @@
 /* Dense projections of the SM80 backend: the op-table entries linear, linear_f32, grouped_linear
- * (wo_a) and head, and the head's greedy draw (argmax). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
+ * (wo_a) and head, and the head's row reductions: the greedy draw (argmax) and the log-sum-exp parts
+ * of the log-probabilities (row_lse, in kernels/lse_core.h's order). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
  * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
  * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
  * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
@@ -23,7 +24,9 @@
  * same order. */
 #include "cuda_internal.h"
 #include "cuda_linear.h"
+#include "cuda_libm.cuh"
 #include "linear_mma.h"
+#include "lse_core.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Exact conversions (src/formats.c) */
@@ -751,5 +754,83 @@ void cuda_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R,
     if (V <= 0 || V > INT32_MAX || R > INT32_MAX)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "argmax", "V must be in 1 .. INT32_MAX and R a grid");
     argmax_kernel<<<(unsigned)R, AM_THREADS, 0, cuda_be_stream(be)>>>(out, x, V);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * row_lse: a CTA of LSE_LANES threads per (row, slice), thread l being lse_core.h's lane l: the
+ * slice's maximum (any tree: a maximum of non-NaN values, +0 for ±0 after it), then each lane's
+ * groups of 4 in id order, its terms summed in double, and the lanes folded by the same tree as
+ * lse_slice_host (h = 128, 64, 32 through shared memory, then 16 .. 1 by shuffles: lane l adds lane
+ * l + h each time). Every add and the float difference are explicitly rounded (no contraction). */
+__device__ __forceinline__ double lse_term(float v, float m) {
+    return v == __int_as_float((int)0xff800000u) ? 0.0 : (double)ds_expf(__fsub_rn(v, m));
+}
+
+__global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *__restrict__ out,
+                                                           const float *__restrict__ x, int64_t V, int64_t ns,
+                                                           int64_t n, const int32_t *__restrict__ target) {
+    __shared__ double sacc[LSE_LANES];
+    __shared__ float smax[LSE_LANES / 32];
+    const int64_t q = blockIdx.x, r = q / ns, j = q % ns;
+    const float *s = x + r * V + j * n;
+    const int l = threadIdx.x, lane = l & 31, warp = l >> 5;
+    const int64_t ng = (n + LSE_GROUP - 1) / LSE_GROUP; /* groups; the last may be short */
+    const bool v4 = ((uintptr_t)s & 15) == 0;
+    float m = __int_as_float((int)0xff800000u);
+    for (int64_t g = l; g < ng; g += LSE_LANES) {
+        const int64_t i = g * LSE_GROUP;
+        if (v4 && i + 4 <= n) {
+            const float4 f = *reinterpret_cast<const float4 *>(s + i);
+            m = f.x > m ? f.x : m, m = f.y > m ? f.y : m, m = f.z > m ? f.z : m, m = f.w > m ? f.w : m;
+        } else {
+            for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) m = s[k] > m ? s[k] : m;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) smax[warp] = m;
+    __syncthreads();
+    m = smax[0];
+#pragma unroll
+    for (int w = 1; w < LSE_LANES / 32; w++) m = fmaxf(m, smax[w]);
+    m = __fadd_rn(m, 0.0f);
+    double acc = 0.0;
+    for (int64_t g = l; g < ng; g += LSE_LANES) {
+        const int64_t i = g * LSE_GROUP;
+        if (v4 && i + 4 <= n) {
+            const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
+            acc = __dadd_rn(acc, lse_term(f.x, m));
+            acc = __dadd_rn(acc, lse_term(f.y, m));
+            acc = __dadd_rn(acc, lse_term(f.z, m));
+            acc = __dadd_rn(acc, lse_term(f.w, m));
+        } else {
+            for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_term(s[k], m));
+        }
+    }
+    sacc[l] = acc;
+    __syncthreads();
+#pragma unroll
+    for (int h = LSE_LANES / 2; h >= 32; h >>= 1) {
+        if (l < h) sacc[l] = __dadd_rn(sacc[l], sacc[l + h]);
+        __syncthreads();
+    }
+    if (warp == 0) {
+        acc = sacc[l];
+#pragma unroll
+        for (int h = 16; h > 0; h >>= 1) acc = __dadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, h));
+        if (l == 0) {
+            const int64_t c = target ? target[r] : -1;
+            out[q] = (struct be_lse_part){.s = acc, .m = m, .t = c >= j * n && c < (j + 1) * n ? x[r * V + c] : 0.0f};
+        }
+    }
+}
+
+void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
+                     const int32_t *target) {
+    if (R <= 0) return;
+    if (ns < 1 || V < 1 || V % ns || R * ns > INT32_MAX)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "row_lse", "ns must divide V and R * ns fit a grid");
+    row_lse_kernel<<<(unsigned)(R * ns), LSE_LANES, 0, cuda_be_stream(be)>>>(out, x, V, ns, V / ns, target);
     KERNEL_CHECK();
 }

@@ -1,19 +1,24 @@
-/* The last stage's head and greedy draw at the real per-rank shapes, both ways the engine can run
- * them (make bench; GPU machine, or --backend cpu anywhere):
+/* The last stage's head, greedy draw and log-probabilities at the real per-rank shapes, both ways
+ * the engine can run them (make bench; GPU machine, or --backend cpu anywhere):
  *  - host: the head's logits [R, V_local] fp32 downloaded into host_alloc memory (page-locked on
  *    a GPU) and each row drawn by sampler_pick at temperature 0 on the rank's OpenMP threads
- *    (what a step with --logprobs, --save-logits or a temperature still does);
+ *    (what a step with --save-logits or a temperature still does);
  *  - backend: the argmax op where the logits are, [R][2] int32 downloaded and merged
- *    (model_forward_greedy's path on one rank: sampler_greedy_merge of one slice).
- * Both are timed from the head's launch to the tokens on the host (the backend synchronized), as
- * a step pays them, and the head alone beside them — on the GPU as the engine runs it (the
- * tensor-core switch on: cuda_op_head's BF16 mma tilings) and with --exact-linears' exact kernel
- * (path head_exact); the tokens of the host and backend draws must agree (exit 1 otherwise). x [R, 5120] bf16 and the head [V_local, 5120] bf16 are random. V_local 16,160 is a
- * TP8 rank's columns of the 129,280 vocabulary (the row-split draw then hands each rank R/8 whole
- * rows: the host path's download and draws shrink by 8, the all-to-all is not counted here);
- * 129,280 is one rank's whole head.
+ *    (model_forward_draws' path on one rank: sampler_greedy_merge of one slice);
+ *  - host_lp / backend_lp: the same for one log-probability a row (a target id each, as `dsbatch
+ *    score` takes every prompt row's): sampler_logprob over the downloaded rows, or the row_lse op
+ *    (lse_slices(V_local) slices) + [R][slices] parts downloaded + sampler_lse_merge.
+ * Each is timed from the head's launch to the tokens or log-probabilities on the host (the backend
+ * synchronized), as a step pays them, and the head alone beside them — on the GPU as the engine
+ * runs it (the tensor-core switch on: cuda_op_head's BF16 mma tilings) and with --exact-linears'
+ * exact kernel (path head_exact); the host and backend draws must give the same tokens and the
+ * same log-probability bits (exit 1 otherwise). x [R, 5120] bf16 and the head [V_local, 5120] bf16
+ * are random. V_local 16,160 is a TP8 rank's columns of the 129,280 vocabulary (the row-split draw
+ * then hands each rank R/8 whole rows: the host path's download and draws shrink by 8, the
+ * all-to-all is not counted here); 129,280 is one rank's whole head.
  *   bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] [--iters N] [--csv F]
- * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend, head_exact). */
+ * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend, head_exact, host_lp,
+ * backend_lp). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -28,6 +33,7 @@
 
 #include "backend.h"
 #include "formats.h"
+#include "lse_core.h"
 #include "sampler.h"
 #include "xorshift.h"
 
@@ -99,8 +105,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (f) fprintf(f, "backend,device,v_local,rows,path,ms,ms_min\n");
-    printf("%-8s %8s %5s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n", "backend",
-           "v_local", "rows", "head", "host", "backend", "head_exact", iters);
+    printf("%-8s %8s %5s %10s %10s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n",
+           "backend", "v_local", "rows", "head", "host", "backend", "head_exact", "host_lp", "backend_lp", iters);
     int rc = 0;
     for (int vi = 0; vi < n_vocab; vi++) {
         const int64_t V = vocab[vi];
@@ -118,15 +124,22 @@ int main(int argc, char **argv) {
             bf16_t *x = ops->alloc(&be, sizeof(uint16_t) * (size_t)(R * DIM));
             float *lg = ops->alloc(&be, sizeof(float) * (size_t)(R * V));
             int32_t *am = ops->alloc(&be, sizeof(int32_t) * (size_t)(2 * R));
+            const int64_t ns = lse_slices(V);
+            struct be_lse_part *pt = ops->alloc(&be, sizeof *pt * (size_t)(R * ns)), *pth = malloc(sizeof *pth * (size_t)(R * ns));
+            int32_t *tgh = malloc(sizeof(int32_t) * (size_t)R), *tg = ops->alloc(&be, sizeof(int32_t) * (size_t)R);
+            double *lp_host = malloc(sizeof(double) * (size_t)R), *lp_be = malloc(sizeof(double) * (size_t)R);
+            for (int64_t r = 0; r < R; r++) tgh[r] = (int32_t)(rnd() % (uint64_t)V);
+            ops->upload(&be, tg, tgh, sizeof(int32_t) * (size_t)R);
             float *host = ops->host_alloc ? ops->host_alloc(&be, sizeof(float) * (size_t)(R * V))
                                           : malloc(sizeof(float) * (size_t)(R * V));
             int32_t *amh = malloc(sizeof(int32_t) * (size_t)(2 * R)), *t_host = malloc(sizeof(int32_t) * (size_t)R),
                     *t_be = malloc(sizeof(int32_t) * (size_t)R);
             ops->upload(&be, x, xh, sizeof(uint16_t) * (size_t)(R * DIM));
-            double sum[4] = {0}, mn[4] = {1e30, 1e30, 1e30, 1e30};
+            enum { NP = 6 };
+            double sum[NP] = {0}, mn[NP] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
             for (int it = -2; it < iters; it++) { /* two warm-up rounds */
-                double t[4];
-                for (int p = 0; p < 4; p++) {
+                double t[NP];
+                for (int p = 0; p < NP; p++) {
 #ifdef DS_HAVE_CUDA
                     if (p == 3 && strcmp(backend, "cpu")) backend_cuda_set_mma(&be, false);
 #endif
@@ -144,6 +157,20 @@ int main(int argc, char **argv) {
                         ops->download(&be, amh, am, sizeof(int32_t) * (size_t)(2 * R));
                         ops->sync(&be);
                         sampler_greedy_merge(t_be, amh, R, 1, V);
+                    } else if (p == 4) {
+                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
+                        ops->sync(&be);
+#pragma omp parallel for schedule(static) if (R > 1)
+                        for (int64_t r = 0; r < R; r++) lp_host[r] = sampler_logprob(host + r * V, (int)V, tgh[r]);
+                    } else if (p == 5) {
+                        ops->row_lse(&be, pt, lg, R, V, ns, tg);
+                        ops->download(&be, pth, pt, sizeof *pt * (size_t)(R * ns));
+                        ops->sync(&be);
+                        for (int64_t r = 0; r < R; r++) {
+                            float mx;
+                            const double ls = sampler_lse_merge(pth + r * ns, ns, &mx);
+                            lp_be[r] = (double)pth[r * ns + tgh[r] / (V / ns)].t - (double)mx - ls;
+                        }
                     }
                     ops->sync(&be);
                     t[p] = now_s() - t0;
@@ -152,7 +179,7 @@ int main(int argc, char **argv) {
 #endif
                 }
                 if (it < 0) continue;
-                for (int p = 0; p < 4; p++) {
+                for (int p = 0; p < NP; p++) {
                     sum[p] += t[p];
                     if (t[p] < mn[p]) mn[p] = t[p];
                 }
@@ -161,16 +188,25 @@ int main(int argc, char **argv) {
                             (long long)V, (long long)R);
                     rc = 1;
                 }
+                if (memcmp(lp_host, lp_be, sizeof(double) * (size_t)R)) {
+                    fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's log-probabilities differ from the host's\n",
+                            (long long)V, (long long)R);
+                    rc = 1;
+                }
             }
-            static const char *const names[4] = {"head", "host", "backend", "head_exact"};
-            printf("%-8s %8lld %5lld %10.3f %10.3f %10.3f %10.3f\n", backend, (long long)V, (long long)R,
-                   1e3 * sum[0] / iters, 1e3 * sum[1] / iters, 1e3 * sum[2] / iters, 1e3 * sum[3] / iters);
-            for (int p = 0; p < 4 && f; p++)
+            static const char *const names[NP] = {"head", "host", "backend", "head_exact", "host_lp", "backend_lp"};
+            printf("%-8s %8lld %5lld", backend, (long long)V, (long long)R);
+            for (int p = 0; p < NP; p++) printf(" %10.3f", 1e3 * sum[p] / iters);
+            printf("\n");
+            for (int p = 0; p < NP && f; p++)
                 fprintf(f, "%s,%s,%lld,%lld,%s,%.4f,%.4f\n", backend, device, (long long)V, (long long)R, names[p],
                         1e3 * sum[p] / iters, 1e3 * mn[p]);
             ops->free(&be, x);
             ops->free(&be, lg);
             ops->free(&be, am);
+            ops->free(&be, pt);
+            ops->free(&be, tg);
+            free(pth), free(tgh), free(lp_host), free(lp_be);
             if (ops->host_alloc) ops->host_free(&be, host);
             else free(host);
             free(xh), free(amh), free(t_host), free(t_be);

@@ -12,9 +12,10 @@ cuda_linear_prefill.csv  -> cuda_linear_prefill.png: each FP8/FP4 linear at pref
                             of cuda_gemm_ceiling.csv (its best row) and the 40 % prefill target.
 cuda_step_alternated.csv -> cuda_step_alternated.png: two binaries' bench_step runs alternated in one device
                             call (step_alternated.py): decode % of copy bandwidth and prefill tokens/s per rev.
-cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head and greedy draw (bench_head_draw), ms a
-                            step per row count: the head alone (tensor cores / exact kernel), and head +
-                            draw on the host (logits downloaded) or where the logits are (argmax op).
+cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head, greedy draw and log-probabilities
+                            (bench_head_draw), ms a step per row count: the head alone (tensor cores /
+                            exact kernel), and head + draw or log-probability on the host (logits
+                            downloaded) or where the logits are (argmax op, row_lse op).
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -202,7 +203,9 @@ def main():
         vs = sorted({int(x["v_local"]) for x in r})
         fig, axes = plt.subplots(1, len(vs), figsize=(6 * len(vs), 4.2), squeeze=False)
         styles = {"head": ("head (tensor cores)", "-", "o"), "head_exact": ("head (exact kernel)", ":", "s"),
-                  "host": ("head + download + host draw", "--", "^"), "backend": ("head + argmax op", "-", "v")}
+                  "host": ("head + download + host draw", "--", "^"), "backend": ("head + argmax op", "-", "v"),
+                  "host_lp": ("head + download + host log-probability", "--", "D"),
+                  "backend_lp": ("head + row_lse op + merge", "-", "P")}
         for ax, v in zip(axes[0], vs):
             for path, (label, ls, mk) in styles.items():
                 pts = sorted((int(x["rows"]), float(x["ms"])) for x in r if int(x["v_local"]) == v and x["path"] == path)
@@ -214,7 +217,7 @@ def main():
             ax.set_ylabel("ms a step")
             ax.set_title("head [%d, 5120] bf16 (%s)" % (v, r[0]["device"]), fontsize=9)
             ax.legend(fontsize=8)
-        fig.suptitle("bench_head_draw: the last stage's head and greedy draw", fontsize=10)
+        fig.suptitle("bench_head_draw: the last stage's head, greedy draw and log-probabilities", fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.93))
         fig.savefig(os.path.join(d, "cuda_head_draw.png"), dpi=110)
 

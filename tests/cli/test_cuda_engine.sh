@@ -97,9 +97,15 @@ check "16 ranks TP8 x PP2 on the GPU, --moe-exchange owner, 8 sequences (row-spl
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'
 # greedy without --logprobs draws on the GPU (model_forward_greedy: the argmax op over each rank's
 # head columns, 8 bytes a row gathered and downloaded): the tokens of the host's draw over the rows
+# (g8: --logprobs, so its log-probabilities too come from the GPU: the row_lse op's parts; the
+# --save-logits run downloads the rows and draws and scores them on the host)
 "$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/gd8.jsonl" --max-seqs 8 --backend cuda 2>/dev/null
+"$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/gh8.jsonl" --max-seqs 8 --backend cuda --logprobs \
+  --save-logits 2>/dev/null
 check "greedy drawn on the GPU (no --logprobs, max-seqs 8): the tokens of the host's draw" \
-  'python3 tests/tools/same_tokens.py "$T/g8.jsonl" "$T/gd8.jsonl"'
+  'python3 tests/tools/same_tokens.py "$T/gh8.jsonl" "$T/gd8.jsonl"'
+check "greedy with --logprobs on the GPU (argmax + row_lse, max-seqs 8): the host's tokens and log-probability bits" \
+  'python3 tests/tools/same_tokens.py --logprobs "$T/gh8.jsonl" "$T/g8.jsonl"'
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/gd16.jsonl" --max-seqs 8 \
   --tp 8 --pp 2 --backend cuda --quiet 2>"$T/gd16.err"
 check "greedy drawn on the GPU by 16 ranks TP8 x PP2 (each rank its vocab columns): one GPU rank's host-drawn tokens" \

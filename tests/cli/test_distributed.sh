@@ -45,10 +45,12 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
   done
 done
 
-# greedy steps that keep no log-probabilities draw where the logits are (model_forward_greedy: each
-# TP rank's argmax over its vocab columns, 8 bytes a row gathered, no rows downloaded): the tokens of
-# the host's draw over the downloaded rows (the --logprobs run), on 1 and on 16 ranks
-"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gl.jsonl" --max-seqs 4 --logprobs 2>/dev/null
+# greedy steps that keep no logits rows draw where the logits are (model_forward_draws: each TP
+# rank's argmax over its vocab columns, 8 bytes a row gathered, and with --logprobs its row_lse
+# parts, 16 bytes a row and slice; no rows downloaded): the tokens and log-probability bits of the
+# host's draw over the downloaded rows (the --save-logits run, one rank), on 1, 8 and 16 ranks
+"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gl.jsonl" --max-seqs 4 --logprobs \
+  --save-logits 2>/dev/null
 for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   set -- $lay
   X=""; [ $# -gt 3 ] && X="--moe-exchange $4"
@@ -59,6 +61,13 @@ for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
     ok "greedy drawn on the backend (no --logprobs), TP$2 x PP$3${X:+ $X} ($1 ranks): the tokens of the host's draw"
   else
     nok "greedy drawn on the backend, TP$2 x PP$3${X:+ $X} ($1 ranks) differs from the host's draw: $(grep -m1 error "$T/log")"
+  fi
+  "${run[@]}" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gp.jsonl" --max-seqs 4 --tp $2 --pp $3 \
+    --logprobs --watchdog 120 $X >"$T/log" 2>&1
+  if [ $? -eq 0 ] && python3 tests/tools/same_tokens.py --logprobs "$T/gl.jsonl" "$T/gp.jsonl"; then
+    ok "greedy with --logprobs drawn on the backend (row_lse), TP$2 x PP$3${X:+ $X} ($1 ranks): the host's tokens and log-probability bits"
+  else
+    nok "greedy with --logprobs on the backend, TP$2 x PP$3${X:+ $X} ($1 ranks) differs from the host's draw: $(grep -m1 error "$T/log")"
   fi
 done
 

@@ -1,5 +1,5 @@
 /* The CUDA backend against the CPU reference backend: the elementwise ops (rmsnorm, rope,
- * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave, the head's argmax), mHC (hc_mixes with its Sinkhorn
+ * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave, the head's argmax and row_lse), mHC (hc_mixes with its Sinkhorn
  * comb, hc_collapse / hc_expand / hc_init), embed and Engram (engram_gather from host-resident
  * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), the tensor-core
  * kernels' act quant and weight decodes, and batch invariance of sparse_attn and index_scores.
@@ -1058,14 +1058,13 @@ static void test_interleave(void **st) {
 }
 
 /* =============================================================================================
- * argmax (the head's greedy draw): exact, value bits and index */
+ * argmax (the head's greedy draw): exact, value bits and index; row_lse (the log-probabilities'
+ * slices): exact (TOL_GPU_ROW_LSE_EXACT), every field's bits */
 
-static void argmax_case(int64_t R, int64_t V) {
-    char tag[96];
-    snprintf(tag, sizeof tag, "argmax R=%lld V=%lld", (long long)R, (long long)V);
-    seed_tag(tag);
-    float *x = NEW(float, (size_t)(R * V));
-    int32_t *oc = NEW(int32_t, (size_t)(2 * R)), *og = NEW(int32_t, (size_t)(2 * R));
+_Static_assert(TOL_GPU_ROW_LSE_EXACT == 0, "row_lse is compared bit for bit");
+
+/* rows of six kinds: spread, long runs of ties, ties among NaN, nothing above -inf, ±0, all NaN */
+static void head_rows(float *x, int64_t R, int64_t V) {
     for (int64_t r = 0; r < R; r++) {
         float *row = x + r * V;
         const int kind = (int)(r % 6);
@@ -1082,6 +1081,15 @@ static void argmax_case(int64_t R, int64_t V) {
         }
         if (kind == 0 && r % 12 == 6) row[V - 1] = INFINITY;
     }
+}
+
+static void argmax_case(int64_t R, int64_t V) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "argmax R=%lld V=%lld", (long long)R, (long long)V);
+    seed_tag(tag);
+    float *x = NEW(float, (size_t)(R * V));
+    int32_t *oc = NEW(int32_t, (size_t)(2 * R)), *og = NEW(int32_t, (size_t)(2 * R));
+    head_rows(x, R, V);
     CPU->argmax(&cpu_be, oc, x, R, V);
     void *dx = g_in(x, sizeof(float) * (size_t)(R * V)), *dd = g_out(sizeof(int32_t) * (size_t)(2 * R), PZ_32I);
     GPU->argmax(&gpu_be, dd, dx, R, V);
@@ -1105,6 +1113,55 @@ static void test_argmax(void **st) {
     argmax_case(13, 1001);                                        /* rows not 16-byte aligned */
     argmax_case(6, 1);
     argmax_case(6, 3);
+}
+
+/* kinds 1..5 of head_rows, then (r % 6 == 0) peaked rows: a trained model's shape, where the sum
+ * is a few large terms and many tiny ones; targets anywhere, -1 in every fifth row */
+static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "row_lse R=%lld V=%lld ns=%lld off=%lld", (long long)R, (long long)V, (long long)ns,
+             (long long)off);
+    seed_tag(tag);
+    float *x = NEW(float, (size_t)(R * V + off));
+    struct be_lse_part *oc = NEW(struct be_lse_part, (size_t)(R * ns)), *og = NEW(struct be_lse_part, (size_t)(R * ns));
+    int32_t *tg = NEW(int32_t, (size_t)R);
+    head_rows(x + off, R, V);
+    for (int64_t r = 0; r < R; r += 6)
+        for (int64_t i = 0; i < V; i++)
+            x[off + r * V + i] = (float)((double)(rnd64() >> 11) / 9007199254740992.0 * 6 - 20) + (i % 97 == 3 ? 25.0f : 0.0f);
+    for (int64_t r = 0; r < R; r++) tg[r] = r % 5 == 4 ? -1 : (int32_t)(rnd64() % (uint64_t)V);
+    CPU->row_lse(&cpu_be, oc, x + off, R, V, ns, tg);
+    float *dx = g_in(x, sizeof(float) * (size_t)(R * V + off));
+    void *dt = g_in(tg, sizeof(int32_t) * (size_t)R), *dd = g_out(sizeof *og * (size_t)(R * ns), PZ_32I);
+    GPU->row_lse(&gpu_be, dd, dx + off, R, V, ns, dt);
+    g_get(og, dd, sizeof *og * (size_t)(R * ns));
+    g_free(dx), g_free(dt), g_free(dd);
+    struct cmp c;
+    cmp_begin(&c, "row_lse", "R=%lld V=%lld ns=%lld", (long long)R, (long long)V, (long long)ns);
+    for (int64_t i = 0; i < R * ns; i++) {
+        uint64_t gs, cs;
+        uint32_t gm, cm, gt, ct;
+        memcpy(&gs, &og[i].s, 8), memcpy(&cs, &oc[i].s, 8);
+        memcpy(&gm, &og[i].m, 4), memcpy(&cm, &oc[i].m, 4);
+        memcpy(&gt, &og[i].t, 4), memcpy(&ct, &oc[i].t, 4);
+        cmp_bits(&c, (long long)(3 * i), gs, cs, og[i].s, oc[i].s);
+        cmp_bits(&c, (long long)(3 * i + 1), gm, cm, og[i].m, oc[i].m);
+        cmp_bits(&c, (long long)(3 * i + 2), gt, ct, og[i].t, oc[i].t);
+    }
+    cmp_end(&c);
+    free(x), free(oc), free(og), free(tg);
+}
+
+static void test_row_lse(void **st) {
+    NEED_GPU(st);
+    static const int64_t Rs[] = {1, 8, 64, 256};
+    for (int i = 0; i < 4; i++) row_lse_case(Rs[i], VOCAB_LOCAL, 1, 0); /* a TP8 rank's head columns */
+    row_lse_case(12, VOCAB, 8, 0);                                       /* one rank's whole vocabulary */
+    row_lse_case(10, VOCAB / 2, 4, 0);                                   /* TP2 */
+    row_lse_case(13, 1004, 4, 0);                                        /* slices not 16-byte aligned */
+    row_lse_case(7, 4099, 1, 1);                                         /* rows not aligned, a short group */
+    row_lse_case(6, 3, 1, 0);
+    row_lse_case(6, 1, 1, 0);
 }
 
 /* =============================================================================================
@@ -1543,6 +1600,7 @@ int main(void) {
         cmocka_unit_test(test_engram_gate),
         cmocka_unit_test(test_interleave),
         cmocka_unit_test(test_argmax),
+        cmocka_unit_test(test_row_lse),
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),

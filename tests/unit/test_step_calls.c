@@ -8,7 +8,9 @@
  * step's largest cost; this pins that they are gone. The step of 8 must also give each sequence
  * exactly the logits of the step of 1 (the batch changes no number). A greedy step
  * (model_forward_greedy) draws with one argmax call and downloads only the draws, the tokens
- * sampler_pick takes from the logits of sequences in the same state. */
+ * sampler_pick takes from the logits of sequences in the same state; with log-probabilities
+ * (model_forward_draws) one row_lse call and one more download, sampler_logprob's bits, for the
+ * greedy tokens and for given targets (dsbatch score's rows). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -93,6 +95,29 @@ static void test_decode_calls_independent_of_batch(void **s) {
     assert_int_equal(prof_backend_calls(&pb, "download"), 1); /* the draws, 8 bytes a row */
     struct sample_params greedy = {.temperature = 0.0f};
     for (int q = 0; q < B / 2; q++) assert_int_equal(drawn[q], sampler_pick(lb + (size_t)q * V, (int)V, &greedy, 0, 0));
+
+    /* two more steps, each the first half's logits beside the second half's draws: greedy tokens
+     * with their log-probabilities, then the log-probabilities of given ids (-1: none) */
+    int32_t targets[B / 2] = {3, -1, (int32_t)V - 1, 0};
+    for (int k = 0; k < 2; k++) {
+        double lp[B / 2];
+        for (int q = 0; q < B / 2; q++) lo[q].start++, hi[q].start++;
+        assert_int_equal(model_forward(m, lo, B / 2, lb, NULL), 0);
+        prof_backend_reset(&pb);
+        struct head_draws hd = {.tokens = k ? NULL : drawn, .targets = k ? targets : NULL, .lp = lp};
+        assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &hd, NULL), 0);
+        assert_int_equal(prof_backend_calls(&pb, "argmax"), k ? 0 : 1);
+        assert_int_equal(prof_backend_calls(&pb, "row_lse"), 1);
+        assert_int_equal(prof_backend_calls(&pb, "download"), k ? 1 : 2); /* draws; 16 bytes a row and slice */
+        for (int q = 0; q < B / 2; q++) {
+            const float *row = lb + (size_t)q * V;
+            const int t = k ? targets[q] : drawn[q];
+            const double want = t < 0 ? 0.0 : sampler_logprob(row, (int)V, t);
+            if (!k) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &greedy, 0, 0));
+            assert_memory_equal(&lp[q], &want, sizeof want);
+            assert_true(t < 0 || (lp[q] <= 0 && lp[q] > -1e3));
+        }
+    }
 
     free(l1);
     free(lb);
