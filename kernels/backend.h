@@ -56,6 +56,13 @@ struct be_lse_part {
     float t;  /* the entry at the row's target when the slice holds it, else 0 */
 };
 
+/* One entry of a row_topk list: a logit and its column, (NaN, -1) past the row's numbers. */
+struct be_topk_entry {
+    float v;
+    int32_t i;
+};
+#define BE_TOPK_MAX 1024 /* the longest row_topk list */
+
 /* One device-to-device copy of a copy_segs batch. */
 struct copy_seg {
     void *dst;
@@ -161,6 +168,12 @@ struct backend_ops {
      * of the row, and a vocab-split head's ranks each take their own slices. */
     void (*row_lse)(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
                     const int32_t *target);
+    /* The k (1..BE_TOPK_MAX) first entries of each row in the draw order of kernels/draw_order.h (a
+     * larger value first, equal values — ±0 too — by the lower column, NaN never), sorted, the
+     * value's bits as in x; (NaN, -1) past a row's last number. x [R, V] fp32, out [R][k]. Exact
+     * (comparisons and moves). A vocab-split head's ranks each take their columns' lists and the
+     * host merges them (sampler_topk_merge): sampler_pick's top-k draws from 8·k bytes a row. */
+    void (*row_topk)(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k);
 
     /* ---- elementwise / norms ---- */
     /* y[T,n] = bf16( w_f32 · (x_f32 · 1/sqrtf(mean(x_f32²) + eps)) ); mean = (Σ x² in order)/n.

@@ -36,6 +36,7 @@ enum prof_op {
     PROF_HEAD,
     PROF_ARGMAX,
     PROF_ROW_LSE,
+    PROF_ROW_TOPK,
     PROF_RMSNORM,
     PROF_ROPE,
     PROF_QDQ_FP8_32,
@@ -70,7 +71,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -194,6 +195,11 @@ static void prof_row_lse(struct backend *be, struct be_lse_part *out, const floa
     double t0 = prof_begin(be);
     PR(be)->inner->ops->row_lse(PR(be)->inner, out, x, R, V, ns, target);
     prof_end(be, PROF_ROW_LSE, t0);
+}
+static void prof_row_topk(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->row_topk(PR(be)->inner, out, x, R, V, k);
+    prof_end(be, PROF_ROW_TOPK, t0);
 }
 static void prof_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd, const int32_t *pos, const float *freqs, bool inverse) {
     double t0 = prof_begin(be);
@@ -327,6 +333,7 @@ static const struct backend_ops prof_ops = {
     .head = prof_head,
     .argmax = prof_argmax,
     .row_lse = prof_row_lse,
+    .row_topk = prof_row_topk,
     .rmsnorm = prof_rmsnorm,
     .rope = prof_rope,
     .qdq_fp8_32 = prof_qdq_fp8_32,

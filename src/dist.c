@@ -397,15 +397,26 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     for (int i = 0; i < b->n; i++)
         if (b->seqs[i].start == 0) model_reset_slot(d->m, b->seqs[i].slot);
     struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
-    /* a step that keeps no logits rows and scores, or whose drawn rows are all greedy, draws where
-     * the logits are (model_forward_draws: the tokens of sampler_pick and the log-probability bits
-     * of sampler_logprob on the downloaded rows); every rank of the step sees the same rows, so the
-     * TP group agrees on the path */
+    /* a step that keeps no logits rows and scores, or whose drawn rows are all greedy or top-k,
+     * draws where the logits are (model_forward_draws: the tokens of sampler_pick and the
+     * log-probability bits of sampler_logprob on the downloaded rows); every rank of the step sees
+     * the same rows, so the TP group agrees on the path */
     bool draws = !d->whole_logits && (!(d->score || d->logprobs) || model_lse_ready(d->m));
-    for (int i = 0; i < b->n && draws && !d->score; i++)
-        if (b->ws[i].sample && !(b->ws[i].temperature <= 0)) draws = false;
-    int32_t *drawn = NULL, *target = NULL; /* [n] greedy tokens; [T + 1] score: each row's next token */
-    double *dlp = NULL;                    /* [n] the greedy tokens' log-probabilities */
+    struct sample_params *sp = NULL; /* [n] the rows' draws (unsampled rows: greedy, not kept) */
+    uint64_t *key = NULL;            /* [2n] request, then position */
+    if (draws && !d->score && last) {
+        sp = ds_malloc(sizeof *sp * (size_t)b->n);
+        key = ds_malloc(sizeof *key * (size_t)(2 * b->n));
+    }
+    for (int i = 0; i < b->n && draws && !d->score; i++) {
+        const struct wire_seq *w = &b->ws[i];
+        const struct sample_params p = {.temperature = w->sample ? w->temperature : 0.0f, .top_k = w->top_k,
+                                        .top_p = w->top_p, .seed = w->seed};
+        if (!model_draw_ready(d->m, &p)) draws = false;
+        if (sp) sp[i] = p, key[i] = (uint64_t)w->req, key[b->n + i] = (uint64_t)(w->start + w->len);
+    }
+    int32_t *drawn = NULL, *target = NULL; /* [n] drawn tokens; [T + 1] score: each row's next token */
+    double *dlp = NULL;                    /* [n] the drawn tokens' log-probabilities */
     if (last && d->score) {
         target = ds_malloc(sizeof(int32_t) * (size_t)(b->T + 1));
         for (int i = 0, row = 0; i < b->n; i++) { /* the chunk's last row scores w->next */
@@ -417,9 +428,11 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         drawn = ds_malloc(sizeof(int32_t) * (size_t)b->n);
         if (d->logprobs) dlp = ds_malloc(sizeof(double) * (size_t)b->n);
     }
-    struct head_draws hd = {.tokens = drawn, .targets = d->score ? target : NULL, .lp = d->score ? lp : dlp};
+    struct head_draws hd = {.tokens = drawn, .params = drawn ? sp : NULL, .request = key, .position = key ? key + b->n : NULL,
+                            .targets = d->score ? target : NULL, .lp = d->score ? lp : dlp};
     int rc = draws ? model_forward_draws(d->m, b->seqs, b->n, first && last ? NULL : &io, &hd, NULL)
                    : model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL);
+    free(sp), free(key);
     if (rc) {
         free(drawn), free(dlp), free(target);
         return -1;

@@ -802,13 +802,24 @@ int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, con
 
 bool model_lse_ready(const struct model *m) { return lse_slices(m->cfg->vocab_size) % m->tp_size == 0; }
 
+bool model_draw_ready(const struct model *m, const struct sample_params *p) {
+    return p->temperature <= 0 || (p->top_k > 0 && p->top_k < m->cfg->vocab_size && p->top_k <= BE_TOPK_MAX);
+}
+
 int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         const struct head_draws *hd, const struct fwd_hooks *hooks) {
     if (!m->w->opt.last_stage) return forward_impl(m, seqs, n, io, NULL, NULL, hooks);
-    if (!hd || (!hd->tokens && !hd->lp) || (hd->lp && !hd->tokens && !hd->targets)) {
+    if (!hd || (!hd->tokens && !hd->lp) || (hd->lp && !hd->tokens && !hd->targets) ||
+        (hd->params && (!hd->tokens || !hd->request || !hd->position))) {
         ds_err_set("model_forward_draws: the last stage needs tokens, or log-probabilities with their targets");
         return -1;
     }
+    for (int i = 0; hd->params && i < n; i++)
+        if (!model_draw_ready(m, &hd->params[i])) {
+            ds_err_set("model_forward_draws: sequence %d's draw (temperature %g, top-k %d) needs the whole row", i,
+                       (double)hd->params[i].temperature, hd->params[i].top_k);
+            return -1;
+        }
     if (hd->lp && !model_lse_ready(m)) {
         ds_err_set("model_forward_draws: TP %d does not split the vocabulary (%d) into whole log-sum-exp slices",
                    m->tp_size, m->cfg->vocab_size);
@@ -842,11 +853,43 @@ static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64
     model_tfree(m, am);
 }
 
-/* The log-probabilities of hd's targets (or of its greedy tokens) from the vocab-split head's
+/* The draws of hd's rows, some top-k, from the vocab-split head's logits lg [R, Vl]: each rank's
+ * row_topk lists of its columns (k = the step's largest top_k), all-gathered, merged per row on the
+ * host (sampler_topk_merge) and drawn (sampler_pick_topk); tv[r] = the drawn entry's logit. */
+static void head_topk(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, int64_t k,
+                      float *tv) {
+    const int64_t np = m->tp_size;
+    const size_t bytes = sizeof(struct be_topk_entry) * (size_t)(R * k);
+    struct be_topk_entry *pt = model_tmp(m, bytes), *all = pt; /* [R][k], then [np][R][k] */
+    OPS->row_topk(m->be, pt, lg, R, Vl, k);
+    if (np > 1) {
+        all = model_tmp(m, bytes * (size_t)np);
+        m->opt.tp->ops->allgather(m->opt.tp, pt, all, bytes, "top-k lists");
+    }
+    struct be_topk_entry *h = ds_malloc(bytes * (size_t)np), *top = ds_malloc(bytes);
+    OPS->download(m->be, h, all, bytes * (size_t)np);
+    sampler_topk_merge(top, h, R, np, k, Vl);
+    for (int64_t r = 0; r < R; r++) {
+        const struct be_topk_entry *e = top + r * k;
+        hd->tokens[r] = sampler_pick_topk(e, k, &hd->params[r], hd->request[r], hd->position[r]);
+        tv[r] = NAN; /* a row of NaN: token 0, no entry */
+        for (int64_t j = 0; j < k && e[j].i >= 0; j++)
+            if (e[j].i == hd->tokens[r]) {
+                tv[r] = e[j].v;
+                break;
+            }
+    }
+    free(h), free(top);
+    if (all != pt) model_tfree(m, all);
+    model_tfree(m, pt);
+}
+
+/* The log-probabilities of hd's targets (or of its drawn tokens) from the vocab-split head's
  * logits lg [R, Vl]: each rank's row_lse parts of its lse_core.h slices, all-gathered, merged per
  * row on the host in slice order (sampler_lse_merge); the target's entry comes from the slice that
- * holds it, a greedy token's is the row's maximum. */
-static void head_logprobs(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl) {
+ * holds it, a drawn token's from tv (top-k draws) or, greedy, the row's maximum. */
+static void head_logprobs(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl,
+                          const float *tv_drawn) {
     const int64_t np = m->tp_size, V = m->cfg->vocab_size, ns = lse_slices(V), nsl = ns / np, n = V / ns;
     int32_t *tg = NULL; /* [R] target columns of this rank's, -1 elsewhere (backend memory) */
     if (hd->targets) {
@@ -873,7 +916,7 @@ static void head_logprobs(struct model *m, const struct head_draws *hd, const fl
         float mx;
         const double ls = sampler_lse_merge(row, ns, &mx);
         const int64_t t = hd->targets ? hd->targets[r] : hd->tokens[r];
-        const float tv = hd->targets ? (t >= 0 ? row[t / n].t : 0.0f) : mx;
+        const float tv = hd->targets ? (t >= 0 ? row[t / n].t : 0.0f) : tv_drawn ? tv_drawn[r] : mx;
         hd->lp[r] = hd->targets && t < 0 ? 0.0 : (double)tv - (double)mx - ls;
     }
     free(h);
@@ -985,8 +1028,14 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         float *rows = hd ? NULL : model_tmp(m, sizeof(float) * (size_t)(Rp * V));      /* [Rp, V] */
         OPS->head(m->be, lg, hr, R, &m->w->head);
         if (hd) {
-            if (hd->tokens) head_greedy(m, hd->tokens, lg, R, Vl);
-            if (hd->lp) head_logprobs(m, hd, lg, R, Vl);
+            int64_t k = 0; /* the step's largest top-k draw; 0: every row greedy */
+            for (int64_t r = 0; hd->params && r < R; r++)
+                if (hd->params[r].temperature > 0 && hd->params[r].top_k > k) k = hd->params[r].top_k;
+            float *tv = k ? ds_malloc(sizeof(float) * (size_t)R) : NULL;
+            if (hd->tokens && !k) head_greedy(m, hd->tokens, lg, R, Vl);
+            if (k) head_topk(m, hd, lg, R, Vl, k, tv);
+            if (hd->lp) head_logprobs(m, hd, lg, R, Vl, tv);
+            free(tv);
         } else if (split) {
             float *blk = model_tmp(m, sizeof(float) * (size_t)(np * Rp * Vl)); /* [np][Rp, Vl] */
             m->opt.tp->ops->alltoall(m->opt.tp, lg, blk, sizeof(float) * (size_t)(Rp * Vl), "logits (row blocks)");

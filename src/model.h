@@ -136,21 +136,28 @@ int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, con
                          int32_t *tokens, const struct fwd_hooks *hooks);
 
 /* What the last stage takes from the head's logits where they are, instead of the rows. */
+struct sample_params;
 struct head_draws {
-    int32_t *tokens;        /* [n] the greedy draws (as model_forward_greedy), or NULL */
-    const int32_t *targets; /* [R] (model_logits_rows) ids to score, -1 = none (lp 0), or NULL */
-    double *lp;             /* [R] targets' log-probabilities, or [n] the tokens'; NULL = none */
+    int32_t *tokens;                    /* [n] the draws, or NULL */
+    const struct sample_params *params; /* [n] each row's draw (model_draw_ready), or NULL: greedy */
+    const uint64_t *request, *position; /* [n] the draws' keys (sampler_pick's), with params */
+    const int32_t *targets;             /* [R] (model_logits_rows) ids to score, -1 = none (lp 0), or NULL */
+    double *lp;                         /* [R] targets' log-probabilities, or [n] the tokens'; NULL = none */
 };
-/* model_forward_stage that returns hd's draws: greedy tokens and/or log-probabilities, the bits of
- * sampler_pick and sampler_logprob over the rows model_forward_stage would write. Each TP rank
- * takes its vocab columns' argmax and row_lse parts (16 bytes a slice of kernels/lse_core.h) and
- * the group all-gathers them, instead of the rows' V floats. Log-probabilities need
- * model_lse_ready. hd is unused on other stages. */
+/* model_forward_stage that returns hd's draws: tokens (greedy or top-k) and/or log-probabilities,
+ * the bits of sampler_pick and sampler_logprob over the rows model_forward_stage would write. Each
+ * TP rank takes its vocab columns' argmax (all rows greedy) or row_topk lists (k = the largest
+ * top_k of the step) and row_lse parts (16 bytes a slice of kernels/lse_core.h) and the group
+ * all-gathers them, instead of the rows' V floats. Log-probabilities need model_lse_ready. hd is
+ * unused on other stages. */
 int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         const struct head_draws *hd, const struct fwd_hooks *hooks);
 /* Whether each TP rank's head columns are whole slices of kernels/lse_core.h (TP 1, 2, 4, 8 with
  * the vocabulary a multiple of 8), which model_forward_draws' log-probabilities need. */
 bool model_lse_ready(const struct model *m);
+/* Whether model_forward_draws can draw a row with these parameters: greedy, or a temperature draw
+ * with 0 < top_k < V and top_k <= BE_TOPK_MAX (a draw over every entry needs the row). */
+bool model_draw_ready(const struct model *m, const struct sample_params *p);
 
 /* Stale index keys across stages (MODEL.md §3.12): an open-group decode step on stage 0 scores
  * against the keys a later stage published last. After a forward, a later stage appends the index

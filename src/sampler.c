@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
+#include "draw_order.h"
 #include "log.h"
 #include "lse_core.h"
 
@@ -75,53 +77,6 @@ static float row_max(const float *x, int V, int *first) {
     }
     *first = b;
     return best;
-}
-
-/* The order of the draw: a before b when its logit is larger, ties by the lower id. */
-static inline int before(const float *x, int a, int b) { return x[a] > x[b] || (x[a] == x[b] && a < b); }
-
-/* Put `item` at the root of heap[0..n) (the last of the order at the root) and sift it down. */
-static void sift_down(const float *x, int *heap, int n, int item) {
-    int h = 0;
-    for (;;) {
-        int c = 2 * h + 1;
-        if (c >= n) break;
-        if (c + 1 < n && before(x, heap[c], heap[c + 1])) c++;
-        if (!before(x, item, heap[c])) break;
-        heap[h] = heap[c], h = c;
-    }
-    heap[h] = item;
-}
-
-/* The first k entries of that order into out[k], sorted (a bounded heap whose root is the last of
- * the k kept); NaN entries are left out, so fewer than k come back when there are not k numbers.
- * Returns how many. */
-static int top_k_ids(const float *x, int V, int k, int *out) {
-    int n = 0;
-    for (int i = 0; i < V; i++) {
-        if (x[i] != x[i]) continue;
-        if (n < k) { /* sift up from the end */
-            int h = n++;
-            while (h > 0 && before(x, out[(h - 1) / 2], i)) out[h] = out[(h - 1) / 2], h = (h - 1) / 2;
-            out[h] = i;
-        } else if (before(x, i, out[0])) { /* it beats the last kept: replaces the root */
-            sift_down(x, out, n, i);
-        }
-    }
-    for (int end = n - 1; end > 0; end--) { /* heap sort: the root (last in order) to the end */
-        int last = out[end];
-        out[end] = out[0];
-        sift_down(x, out, end, last);
-    }
-    return n;
-}
-
-/* Keys whose unsigned order is the floats' descending order (NaN last, -0 just after +0). */
-static inline uint32_t desc_key(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0xffffffffu;
-    return (u & 0x80000000u) ? u : ~u & 0x7fffffffu;
 }
 
 /* The row's values in descending order into out[V] (LSD radix sort by 11-bit digits). */
@@ -184,7 +139,7 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     const double u0 = sampler_uniform(p->seed, request, position);
     if (p->top_k > 0 && p->top_k < V) {
         int *ids = ds_malloc(sizeof(int) * (size_t)p->top_k);
-        int n = top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
+        int n = draw_top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
         float *val = ds_malloc(sizeof(float) * (size_t)n);
         for (int i = 0; i < n; i++) val[i] = logits[ids[i]];
         int pick = ids[draw_position(val, n, mx, temp, p->top_p, u0)];
@@ -214,6 +169,43 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     free(val);
     free(keys);
     return pick;
+}
+
+int sampler_pick_topk(const struct be_topk_entry *top, int64_t k, const struct sample_params *p, uint64_t request,
+                      uint64_t position) {
+    int n = 0; /* the row's numbers among its k first */
+    if (p->temperature > 0 && p->top_k < k) k = p->top_k;
+    while (n < k && top[n].i >= 0) n++;
+    if (n == 0) return 0; /* every entry NaN: row_max's 0 */
+    if (p->temperature <= 0 || top[0].v == -INFINITY) return top[0].i;
+    const double u0 = sampler_uniform(p->seed, request, position);
+    float *val = ds_malloc(sizeof(float) * (size_t)n);
+    for (int i = 0; i < n; i++) val[i] = top[i].v;
+    const int pick = top[draw_position(val, n, (double)top[0].v, p->temperature, p->top_p, u0)].i;
+    free(val);
+    return pick;
+}
+
+void sampler_topk_merge(struct be_topk_entry *out, const struct be_topk_entry *parts, int64_t R, int64_t np, int64_t k,
+                        int64_t Vl) {
+    int64_t *at = ds_malloc(sizeof(int64_t) * (size_t)np); /* next entry of each slice's list */
+    for (int64_t r = 0; r < R; r++) {
+        memset(at, 0, sizeof(int64_t) * (size_t)np);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t s = 0; s < np; s++) { /* slices in id order: a later one wins only when larger */
+                const struct be_topk_entry *e = parts + (s * R + r) * k + at[s];
+                if (at[s] < k && e->i >= 0 && (best < 0 || e->v > parts[(best * R + r) * k + at[best]].v)) best = s;
+            }
+            if (best < 0) {
+                out[r * k + j] = (struct be_topk_entry){NAN, -1};
+                continue;
+            }
+            const struct be_topk_entry *e = parts + (best * R + r) * k + at[best]++;
+            out[r * k + j] = (struct be_topk_entry){e->v, (int32_t)(best * Vl + e->i)};
+        }
+    }
+    free(at);
 }
 
 double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M) {

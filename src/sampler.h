@@ -27,6 +27,18 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
  * and any vocab split. NaN or +inf anywhere gives NaN. */
 double sampler_logprob(const float *logits, int V, int token);
 
+/* sampler_pick's draw of a row whose draw is greedy or top-k (0 < top_k < V), from the row's k
+ * first entries in the draw order (kernels/draw_order.h; k >= 1 for greedy, >= top_k otherwise;
+ * (NaN, -1) past its numbers), as the row_topk op and sampler_topk_merge give them: the same token
+ * as sampler_pick over the whole row. */
+struct be_topk_entry;
+int sampler_pick_topk(const struct be_topk_entry *top, int64_t k, const struct sample_params *p, uint64_t request,
+                      uint64_t position);
+/* R rows' lists from np vocab slices of Vl ids: parts [np][R][k] (each row_topk's, columns of its
+ * slice) merged into out [R][k], the k first of the row with whole-row ids. */
+void sampler_topk_merge(struct be_topk_entry *out, const struct be_topk_entry *parts, int64_t R, int64_t np, int64_t k,
+                        int64_t Vl);
+
 /* A row's ns slices' parts (the row_lse op's, in id order) merged: *M = the row's maximum,
  * returns log Σ_j s_j · exp(m_j - M) (the sum in slice order, double). */
 struct be_lse_part;

@@ -100,6 +100,7 @@ static const struct backend_ops cpu_ops = {
     .head = cpu_op_head,
     .argmax = cpu_op_argmax,
     .row_lse = cpu_op_row_lse,
+    .row_topk = cpu_op_row_topk,
     .rmsnorm = cpu_op_rmsnorm,
     .rope = cpu_op_rope,
     .qdq_fp8_32 = cpu_op_qdq_fp8_32,

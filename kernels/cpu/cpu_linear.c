@@ -1,7 +1,8 @@
 /* Dense projections of the CPU reference backend: the quantized linear (FP8 32x32 tiles or FP4
  * rows, with the reference's per-32 activation quantization), the plain bf16 linear, the fp32
  * linear of the router and the ratio-2 compressor, the grouped wo_a projection and the head, and
- * the head's row reductions (argmax; row_lse in kernels/lse_core.h's order).
+ * the head's row reductions (argmax; row_lse in kernels/lse_core.h's order; row_topk by the
+ * host sampler's own selection, kernels/draw_order.h).
  *
  * Every output element is one sequential fp32 sum in k order (per 32-wide block for the quantized
  * path; per BE_DOT_SEG segment, the segment sums then added in order, for the dense ones), exactly
@@ -17,6 +18,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "draw_order.h"
 #include "lse_core.h"
 #include "log.h"
 
@@ -274,5 +276,19 @@ void cpu_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x,
     for (int64_t q = 0; q < R * ns; q++) {
         const int64_t r = q / ns, j = q % ns, c = target ? target[r] : -1;
         out[q] = lse_slice_host(x + r * V + j * n, n, c >= j * n && c < (j + 1) * n ? c - j * n : -1);
+    }
+}
+
+void cpu_op_row_topk(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k) {
+    (void)be;
+    if (k < 1 || k > BE_TOPK_MAX || V < 1 || V > INT32_MAX)
+        ds_die("cpu row_topk: k = %lld must be in 1..%d and V = %lld fit an int32", (long long)k, BE_TOPK_MAX, (long long)V);
+#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        int ids[BE_TOPK_MAX];
+        const float *row = x + r * V;
+        const int n = draw_top_k_ids(row, (int)V, (int)k, ids);
+        for (int64_t j = 0; j < k; j++)
+            out[r * k + j] = j < n ? (struct be_topk_entry){row[ids[j]], ids[j]} : (struct be_topk_entry){NAN, -1};
     }
 }

@@ -671,6 +671,7 @@ static const struct backend_ops cuda_ops = {
     .head = cuda_op_head,
     .argmax = cuda_op_argmax,
     .row_lse = cuda_op_row_lse,
+    .row_topk = cuda_op_row_topk,
     .rmsnorm = cuda_op_rmsnorm,
     .rope = cuda_op_rope,
     .qdq_fp8_32 = cuda_op_qdq_fp8_32,

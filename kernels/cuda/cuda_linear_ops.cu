@@ -1,6 +1,7 @@
 /* Dense projections of the SM80 backend: the op-table entries linear, linear_f32, grouped_linear
  * (wo_a) and head, and the head's row reductions: the greedy draw (argmax) and the log-sum-exp parts
- * of the log-probabilities (row_lse, in kernels/lse_core.h's order). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
+ * of the log-probabilities (row_lse, in kernels/lse_core.h's order) and the top-k lists of the
+ * draws (row_topk, in kernels/draw_order.h's order). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
  * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
  * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
  * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
@@ -25,6 +26,7 @@
 #include "cuda_internal.h"
 #include "cuda_linear.h"
 #include "cuda_libm.cuh"
+#include "draw_order.h"
 #include "linear_mma.h"
 #include "lse_core.h"
 
@@ -832,5 +834,119 @@ void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x
     if (ns < 1 || V < 1 || V % ns || R * ns > INT32_MAX)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "row_lse", "ns must divide V and R * ns fit a grid");
     row_lse_kernel<<<(unsigned)(R * ns), LSE_LANES, 0, cuda_be_stream(be)>>>(out, x, V, ns, V / ns, target);
+    KERNEL_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * row_topk: a CTA per row. Every entry but NaN has a unique 64-bit key, draw_key(v) above its
+ * column, whose unsigned order is the draw order (kernels/draw_order.h); the k-th smallest key is
+ * found by a radix select (8-bit digits: the four of draw_key, then the column's bits 23..0, each
+ * a shared histogram of the entries that match the digits found so far and a warp's scan of it),
+ * the entries at or below it gathered (k of them, or every number where the row has fewer) and
+ * sorted by a bitonic sort in shared memory. Comparisons, counts and moves only: the CPU's list
+ * exactly, whatever the order the threads meet the entries in. */
+#define TK_THREADS 512
+
+__device__ __forceinline__ unsigned long long tk_key(float v, int64_t i) {
+    return (unsigned long long)draw_key(v) << 32 | (unsigned long long)i;
+}
+
+__global__ void __launch_bounds__(TK_THREADS) row_topk_kernel(struct be_topk_entry *__restrict__ out,
+                                                             const float *__restrict__ x, int64_t V, int k) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned long long sel[BE_TOPK_MAX];
+    __shared__ unsigned long long s_prefix;
+    __shared__ unsigned int s_rank, s_n;
+    const float *row = x + (int64_t)blockIdx.x * V;
+    const int tid = threadIdx.x, lane = tid & 31;
+    unsigned int cnt = 0; /* the row's numbers */
+    for (int64_t i = tid; i < V; i += TK_THREADS) cnt += row[i] == row[i];
+    if (tid == 0) s_n = 0;
+    __syncthreads(); /* s_n */
+    atomicAdd(&s_n, cnt);
+    __syncthreads();
+    const unsigned int n_num = s_n;
+    unsigned long long kth = ~0ull; /* every number when the row has no more than k */
+    if (n_num > (unsigned int)k) {
+        unsigned long long prefix = 0, hmask = 0;
+        unsigned int rank = (unsigned int)k; /* the rank-th smallest key among those matching prefix */
+        for (int d = 0; d < 7; d++) {
+            const int sh = d < 4 ? 56 - 8 * d : 48 - 8 * d; /* 56, 48, 40, 32, then 16, 8, 0 */
+            for (int b = tid; b < 256; b += TK_THREADS) hist[b] = 0;
+            __syncthreads();
+            for (int64_t i = tid; i < V; i += TK_THREADS) {
+                const float v = row[i];
+                if (v != v) continue;
+                const unsigned long long key = tk_key(v, i);
+                if ((key & hmask) == prefix) atomicAdd(&hist[(key >> sh) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid < 32) { /* lane l holds bins 8l..8l+7; the first bin where the running count reaches rank */
+                unsigned int c[8], s = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) c[j] = hist[8 * lane + j], s += c[j];
+                unsigned int inc = s;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const unsigned int t = __shfl_up_sync(0xffffffffu, inc, o);
+                    if (lane >= o) inc += t;
+                }
+                const unsigned int before = inc - s;
+                const unsigned int hit = __ballot_sync(0xffffffffu, before < rank && rank <= inc);
+                if (lane == __ffs(hit) - 1) {
+                    unsigned int cum = before;
+                    int b = 0;
+                    while (cum + c[b] < rank) cum += c[b++];
+                    s_prefix = prefix | (unsigned long long)(8 * lane + b) << sh;
+                    s_rank = rank - cum;
+                }
+            }
+            __syncthreads();
+            prefix = s_prefix, rank = s_rank;
+            hmask |= 255ull << sh;
+            __syncthreads(); /* hist and s_prefix reused */
+        }
+        kth = prefix;
+    }
+    if (tid == 0) s_n = 0;
+    __syncthreads();
+    for (int64_t i = tid; i < V; i += TK_THREADS) {
+        const float v = row[i];
+        if (v != v) continue;
+        const unsigned long long key = tk_key(v, i);
+        if (key <= kth) sel[atomicAdd(&s_n, 1u)] = key;
+    }
+    __syncthreads();
+    const int n = (int)s_n; /* min(k, n_num) */
+    int P = 1;
+    while (P < n) P <<= 1;
+    for (int i = n + tid; i < P; i += TK_THREADS) sel[i] = ~0ull;
+    __syncthreads();
+    for (int size = 2; size <= P; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < P / 2; i += TK_THREADS) { /* pair (a, b), a < b, ascending in blocks of size with a's bit clear */
+                const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+                const bool up = (a & size) == 0;
+                const unsigned long long ka = sel[a], kb = sel[b];
+                if ((ka > kb) == up) sel[a] = kb, sel[b] = ka;
+            }
+            __syncthreads();
+        }
+    struct be_topk_entry *o = out + (int64_t)blockIdx.x * k;
+    for (int j = tid; j < k; j += TK_THREADS) {
+        if (j < n) {
+            const int32_t c = (int32_t)(sel[j] & 0xffffffffu);
+            o[j] = (struct be_topk_entry){row[c], c};
+        } else {
+            o[j] = (struct be_topk_entry){__int_as_float(0x7fc00000), -1};
+        }
+    }
+}
+
+void cuda_op_row_topk(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k) {
+    if (R <= 0) return;
+    if (k < 1 || k > BE_TOPK_MAX || V < 1 || V >= (1 << 24) || R > INT32_MAX)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "row_topk", "k must be in 1..BE_TOPK_MAX, V below 2^24 and R a grid");
+    row_topk_kernel<<<(unsigned)R, TK_THREADS, 0, cuda_be_stream(be)>>>(out, x, V, (int)k);
     KERNEL_CHECK();
 }

@@ -7,7 +7,10 @@
  *    (model_forward_draws' path on one rank: sampler_greedy_merge of one slice);
  *  - host_lp / backend_lp: the same for one log-probability a row (a target id each, as `dsbatch
  *    score` takes every prompt row's): sampler_logprob over the downloaded rows, or the row_lse op
- *    (lse_slices(V_local) slices) + [R][slices] parts downloaded + sampler_lse_merge.
+ *    (lse_slices(V_local) slices) + [R][slices] parts downloaded + sampler_lse_merge;
+ *  - host_topk / backend_topk: a top-k draw a row (temperature 0.8, top-k 50, top-p 0.95):
+ *    sampler_pick over the downloaded rows, or the row_topk op + [R][50] lists downloaded +
+ *    sampler_pick_topk (one slice: the merge of a TP rank's list is not counted).
  * Each is timed from the head's launch to the tokens or log-probabilities on the host (the backend
  * synchronized), as a step pays them, and the head alone beside them — on the GPU as the engine
  * runs it (the tensor-core switch on: cuda_op_head's BF16 mma tilings) and with --exact-linears'
@@ -18,7 +21,7 @@
  * all-to-all is not counted here); 129,280 is one rank's whole head.
  *   bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] [--iters N] [--csv F]
  * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend, head_exact, host_lp,
- * backend_lp). */
+ * backend_lp, host_topk, backend_topk). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -105,8 +108,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (f) fprintf(f, "backend,device,v_local,rows,path,ms,ms_min\n");
-    printf("%-8s %8s %5s %10s %10s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n",
-           "backend", "v_local", "rows", "head", "host", "backend", "head_exact", "host_lp", "backend_lp", iters);
+    printf("%-8s %8s %5s %10s %10s %10s %10s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n",
+           "backend", "v_local", "rows", "head", "host", "backend", "head_exact", "host_lp", "backend_lp", "host_topk",
+           "backend_topk", iters);
     int rc = 0;
     for (int vi = 0; vi < n_vocab; vi++) {
         const int64_t V = vocab[vi];
@@ -128,6 +132,11 @@ int main(int argc, char **argv) {
             struct be_lse_part *pt = ops->alloc(&be, sizeof *pt * (size_t)(R * ns)), *pth = malloc(sizeof *pth * (size_t)(R * ns));
             int32_t *tgh = malloc(sizeof(int32_t) * (size_t)R), *tg = ops->alloc(&be, sizeof(int32_t) * (size_t)R);
             double *lp_host = malloc(sizeof(double) * (size_t)R), *lp_be = malloc(sizeof(double) * (size_t)R);
+            enum { TOPK = 50 };
+            const struct sample_params tsp = {.temperature = 0.8f, .top_k = TOPK, .top_p = 0.95f, .seed = 1};
+            struct be_topk_entry *tk = ops->alloc(&be, sizeof *tk * (size_t)(R * TOPK)),
+                                 *tkh = malloc(sizeof *tkh * (size_t)(R * TOPK));
+            int32_t *k_host = malloc(sizeof(int32_t) * (size_t)R), *k_be = malloc(sizeof(int32_t) * (size_t)R);
             for (int64_t r = 0; r < R; r++) tgh[r] = (int32_t)(rnd() % (uint64_t)V);
             ops->upload(&be, tg, tgh, sizeof(int32_t) * (size_t)R);
             float *host = ops->host_alloc ? ops->host_alloc(&be, sizeof(float) * (size_t)(R * V))
@@ -135,8 +144,8 @@ int main(int argc, char **argv) {
             int32_t *amh = malloc(sizeof(int32_t) * (size_t)(2 * R)), *t_host = malloc(sizeof(int32_t) * (size_t)R),
                     *t_be = malloc(sizeof(int32_t) * (size_t)R);
             ops->upload(&be, x, xh, sizeof(uint16_t) * (size_t)(R * DIM));
-            enum { NP = 6 };
-            double sum[NP] = {0}, mn[NP] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
+            enum { NP = 8 };
+            double sum[NP] = {0}, mn[NP] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
             for (int it = -2; it < iters; it++) { /* two warm-up rounds */
                 double t[NP];
                 for (int p = 0; p < NP; p++) {
@@ -171,6 +180,16 @@ int main(int argc, char **argv) {
                             const double ls = sampler_lse_merge(pth + r * ns, ns, &mx);
                             lp_be[r] = (double)pth[r * ns + tgh[r] / (V / ns)].t - (double)mx - ls;
                         }
+                    } else if (p == 6) {
+                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
+                        ops->sync(&be);
+#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+                        for (int64_t r = 0; r < R; r++) k_host[r] = sampler_pick(host + r * V, (int)V, &tsp, (uint64_t)r, 7);
+                    } else if (p == 7) {
+                        ops->row_topk(&be, tk, lg, R, V, TOPK);
+                        ops->download(&be, tkh, tk, sizeof *tkh * (size_t)(R * TOPK));
+                        ops->sync(&be);
+                        for (int64_t r = 0; r < R; r++) k_be[r] = sampler_pick_topk(tkh + r * TOPK, TOPK, &tsp, (uint64_t)r, 7);
                     }
                     ops->sync(&be);
                     t[p] = now_s() - t0;
@@ -188,13 +207,19 @@ int main(int argc, char **argv) {
                             (long long)V, (long long)R);
                     rc = 1;
                 }
+                if (memcmp(k_host, k_be, sizeof(int32_t) * (size_t)R)) {
+                    fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's top-k draws differ from the host's\n",
+                            (long long)V, (long long)R);
+                    rc = 1;
+                }
                 if (memcmp(lp_host, lp_be, sizeof(double) * (size_t)R)) {
                     fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's log-probabilities differ from the host's\n",
                             (long long)V, (long long)R);
                     rc = 1;
                 }
             }
-            static const char *const names[NP] = {"head", "host", "backend", "head_exact", "host_lp", "backend_lp"};
+            static const char *const names[NP] = {"head",    "host",       "backend",   "head_exact",
+                                                  "host_lp", "backend_lp", "host_topk", "backend_topk"};
             printf("%-8s %8lld %5lld", backend, (long long)V, (long long)R);
             for (int p = 0; p < NP; p++) printf(" %10.3f", 1e3 * sum[p] / iters);
             printf("\n");
@@ -206,7 +231,8 @@ int main(int argc, char **argv) {
             ops->free(&be, am);
             ops->free(&be, pt);
             ops->free(&be, tg);
-            free(pth), free(tgh), free(lp_host), free(lp_be);
+            ops->free(&be, tk);
+            free(pth), free(tgh), free(lp_host), free(lp_be), free(tkh), free(k_host), free(k_be);
             if (ops->host_alloc) ops->host_free(&be, host);
             else free(host);
             free(xh), free(amh), free(t_host), free(t_be);

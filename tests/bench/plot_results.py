@@ -15,7 +15,7 @@ cuda_step_alternated.csv -> cuda_step_alternated.png: two binaries' bench_step r
 cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head, greedy draw and log-probabilities
                             (bench_head_draw), ms a step per row count: the head alone (tensor cores /
                             exact kernel), and head + draw or log-probability on the host (logits
-                            downloaded) or where the logits are (argmax op, row_lse op).
+                            downloaded) or where the logits are (argmax, row_lse, row_topk ops).
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -205,7 +205,9 @@ def main():
         styles = {"head": ("head (tensor cores)", "-", "o"), "head_exact": ("head (exact kernel)", ":", "s"),
                   "host": ("head + download + host draw", "--", "^"), "backend": ("head + argmax op", "-", "v"),
                   "host_lp": ("head + download + host log-probability", "--", "D"),
-                  "backend_lp": ("head + row_lse op + merge", "-", "P")}
+                  "backend_lp": ("head + row_lse op + merge", "-", "P"),
+                  "host_topk": ("head + download + host top-k draw", "--", "x"),
+                  "backend_topk": ("head + row_topk op + draw", "-", "*")}
         for ax, v in zip(axes[0], vs):
             for path, (label, ls, mk) in styles.items():
                 pts = sorted((int(x["rows"]), float(x["ms"])) for x in r if int(x["v_local"]) == v and x["path"] == path)

@@ -106,6 +106,13 @@ check "greedy drawn on the GPU (no --logprobs, max-seqs 8): the tokens of the ho
   'python3 tests/tools/same_tokens.py "$T/gh8.jsonl" "$T/gd8.jsonl"'
 check "greedy with --logprobs on the GPU (argmax + row_lse, max-seqs 8): the host's tokens and log-probability bits" \
   'python3 tests/tools/same_tokens.py --logprobs "$T/gh8.jsonl" "$T/g8.jsonl"'
+# top-k draws on the GPU (row_topk lists merged and drawn on the host) against the host's draw
+"$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/tk8.jsonl" --max-seqs 8 --backend cuda --logprobs \
+  --temperature 0.9 --top-k 40 --top-p 0.9 --seed 4 2>/dev/null
+"$DSBATCH" generate --model "$M" --prompts "$T/p.jsonl" --out "$T/tkh8.jsonl" --max-seqs 8 --backend cuda --logprobs \
+  --temperature 0.9 --top-k 40 --top-p 0.9 --seed 4 --save-logits 2>/dev/null
+check "top-k draws on the GPU (row_topk + row_lse, max-seqs 8): the host's tokens and log-probability bits" \
+  'python3 tests/tools/same_tokens.py --logprobs "$T/tkh8.jsonl" "$T/tk8.jsonl"'
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/gd16.jsonl" --max-seqs 8 \
   --tp 8 --pp 2 --backend cuda --quiet 2>"$T/gd16.err"
 check "greedy drawn on the GPU by 16 ranks TP8 x PP2 (each rank its vocab columns): one GPU rank's host-drawn tokens" \

@@ -45,30 +45,42 @@ for model in "$GOLDEN/tp8pp2" "$T/seed7"; do
   done
 done
 
-# greedy steps that keep no logits rows draw where the logits are (model_forward_draws: each TP
-# rank's argmax over its vocab columns, 8 bytes a row gathered, and with --logprobs its row_lse
-# parts, 16 bytes a row and slice; no rows downloaded): the tokens and log-probability bits of the
-# host's draw over the downloaded rows (the --save-logits run, one rank), on 1, 8 and 16 ranks
+# greedy and top-k steps that keep no logits rows draw where the logits are (model_forward_draws:
+# each TP rank's argmax over its vocab columns, 8 bytes a row gathered, or its row_topk list, 8
+# bytes an entry, and with --logprobs its row_lse parts, 16 bytes a row and slice; no rows
+# downloaded): the tokens and log-probability bits of the host's draw over the downloaded rows
+# (the --save-logits runs, one rank), on 1, 8 and 16 ranks
 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gl.jsonl" --max-seqs 4 --logprobs \
   --save-logits 2>/dev/null
+# the same prompts with per-request draws: greedy, top-k 40 at T 0.9, top-k 5 at T 1.3 and top-p 0.8
+python3 - "$T/p.jsonl" "$T/pk.jsonl" <<'EOF'
+import json, sys
+kinds = [{}, {"temperature": 0.9, "top_k": 40, "seed": 5}, {"temperature": 1.3, "top_k": 5, "top_p": 0.8, "seed": 6}]
+with open(sys.argv[2], "w") as f:
+    for i, line in enumerate(open(sys.argv[1])):
+        j = json.loads(line); j.update(kinds[i % 3]); f.write(json.dumps(j) + "\n")
+EOF
+"$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/pk.jsonl" --out "$T/gkl.jsonl" --max-seqs 4 --logprobs \
+  --save-logits 2>/dev/null
+# drawn PROMPTS REF WHAT [--logprobs]: a run of the layout in $run / $lay on the backend's draws,
+# the tokens (and with --logprobs the log-probability bits) of the host's draw REF
+drawn() {
+  local prompts=$1 ref=$2 what=$3 lp=${4:-}
+  "${run[@]}" generate --model "$GOLDEN/tp8pp2" --prompts "$prompts" --out "$T/gn.jsonl" --max-seqs 4 --tp $tp --pp $pp \
+    $lp --watchdog 120 $X >"$T/log" 2>&1
+  if [ $? -eq 0 ] && python3 tests/tools/same_tokens.py $lp "$ref" "$T/gn.jsonl" && { [ -n "$lp" ] || ! grep -q logprobs "$T/gn.jsonl"; }; then
+    ok "$what, TP$tp x PP$pp${X:+ $X} ($np ranks): the host's tokens${lp:+ and log-probability bits}"
+  else
+    nok "$what, TP$tp x PP$pp${X:+ $X} ($np ranks) differs from the host's draw: $(grep -m1 error "$T/log")"
+  fi
+}
 for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   set -- $lay
-  X=""; [ $# -gt 3 ] && X="--moe-exchange $4"
-  if [ $1 -eq 1 ]; then run=("$DSBATCH"); else run=($MPIRUN -np $1 "$DSBATCH"); fi
-  "${run[@]}" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gn.jsonl" --max-seqs 4 --tp $2 --pp $3 \
-    --watchdog 120 $X >"$T/log" 2>&1
-  if [ $? -eq 0 ] && python3 tests/tools/same_tokens.py "$T/gl.jsonl" "$T/gn.jsonl" && ! grep -q logprobs "$T/gn.jsonl"; then
-    ok "greedy drawn on the backend (no --logprobs), TP$2 x PP$3${X:+ $X} ($1 ranks): the tokens of the host's draw"
-  else
-    nok "greedy drawn on the backend, TP$2 x PP$3${X:+ $X} ($1 ranks) differs from the host's draw: $(grep -m1 error "$T/log")"
-  fi
-  "${run[@]}" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p.jsonl" --out "$T/gp.jsonl" --max-seqs 4 --tp $2 --pp $3 \
-    --logprobs --watchdog 120 $X >"$T/log" 2>&1
-  if [ $? -eq 0 ] && python3 tests/tools/same_tokens.py --logprobs "$T/gl.jsonl" "$T/gp.jsonl"; then
-    ok "greedy with --logprobs drawn on the backend (row_lse), TP$2 x PP$3${X:+ $X} ($1 ranks): the host's tokens and log-probability bits"
-  else
-    nok "greedy with --logprobs on the backend, TP$2 x PP$3${X:+ $X} ($1 ranks) differs from the host's draw: $(grep -m1 error "$T/log")"
-  fi
+  np=$1 tp=$2 pp=$3 X=""; [ $# -gt 3 ] && X="--moe-exchange $4"
+  if [ $np -eq 1 ]; then run=("$DSBATCH"); else run=($MPIRUN -np $np "$DSBATCH"); fi
+  drawn "$T/p.jsonl" "$T/gl.jsonl" "greedy drawn on the backend (argmax; no --logprobs)"
+  drawn "$T/p.jsonl" "$T/gl.jsonl" "greedy with --logprobs drawn on the backend (argmax + row_lse)" --logprobs
+  drawn "$T/pk.jsonl" "$T/gkl.jsonl" "top-k draws on the backend (row_topk + row_lse; greedy and top-k 40 / 5 rows in a step)" --logprobs
 done
 
 # --save-logits keeps the rows on rank 0 only, yet the TP group must take one path: every rank

@@ -1058,8 +1058,9 @@ static void test_interleave(void **st) {
 }
 
 /* =============================================================================================
- * argmax (the head's greedy draw): exact, value bits and index; row_lse (the log-probabilities'
- * slices): exact (TOL_GPU_ROW_LSE_EXACT), every field's bits */
+ * argmax (the head's greedy draw): exact, value bits and index; row_topk (the top-k draws' lists):
+ * exact, every entry's bits; row_lse (the log-probabilities' slices): exact
+ * (TOL_GPU_ROW_LSE_EXACT), every field's bits */
 
 _Static_assert(TOL_GPU_ROW_LSE_EXACT == 0, "row_lse is compared bit for bit");
 
@@ -1113,6 +1114,47 @@ static void test_argmax(void **st) {
     argmax_case(13, 1001);                                        /* rows not 16-byte aligned */
     argmax_case(6, 1);
     argmax_case(6, 3);
+}
+
+/* head_rows, with some rows of few levels mixing ±0 (ties the list must break by column) */
+static void row_topk_case(int64_t R, int64_t V, int64_t k) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "row_topk R=%lld V=%lld k=%lld", (long long)R, (long long)V, (long long)k);
+    seed_tag(tag);
+    float *x = NEW(float, (size_t)(R * V));
+    struct be_topk_entry *oc = NEW(struct be_topk_entry, (size_t)(R * k)), *og = NEW(struct be_topk_entry, (size_t)(R * k));
+    head_rows(x, R, V);
+    for (int64_t r = 3; r < R; r += 7)
+        for (int64_t i = 0; i < V; i++) {
+            const uint64_t u = rnd64();
+            x[r * V + i] = u % 4 == 0 ? 0.0f : u % 4 == 1 ? -0.0f : (float)(int)(u % 9) - 6.0f;
+        }
+    CPU->row_topk(&cpu_be, oc, x, R, V, k);
+    void *dx = g_in(x, sizeof(float) * (size_t)(R * V)), *dd = g_out(sizeof *og * (size_t)(R * k), PZ_32I);
+    GPU->row_topk(&gpu_be, dd, dx, R, V, k);
+    g_get(og, dd, sizeof *og * (size_t)(R * k));
+    g_free(dx), g_free(dd);
+    struct cmp c;
+    cmp_begin(&c, "row_topk", "R=%lld V=%lld k=%lld", (long long)R, (long long)V, (long long)k);
+    for (int64_t i = 0; i < R * k; i++) {
+        uint32_t gv, cv;
+        memcpy(&gv, &og[i].v, 4), memcpy(&cv, &oc[i].v, 4);
+        cmp_bits(&c, (long long)(2 * i), gv, cv, og[i].v, oc[i].v);
+        cmp_bits(&c, (long long)(2 * i + 1), (uint32_t)og[i].i, (uint32_t)oc[i].i, og[i].i, oc[i].i);
+    }
+    cmp_end(&c);
+    free(x), free(oc), free(og);
+}
+
+static void test_row_topk(void **st) {
+    NEED_GPU(st);
+    static const int64_t Rs[] = {1, 8, 64};
+    for (int i = 0; i < 3; i++) row_topk_case(Rs[i], VOCAB_LOCAL, 50); /* a TP8 rank's head columns */
+    row_topk_case(9, VOCAB, 1024);                                       /* one rank's vocabulary, the longest list */
+    row_topk_case(14, VOCAB, 1);
+    row_topk_case(13, 1001, 333);
+    row_topk_case(12, 40, 64); /* fewer columns than k */
+    row_topk_case(6, 3, 2);
 }
 
 /* kinds 1..5 of head_rows, then (r % 6 == 0) peaked rows: a trained model's shape, where the sum
@@ -1601,6 +1643,7 @@ int main(void) {
         cmocka_unit_test(test_interleave),
         cmocka_unit_test(test_argmax),
         cmocka_unit_test(test_row_lse),
+        cmocka_unit_test(test_row_topk),
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),

@@ -8,8 +8,9 @@
  * TOL_LOGPROB_EXPF_U's bound of the first version's. Rows with NaN follow the new rule instead: a
  * NaN entry is never drawn, and the log-probability over such a row is NaN. Also the draws where
  * the logits are (model_forward_draws): the backend's argmax op per vocab slice +
- * sampler_greedy_merge gives the token sampler_pick draws at temperature 0, and the row_lse op per
- * slice + sampler_lse_merge the bits of sampler_logprob, for every split. */
+ * sampler_greedy_merge gives the token sampler_pick draws at temperature 0, the row_topk op per
+ * slice + sampler_topk_merge + sampler_pick_topk the token of every greedy and top-k draw, and the
+ * row_lse op per slice + sampler_lse_merge the bits of sampler_logprob, for every split. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -202,6 +203,61 @@ static void test_greedy_split(void **s) {
     backend_cpu_free(&be);
 }
 
+/* The CPU row_topk op on each of np vocab slices, merged (sampler_topk_merge): the whole row's list
+ * (the op on the row, bit for bit), and sampler_pick_topk on it draws sampler_pick's token for
+ * greedy and top-k draws at several temperatures and top-p, from lists as long as top_k and longer
+ * (a step's k is its largest top_k). */
+static void test_topk_split(void **s) {
+    (void)s;
+    struct backend be;
+    assert_int_equal(backend_cpu_init(&be), 0);
+    static const int Vs[] = {1, 3, 8, 40, 1000, 129280};
+    static const int ks[] = {1, 2, 7, 50, 333, BE_TOPK_MAX};
+    static const float temps[] = {0.0f, 0.3f, 1.0f, 2.5f}, top_ps[] = {1.0f, 0.95f, 0.5f};
+    for (size_t vi = 0; vi < sizeof Vs / sizeof *Vs; vi++) {
+        const int V = Vs[vi], R = V > 5000 ? 7 : 24;
+        float *x = malloc(sizeof(float) * (size_t)R * V), *sl = malloc(sizeof(float) * (size_t)R * V);
+        struct be_topk_entry *whole = malloc(sizeof *whole * (size_t)R * BE_TOPK_MAX),
+                             *parts = malloc(sizeof *parts * (size_t)R * BE_TOPK_MAX * 8),
+                             *merged = malloc(sizeof *merged * (size_t)R * BE_TOPK_MAX);
+        split_rows(x, R, V, 1);
+        for (size_t ki = 0; ki < sizeof ks / sizeof *ks; ki++) {
+            const int k = ks[ki];
+            if (k > 2 * V + 8) continue;
+            be.ops->row_topk(&be, whole, x, R, V, k);
+            for (int np = 2; np <= 8; np *= 2) {
+                if (V % np) continue;
+                const int Vl = V / np;
+                for (int j = 0; j < np; j++) {
+                    for (int r = 0; r < R; r++) memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
+                    be.ops->row_topk(&be, parts + (size_t)j * R * k, sl, R, Vl, k);
+                }
+                sampler_topk_merge(merged, parts, R, np, k, Vl);
+                for (int64_t e = 0; e < (int64_t)R * k; e++)
+                    if (memcmp(&merged[e], &whole[e], sizeof *merged) && !(merged[e].i < 0 && whole[e].i < 0))
+                        fail_msg("V=%d k=%d split %d: entry %lld is (%g, %d), the whole row's (%g, %d)", V, k, np,
+                                 (long long)e, merged[e].v, merged[e].i, whole[e].v, whole[e].i);
+            }
+            for (int r = 0; r < R; r++)
+                for (int ti = 0; ti < 4; ti++)
+                    for (int pi = 0; pi < 3; pi++)
+                        for (int h = 0; h < 2; h++) { /* top_k = k, then half of it from the longer list */
+                            const int tk = h ? (k > 1 ? k / 2 : 1) : k;
+                            struct sample_params p = {.temperature = temps[ti], .top_k = tk, .top_p = top_ps[pi], .seed = 9};
+                            if (p.temperature > 0 && tk >= V) continue; /* a draw over every entry: not a top-k draw */
+                            const uint64_t req = (uint64_t)(r * 7 + ti), pos = (uint64_t)(pi + 3 * k);
+                            const int want = sampler_pick(x + (size_t)r * V, V, &p, req, pos);
+                            const int got = sampler_pick_topk(whole + (size_t)r * k, k, &p, req, pos);
+                            if (got != want)
+                                fail_msg("V=%d row %d k=%d top_k=%d T=%g top_p=%g: token %d from the list, %d from the row", V,
+                                         r, k, tk, p.temperature, p.top_p, got, want);
+                        }
+        }
+        free(x), free(sl), free(whole), free(parts), free(merged);
+    }
+    backend_cpu_free(&be);
+}
+
 /* The CPU row_lse op on each of np vocab slices (each rank's lse_slices(V) / np slices, the target
  * as a column of the rank's or -1), the parts concatenated in rank order and merged: the bits of
  * sampler_logprob over the whole row for every split and every kind of row (NaN rows: NaN on
@@ -267,6 +323,7 @@ int main(void) {
         cmocka_unit_test(test_nan_rows),
         cmocka_unit_test(test_greedy_split),
         cmocka_unit_test(test_lse_split),
+        cmocka_unit_test(test_topk_split),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

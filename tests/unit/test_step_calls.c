@@ -10,7 +10,8 @@
  * (model_forward_greedy) draws with one argmax call and downloads only the draws, the tokens
  * sampler_pick takes from the logits of sequences in the same state; with log-probabilities
  * (model_forward_draws) one row_lse call and one more download, sampler_logprob's bits, for the
- * greedy tokens and for given targets (dsbatch score's rows). */
+ * greedy tokens, for given targets (dsbatch score's rows) and for top-k draws (one row_topk call,
+ * no argmax: sampler_pick's tokens). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -99,25 +100,36 @@ static void test_decode_calls_independent_of_batch(void **s) {
     /* two more steps, each the first half's logits beside the second half's draws: greedy tokens
      * with their log-probabilities, then the log-probabilities of given ids (-1: none) */
     int32_t targets[B / 2] = {3, -1, (int32_t)V - 1, 0};
-    for (int k = 0; k < 2; k++) {
+    struct sample_params sp[B / 2] = {{.temperature = 0.9f, .top_k = 40, .seed = 1}, {.temperature = 0.0f},
+                                      {.temperature = 1.3f, .top_k = 3, .top_p = 0.8f, .seed = 2},
+                                      {.temperature = 0.6f, .top_k = 500, .seed = 3}};
+    uint64_t keys[B] = {11, 12, 13, 14, 100, 100, 101, 101}; /* requests, then positions */
+    for (int k = 0; k < 3; k++) {
         double lp[B / 2];
         for (int q = 0; q < B / 2; q++) lo[q].start++, hi[q].start++;
         assert_int_equal(model_forward(m, lo, B / 2, lb, NULL), 0);
         prof_backend_reset(&pb);
-        struct head_draws hd = {.tokens = k ? NULL : drawn, .targets = k ? targets : NULL, .lp = lp};
+        struct head_draws hd = {.tokens = k == 1 ? NULL : drawn, .targets = k == 1 ? targets : NULL, .lp = lp};
+        if (k == 2) hd.params = sp, hd.request = keys, hd.position = keys + B / 2;
         assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &hd, NULL), 0);
-        assert_int_equal(prof_backend_calls(&pb, "argmax"), k ? 0 : 1);
+        assert_int_equal(prof_backend_calls(&pb, "argmax"), k == 0 ? 1 : 0);
+        assert_int_equal(prof_backend_calls(&pb, "row_topk"), k == 2 ? 1 : 0);
         assert_int_equal(prof_backend_calls(&pb, "row_lse"), 1);
-        assert_int_equal(prof_backend_calls(&pb, "download"), k ? 1 : 2); /* draws; 16 bytes a row and slice */
+        assert_int_equal(prof_backend_calls(&pb, "download"), k == 1 ? 1 : 2); /* draws; 16 bytes a row and slice */
         for (int q = 0; q < B / 2; q++) {
             const float *row = lb + (size_t)q * V;
-            const int t = k ? targets[q] : drawn[q];
+            const int t = k == 1 ? targets[q] : drawn[q];
             const double want = t < 0 ? 0.0 : sampler_logprob(row, (int)V, t);
-            if (!k) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &greedy, 0, 0));
+            if (k == 0) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &greedy, 0, 0));
+            if (k == 2) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &sp[q], keys[q], keys[B / 2 + q]));
             assert_memory_equal(&lp[q], &want, sizeof want);
             assert_true(t < 0 || (lp[q] <= 0 && lp[q] > -1e3));
         }
     }
+    /* a draw over every entry (no top-k) needs the row: refused before the forward runs */
+    sp[2].top_k = 0;
+    struct head_draws all = {.tokens = drawn, .params = sp, .request = keys, .position = keys + B / 2};
+    assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &all, NULL), -1);
 
     free(l1);
     free(lb);
