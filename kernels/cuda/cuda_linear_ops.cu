@@ -856,13 +856,13 @@ __global__ void __launch_bounds__(TK_THREADS) row_topk_kernel(struct be_topk_ent
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long sel[BE_TOPK_MAX];
     __shared__ unsigned long long s_prefix;
-    __shared__ unsigned int s_rank, s_n;
+    __shared__ unsigned int s_rank, s_n, s_sel; /* s_n: the row's numbers; s_sel: entries gathered */
     const float *row = x + (int64_t)blockIdx.x * V;
     const int tid = threadIdx.x, lane = tid & 31;
     unsigned int cnt = 0; /* the row's numbers */
     for (int64_t i = tid; i < V; i += TK_THREADS) cnt += row[i] == row[i];
-    if (tid == 0) s_n = 0;
-    __syncthreads(); /* s_n */
+    if (tid == 0) s_n = 0, s_sel = 0;
+    __syncthreads(); /* s_n, s_sel */
     atomicAdd(&s_n, cnt);
     __syncthreads();
     const unsigned int n_num = s_n;
@@ -908,16 +908,14 @@ __global__ void __launch_bounds__(TK_THREADS) row_topk_kernel(struct be_topk_ent
         }
         kth = prefix;
     }
-    if (tid == 0) s_n = 0;
-    __syncthreads();
     for (int64_t i = tid; i < V; i += TK_THREADS) {
         const float v = row[i];
         if (v != v) continue;
         const unsigned long long key = tk_key(v, i);
-        if (key <= kth) sel[atomicAdd(&s_n, 1u)] = key;
+        if (key <= kth) sel[atomicAdd(&s_sel, 1u)] = key;
     }
     __syncthreads();
-    const int n = (int)s_n; /* min(k, n_num) */
+    const int n = (int)s_sel; /* min(k, n_num) */
     int P = 1;
     while (P < n) P <<= 1;
     for (int i = n + tid; i < P; i += TK_THREADS) sel[i] = ~0ull;
