@@ -1,10 +1,11 @@
 /* The CUDA backend against the CPU reference backend: the elementwise ops (rmsnorm, rope,
- * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave, the head's argmax and row_lse), mHC (hc_mixes with its Sinkhorn
+ * qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16, interleave), mHC (hc_mixes with its Sinkhorn
  * comb, hc_collapse / hc_expand / hc_init), embed and Engram (engram_gather from host-resident
  * tables, engram_gate), attention (sparse_attn, compress_pool, index_scores), the tensor-core
  * kernels' act quant and weight decodes, and batch invariance of sparse_attn and index_scores.
  * Memory, weights, the dense ops and MoE are in test_cuda_ops.c; the harness, the rounding model
- * and how each kind of op is compared are in cuda_ops_common.h. */
+ * and how each kind of op is compared are in cuda_ops_common.h; the head's row ops (argmax,
+ * row_topk, row_lse) in test_cuda_index.c. */
 #include "cuda_ops_common.h"
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -1058,155 +1059,6 @@ static void test_interleave(void **st) {
 }
 
 /* =============================================================================================
- * argmax (the head's greedy draw): exact, value bits and index; row_topk (the top-k draws' lists):
- * exact, every entry's bits; row_lse (the log-probabilities' slices): exact
- * (TOL_GPU_ROW_LSE_EXACT), every field's bits */
-
-_Static_assert(TOL_GPU_ROW_LSE_EXACT == 0, "row_lse is compared bit for bit");
-
-/* rows of six kinds: spread, long runs of ties, ties among NaN, nothing above -inf, ±0, all NaN */
-static void head_rows(float *x, int64_t R, int64_t V) {
-    for (int64_t r = 0; r < R; r++) {
-        float *row = x + r * V;
-        const int kind = (int)(r % 6);
-        for (int64_t i = 0; i < V; i++) {
-            const uint64_t u = rnd64();
-            switch (kind) {
-            case 0: row[i] = (float)((double)(u >> 11) / 9007199254740992.0 * 30 - 15); break; /* spread */
-            case 1: row[i] = (float)(int)(u % 5) * 0.75f - 1.5f; break;                       /* long runs of ties */
-            case 2: row[i] = u % 3 == 0 ? NAN : (float)(int)(u % 7); break;                    /* ties among NaN */
-            case 3: row[i] = u % 2 ? -INFINITY : NAN; break;                                    /* nothing above -inf */
-            case 4: row[i] = (u >> 8) % 2 ? 0.0f : -0.0f; break;                                /* ±0: all equal */
-            default: row[i] = NAN; break;                                                       /* all NaN */
-            }
-        }
-        if (kind == 0 && r % 12 == 6) row[V - 1] = INFINITY;
-    }
-}
-
-static void argmax_case(int64_t R, int64_t V) {
-    char tag[96];
-    snprintf(tag, sizeof tag, "argmax R=%lld V=%lld", (long long)R, (long long)V);
-    seed_tag(tag);
-    float *x = NEW(float, (size_t)(R * V));
-    int32_t *oc = NEW(int32_t, (size_t)(2 * R)), *og = NEW(int32_t, (size_t)(2 * R));
-    head_rows(x, R, V);
-    CPU->argmax(&cpu_be, oc, x, R, V);
-    void *dx = g_in(x, sizeof(float) * (size_t)(R * V)), *dd = g_out(sizeof(int32_t) * (size_t)(2 * R), PZ_32I);
-    GPU->argmax(&gpu_be, dd, dx, R, V);
-    g_get(og, dd, sizeof(int32_t) * (size_t)(2 * R));
-    g_free(dx);
-    g_free(dd);
-    struct cmp c;
-    cmp_begin(&c, "argmax", "R=%lld V=%lld", (long long)R, (long long)V);
-    for (int64_t i = 0; i < 2 * R; i++) cmp_bits(&c, (long long)i, og[i], oc[i], og[i], oc[i]);
-    cmp_end(&c);
-    free(x);
-    free(oc);
-    free(og);
-}
-
-static void test_argmax(void **st) {
-    NEED_GPU(st);
-    static const int64_t Rs[] = {1, 8, 64, 256};
-    for (int i = 0; i < 4; i++) argmax_case(Rs[i], VOCAB_LOCAL); /* a TP8 rank's head columns */
-    argmax_case(12, VOCAB);                                       /* one rank's whole vocabulary */
-    argmax_case(13, 1001);                                        /* rows not 16-byte aligned */
-    argmax_case(6, 1);
-    argmax_case(6, 3);
-}
-
-/* head_rows, with some rows of few levels mixing ±0 (ties the list must break by column) */
-static void row_topk_case(int64_t R, int64_t V, int64_t k) {
-    char tag[96];
-    snprintf(tag, sizeof tag, "row_topk R=%lld V=%lld k=%lld", (long long)R, (long long)V, (long long)k);
-    seed_tag(tag);
-    float *x = NEW(float, (size_t)(R * V));
-    struct be_topk_entry *oc = NEW(struct be_topk_entry, (size_t)(R * k)), *og = NEW(struct be_topk_entry, (size_t)(R * k));
-    head_rows(x, R, V);
-    for (int64_t r = 3; r < R; r += 7)
-        for (int64_t i = 0; i < V; i++) {
-            const uint64_t u = rnd64();
-            x[r * V + i] = u % 4 == 0 ? 0.0f : u % 4 == 1 ? -0.0f : (float)(int)(u % 9) - 6.0f;
-        }
-    CPU->row_topk(&cpu_be, oc, x, R, V, k);
-    void *dx = g_in(x, sizeof(float) * (size_t)(R * V)), *dd = g_out(sizeof *og * (size_t)(R * k), PZ_32I);
-    GPU->row_topk(&gpu_be, dd, dx, R, V, k);
-    g_get(og, dd, sizeof *og * (size_t)(R * k));
-    g_free(dx), g_free(dd);
-    struct cmp c;
-    cmp_begin(&c, "row_topk", "R=%lld V=%lld k=%lld", (long long)R, (long long)V, (long long)k);
-    for (int64_t i = 0; i < R * k; i++) {
-        uint32_t gv, cv;
-        memcpy(&gv, &og[i].v, 4), memcpy(&cv, &oc[i].v, 4);
-        cmp_bits(&c, (long long)(2 * i), gv, cv, og[i].v, oc[i].v);
-        cmp_bits(&c, (long long)(2 * i + 1), (uint32_t)og[i].i, (uint32_t)oc[i].i, og[i].i, oc[i].i);
-    }
-    cmp_end(&c);
-    free(x), free(oc), free(og);
-}
-
-static void test_row_topk(void **st) {
-    NEED_GPU(st);
-    static const int64_t Rs[] = {1, 8, 64};
-    for (int i = 0; i < 3; i++) row_topk_case(Rs[i], VOCAB_LOCAL, 50); /* a TP8 rank's head columns */
-    row_topk_case(9, VOCAB, 1024);                                       /* one rank's vocabulary, the longest list */
-    row_topk_case(14, VOCAB, 1);
-    row_topk_case(13, 1001, 333);
-    row_topk_case(12, 40, 64); /* fewer columns than k */
-    row_topk_case(6, 3, 2);
-}
-
-/* kinds 1..5 of head_rows, then (r % 6 == 0) peaked rows: a trained model's shape, where the sum
- * is a few large terms and many tiny ones; targets anywhere, -1 in every fifth row */
-static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off) {
-    char tag[96];
-    snprintf(tag, sizeof tag, "row_lse R=%lld V=%lld ns=%lld off=%lld", (long long)R, (long long)V, (long long)ns,
-             (long long)off);
-    seed_tag(tag);
-    float *x = NEW(float, (size_t)(R * V + off));
-    struct be_lse_part *oc = NEW(struct be_lse_part, (size_t)(R * ns)), *og = NEW(struct be_lse_part, (size_t)(R * ns));
-    int32_t *tg = NEW(int32_t, (size_t)R);
-    head_rows(x + off, R, V);
-    for (int64_t r = 0; r < R; r += 6)
-        for (int64_t i = 0; i < V; i++)
-            x[off + r * V + i] = (float)((double)(rnd64() >> 11) / 9007199254740992.0 * 6 - 20) + (i % 97 == 3 ? 25.0f : 0.0f);
-    for (int64_t r = 0; r < R; r++) tg[r] = r % 5 == 4 ? -1 : (int32_t)(rnd64() % (uint64_t)V);
-    CPU->row_lse(&cpu_be, oc, x + off, R, V, ns, tg);
-    float *dx = g_in(x, sizeof(float) * (size_t)(R * V + off));
-    void *dt = g_in(tg, sizeof(int32_t) * (size_t)R), *dd = g_out(sizeof *og * (size_t)(R * ns), PZ_32I);
-    GPU->row_lse(&gpu_be, dd, dx + off, R, V, ns, dt);
-    g_get(og, dd, sizeof *og * (size_t)(R * ns));
-    g_free(dx), g_free(dt), g_free(dd);
-    struct cmp c;
-    cmp_begin(&c, "row_lse", "R=%lld V=%lld ns=%lld", (long long)R, (long long)V, (long long)ns);
-    for (int64_t i = 0; i < R * ns; i++) {
-        uint64_t gs, cs;
-        uint32_t gm, cm, gt, ct;
-        memcpy(&gs, &og[i].s, 8), memcpy(&cs, &oc[i].s, 8);
-        memcpy(&gm, &og[i].m, 4), memcpy(&cm, &oc[i].m, 4);
-        memcpy(&gt, &og[i].t, 4), memcpy(&ct, &oc[i].t, 4);
-        cmp_bits(&c, (long long)(3 * i), gs, cs, og[i].s, oc[i].s);
-        cmp_bits(&c, (long long)(3 * i + 1), gm, cm, og[i].m, oc[i].m);
-        cmp_bits(&c, (long long)(3 * i + 2), gt, ct, og[i].t, oc[i].t);
-    }
-    cmp_end(&c);
-    free(x), free(oc), free(og), free(tg);
-}
-
-static void test_row_lse(void **st) {
-    NEED_GPU(st);
-    static const int64_t Rs[] = {1, 8, 64, 256};
-    for (int i = 0; i < 4; i++) row_lse_case(Rs[i], VOCAB_LOCAL, 1, 0); /* a TP8 rank's head columns */
-    row_lse_case(12, VOCAB, 8, 0);                                       /* one rank's whole vocabulary */
-    row_lse_case(10, VOCAB / 2, 4, 0);                                   /* TP2 */
-    row_lse_case(13, 1004, 4, 0);                                        /* slices not 16-byte aligned */
-    row_lse_case(7, 4099, 1, 1);                                         /* rows not aligned, a short group */
-    row_lse_case(6, 3, 1, 0);
-    row_lse_case(6, 1, 1, 0);
-}
-
-/* =============================================================================================
  * Attention: sparse_attn, compress_pool, index_scores */
 
 /* The kv rows one sparse_attn call reads: WINDOW window rows (FP8 QDQ'd) then ncomp compressed rows
@@ -1641,9 +1493,6 @@ int main(void) {
         cmocka_unit_test(test_engram_gather),
         cmocka_unit_test(test_engram_gate),
         cmocka_unit_test(test_interleave),
-        cmocka_unit_test(test_argmax),
-        cmocka_unit_test(test_row_lse),
-        cmocka_unit_test(test_row_topk),
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),
