@@ -157,7 +157,7 @@ struct backend_ops {
      * the bits of row r's largest non-NaN value (-inf counts), out[2r + 1] its lowest index; NaN
      * bits and -1 where every entry is NaN. x [R, V] fp32, out [R][2] int32, backend memory. A
      * maximum and a position, exact in any order, so a vocab-split head's ranks each take their
-     * columns' and the host keeps the first best (model_forward_greedy): 8 bytes a row leave the
+     * columns' and the host keeps the first best (model_forward_draws): 8 bytes a row leave the
      * device instead of the row's V floats. */
     void (*argmax)(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
     /* The log-sum-exp parts of each row where the logits are (kernels/lse_core.h defines the order

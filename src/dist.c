@@ -428,7 +428,7 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
         drawn = ds_malloc(sizeof(int32_t) * (size_t)b->n);
         if (d->logprobs) dlp = ds_malloc(sizeof(double) * (size_t)b->n);
     }
-    struct head_draws hd = {.tokens = drawn, .params = drawn ? sp : NULL, .request = key, .position = key ? key + b->n : NULL,
+    struct head_draws hd = {.tokens = drawn, .params = sp, .request = key, .position = key ? key + b->n : NULL,
                             .targets = d->score ? target : NULL, .lp = d->score ? lp : dlp};
     int rc = draws ? model_forward_draws(d->m, b->seqs, b->n, first && last ? NULL : &io, &hd, NULL)
                    : model_forward_stage(d->m, b->seqs, b->n, first && last ? NULL : &io, last ? logits : NULL, NULL);

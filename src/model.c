@@ -790,16 +790,6 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
     return forward_impl(m, seqs, n, io, logits, NULL, hooks);
 }
 
-int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
-                         int32_t *tokens, const struct fwd_hooks *hooks) {
-    if (m->w->opt.last_stage && !tokens) {
-        ds_err_set("model_forward_greedy: the last stage needs a token buffer");
-        return -1;
-    }
-    struct head_draws hd = {.tokens = tokens};
-    return forward_impl(m, seqs, n, io, NULL, m->w->opt.last_stage ? &hd : NULL, hooks);
-}
-
 bool model_lse_ready(const struct model *m) { return lse_slices(m->cfg->vocab_size) % m->tp_size == 0; }
 
 bool model_draw_ready(const struct model *m, const struct sample_params *p) {
@@ -834,23 +824,32 @@ int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, cons
     return forward_impl(m, seqs, n, io, NULL, hd, hooks);
 }
 
+/* Every TP rank's `bytes` of part (backend memory, this rank's result of a head row op) on the
+ * host in rank order, [np][bytes] (ds_malloc'd; the caller frees it); part is freed. */
+static void *head_gather(struct model *m, void *part, size_t bytes, const char *what) {
+    const int64_t np = m->tp_size;
+    void *all = part;
+    if (np > 1) {
+        all = model_tmp(m, bytes * (size_t)np);
+        m->opt.tp->ops->allgather(m->opt.tp, part, all, bytes, what);
+    }
+    void *h = ds_malloc(bytes * (size_t)np);
+    OPS->download(m->be, h, all, bytes * (size_t)np);
+    if (all != part) model_tfree(m, all);
+    model_tfree(m, part);
+    return h;
+}
+
 /* The greedy draws of R rows from the vocab-split head's logits lg [R, Vl] (backend memory): each
  * rank's best of its columns (the argmax op), all-gathered, merged on the host in rank order
  * (sampler_greedy_merge: the ranks' columns are consecutive id ranges). */
 static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64_t R, int64_t Vl) {
-    int64_t np = m->tp_size;
-    int32_t *am = model_tmp(m, sizeof(int32_t) * (size_t)(2 * R)), *all = am; /* [R][2] */
+    const size_t bytes = sizeof(int32_t) * (size_t)(2 * R);
+    int32_t *am = model_tmp(m, bytes); /* [R][2] */
     OPS->argmax(m->be, am, lg, R, Vl);
-    if (np > 1) {
-        all = model_tmp(m, sizeof(int32_t) * (size_t)(2 * R * np)); /* [np][R][2] */
-        m->opt.tp->ops->allgather(m->opt.tp, am, all, sizeof(int32_t) * (size_t)(2 * R), "greedy draws");
-    }
-    int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)(2 * R * np));
-    OPS->download(m->be, h, all, sizeof(int32_t) * (size_t)(2 * R * np));
-    sampler_greedy_merge(tokens, h, R, np, Vl);
+    int32_t *h = head_gather(m, am, bytes, "greedy draws"); /* [np][R][2] */
+    sampler_greedy_merge(tokens, h, R, m->tp_size, Vl);
     free(h);
-    if (all != am) model_tfree(m, all);
-    model_tfree(m, am);
 }
 
 /* The draws of hd's rows, some top-k, from the vocab-split head's logits lg [R, Vl]: each rank's
@@ -858,17 +857,11 @@ static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64
  * host (sampler_topk_merge) and drawn (sampler_pick_topk); tv[r] = the drawn entry's logit. */
 static void head_topk(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, int64_t k,
                       float *tv) {
-    const int64_t np = m->tp_size;
     const size_t bytes = sizeof(struct be_topk_entry) * (size_t)(R * k);
-    struct be_topk_entry *pt = model_tmp(m, bytes), *all = pt; /* [R][k], then [np][R][k] */
+    struct be_topk_entry *pt = model_tmp(m, bytes); /* [R][k] */
     OPS->row_topk(m->be, pt, lg, R, Vl, k);
-    if (np > 1) {
-        all = model_tmp(m, bytes * (size_t)np);
-        m->opt.tp->ops->allgather(m->opt.tp, pt, all, bytes, "top-k lists");
-    }
-    struct be_topk_entry *h = ds_malloc(bytes * (size_t)np), *top = ds_malloc(bytes);
-    OPS->download(m->be, h, all, bytes * (size_t)np);
-    sampler_topk_merge(top, h, R, np, k, Vl);
+    struct be_topk_entry *h = head_gather(m, pt, bytes, "top-k lists"), *top = ds_malloc(bytes); /* [np][R][k]; [R][k] */
+    sampler_topk_merge(top, h, R, m->tp_size, k, Vl);
     for (int64_t r = 0; r < R; r++) {
         const struct be_topk_entry *e = top + r * k;
         hd->tokens[r] = sampler_pick_topk(e, k, &hd->params[r], hd->request[r], hd->position[r]);
@@ -880,8 +873,6 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
             }
     }
     free(h), free(top);
-    if (all != pt) model_tfree(m, all);
-    model_tfree(m, pt);
 }
 
 /* The log-probabilities of hd's targets (or of its drawn tokens) from the vocab-split head's
@@ -903,14 +894,9 @@ static void head_logprobs(struct model *m, const struct head_draws *hd, const fl
         free(h);
     }
     const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
-    struct be_lse_part *pt = model_tmp(m, bytes), *all = pt; /* [R][nsl], then [np][R][nsl] */
+    struct be_lse_part *pt = model_tmp(m, bytes), row[LSE_SLICES_MAX]; /* [R][nsl] */
     OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg);
-    if (np > 1) {
-        all = model_tmp(m, bytes * (size_t)np);
-        m->opt.tp->ops->allgather(m->opt.tp, pt, all, bytes, "log-sum-exp parts");
-    }
-    struct be_lse_part *h = ds_malloc(bytes * (size_t)np), row[LSE_SLICES_MAX];
-    OPS->download(m->be, h, all, bytes * (size_t)np);
+    struct be_lse_part *h = head_gather(m, pt, bytes, "log-sum-exp parts"); /* [np][R][nsl] */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
         float mx;
@@ -920,8 +906,6 @@ static void head_logprobs(struct model *m, const struct head_draws *hd, const fl
         hd->lp[r] = hd->targets && t < 0 ? 0.0 : (double)tv - (double)mx - ls;
     }
     free(h);
-    if (all != pt) model_tfree(m, all);
-    model_tfree(m, pt);
     if (tg) model_tfree(m, tg);
 }
 
@@ -936,7 +920,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
     }
     if (check_batch(m, seqs, n)) return -1;
     if (hd && hd->tokens && model_logits_rows(seqs, n) != n) {
-        ds_err_set("model_forward_greedy: a sequence asks for the logits of every position");
+        ds_err_set("model_forward_draws: a sequence asks for the logits of every position");
         return -1;
     }
     struct batch b = {.seqs = seqs, .n = n};

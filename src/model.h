@@ -126,30 +126,22 @@ struct stage_io {
 int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         float *logits, const struct fwd_hooks *hooks);
 
-/* model_forward_stage for steps whose rows are all drawn greedily (sampler_pick at temperature 0)
- * and whose logits nobody keeps: the last stage writes tokens[i], the draw of sequence i's last
- * position (one row a sequence: no all_logits), the same token sampler_pick gives for the row
- * model_forward_stage would write. The logits stay in backend memory: each TP rank takes the best
- * of its vocab columns there (the argmax op) and 8 bytes a row are gathered, instead of the rows'
- * V floats moved between the ranks and downloaded. tokens is unused on other stages. */
-int model_forward_greedy(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
-                         int32_t *tokens, const struct fwd_hooks *hooks);
-
 /* What the last stage takes from the head's logits where they are, instead of the rows. */
 struct sample_params;
 struct head_draws {
-    int32_t *tokens;                    /* [n] the draws, or NULL */
+    int32_t *tokens;                    /* [n] the draws of each sequence's last position, or NULL */
     const struct sample_params *params; /* [n] each row's draw (model_draw_ready), or NULL: greedy */
     const uint64_t *request, *position; /* [n] the draws' keys (sampler_pick's), with params */
     const int32_t *targets;             /* [R] (model_logits_rows) ids to score, -1 = none (lp 0), or NULL */
     double *lp;                         /* [R] targets' log-probabilities, or [n] the tokens'; NULL = none */
 };
-/* model_forward_stage that returns hd's draws: tokens (greedy or top-k) and/or log-probabilities,
- * the bits of sampler_pick and sampler_logprob over the rows model_forward_stage would write. Each
- * TP rank takes its vocab columns' argmax (all rows greedy) or row_topk lists (k = the largest
- * top_k of the step) and row_lse parts (16 bytes a slice of kernels/lse_core.h) and the group
- * all-gathers them, instead of the rows' V floats. Log-probabilities need model_lse_ready. hd is
- * unused on other stages. */
+/* model_forward_stage that returns hd's draws: tokens (greedy or top-k; one row a sequence, no
+ * all_logits) and/or log-probabilities, the bits of sampler_pick and sampler_logprob over the rows
+ * model_forward_stage would write. The logits stay in backend memory: each TP rank takes its vocab
+ * columns' argmax (all rows greedy, 8 bytes a row) or row_topk lists (k = the largest top_k of the
+ * step) and row_lse parts (16 bytes a slice of kernels/lse_core.h) and the group all-gathers them,
+ * instead of the rows' V floats moved between the ranks and downloaded. Log-probabilities need
+ * model_lse_ready. hd is unused on other stages. */
 int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         const struct head_draws *hd, const struct fwd_hooks *hooks);
 /* Whether each TP rank's head columns are whole slices of kernels/lse_core.h (TP 1, 2, 4, 8 with

@@ -95,7 +95,7 @@ $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jso
   --logprobs --tp 8 --pp 2 --backend cuda --quiet --moe-exchange owner 2>"$T/g16o.err"
 check "16 ranks TP8 x PP2 on the GPU, --moe-exchange owner, 8 sequences (row-split draws), give the tokens and logprobs of one GPU rank" \
   '[ -s "$T/one.jsonl" ] && cmp -s "$T/one.jsonl" "$T/own.jsonl"'
-# greedy without --logprobs draws on the GPU (model_forward_greedy: the argmax op over each rank's
+# greedy without --logprobs draws on the GPU (model_forward_draws: the argmax op over each rank's
 # head columns, 8 bytes a row gathered and downloaded): the tokens of the host's draw over the rows
 # (g8: --logprobs, so its log-probabilities too come from the GPU: the row_lse op's parts; the
 # --save-logits run downloads the rows and draws and scores them on the host)

@@ -7,7 +7,7 @@
  * on the step's critical path, so per-sequence copies (thousands per step at batch 64) were the
  * step's largest cost; this pins that they are gone. The step of 8 must also give each sequence
  * exactly the logits of the step of 1 (the batch changes no number). A greedy step
- * (model_forward_greedy) draws with one argmax call and downloads only the draws, the tokens
+ * (model_forward_draws) draws with one argmax call and downloads only the draws, the tokens
  * sampler_pick takes from the logits of sequences in the same state; with log-probabilities
  * (model_forward_draws) one row_lse call and one more download, sampler_logprob's bits, for the
  * greedy tokens, for given targets (dsbatch score's rows) and for top-k draws (one row_topk call,
@@ -91,7 +91,8 @@ static void test_decode_calls_independent_of_batch(void **s) {
     }
     assert_int_equal(model_forward(m, lo, B / 2, lb, NULL), 0);
     prof_backend_reset(&pb);
-    assert_int_equal(model_forward_greedy(m, hi, B / 2, NULL, drawn, NULL), 0);
+    struct head_draws greedy_hd = {.tokens = drawn};
+    assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &greedy_hd, NULL), 0);
     assert_int_equal(prof_backend_calls(&pb, "argmax"), 1);
     assert_int_equal(prof_backend_calls(&pb, "download"), 1); /* the draws, 8 bytes a row */
     struct sample_params greedy = {.temperature = 0.0f};
