@@ -135,18 +135,18 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     int best;
     float fmx = row_max(logits, V, &best);
     if (p->temperature <= 0 || fmx == -INFINITY) return best;
-    const double mx = fmx, temp = p->temperature;
-    const double u0 = sampler_uniform(p->seed, request, position);
-    if (p->top_k > 0 && p->top_k < V) {
+    if (p->top_k > 0 && p->top_k < V) { /* the draw from the row's top_k first entries */
         int *ids = ds_malloc(sizeof(int) * (size_t)p->top_k);
-        int n = draw_top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
-        float *val = ds_malloc(sizeof(float) * (size_t)n);
-        for (int i = 0; i < n; i++) val[i] = logits[ids[i]];
-        int pick = ids[draw_position(val, n, mx, temp, p->top_p, u0)];
-        free(val);
+        const int n = draw_top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
+        struct be_topk_entry *top = ds_malloc(sizeof *top * (size_t)n);
+        for (int i = 0; i < n; i++) top[i] = (struct be_topk_entry){logits[ids[i]], ids[i]};
+        const int pick = sampler_pick_topk(top, n, p, request, position);
+        free(top);
         free(ids);
         return pick;
     }
+    const double mx = fmx, temp = p->temperature;
+    const double u0 = sampler_uniform(p->seed, request, position);
     /* every entry in play: their weights in descending order of the logits (the values alone fix
      * the weights and the sums; which id holds a value matters only for the drawn position) */
     int n = V;

@@ -166,6 +166,11 @@ static void split_rows(float *x, int R, int V, int with_nan) {
     }
 }
 
+/* sl [R, Vl] = columns [j Vl, (j + 1) Vl) of x [R, V]: TP rank j's head block. */
+static void take_slice(float *sl, const float *x, int R, int V, int Vl, int j) {
+    for (int r = 0; r < R; r++) memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
+}
+
 /* The CPU argmax op on each of np slices of R rows, merged, against sampler_pick(temperature 0)
  * on the whole rows (split_rows). */
 static void test_greedy_split(void **s) {
@@ -182,7 +187,7 @@ static void test_greedy_split(void **s) {
             if (V % np) continue;
             const int Vl = V / np;
             for (int j = 0; j < np; j++) {
-                for (int r = 0; r < R; r++) memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
+                take_slice(sl, x, R, V, Vl, j);
                 be.ops->argmax(&be, parts + 2 * (size_t)j * R, sl, R, Vl);
             }
             sampler_greedy_merge(tok, parts, R, np, Vl);
@@ -229,7 +234,7 @@ static void test_topk_split(void **s) {
                 if (V % np) continue;
                 const int Vl = V / np;
                 for (int j = 0; j < np; j++) {
-                    for (int r = 0; r < R; r++) memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
+                    take_slice(sl, x, R, V, Vl, j);
                     be.ops->row_topk(&be, parts + (size_t)j * R * k, sl, R, Vl, k);
                 }
                 sampler_topk_merge(merged, parts, R, np, k, Vl);
@@ -282,10 +287,8 @@ static void test_lse_split(void **s) {
         for (int np = 1; np <= ns; np *= 2) {
             const int Vl = V / np, nsl = ns / np;
             for (int j = 0; j < np; j++) {
-                for (int r = 0; r < R; r++) {
-                    memcpy(sl + (size_t)r * Vl, x + (size_t)r * V + (size_t)j * Vl, sizeof(float) * Vl);
-                    tl[r] = tg[r] >= j * Vl && tg[r] < (j + 1) * Vl ? tg[r] - j * Vl : -1;
-                }
+                take_slice(sl, x, R, V, Vl, j);
+                for (int r = 0; r < R; r++) tl[r] = tg[r] >= j * Vl && tg[r] < (j + 1) * Vl ? tg[r] - j * Vl : -1;
                 be.ops->row_lse(&be, parts + (size_t)j * R * nsl, sl, R, Vl, nsl, tl);
             }
             for (int r = 0; r < R; r++) {
