@@ -12,7 +12,10 @@
  * slices in id order (sampler_lse_merge). The exponential is glibc's expf on the host and its
  * bit-for-bit copy on the device (kernels/cuda/cuda_libm.cuh), the difference x - m rounded to
  * float first: ~2^-24 relative per term against a double exp (tolerance in src/tolerances.h).
- * An entry of -inf adds 0 whatever m is; NaN or +inf anywhere makes the slice's sum NaN.
+ * An entry of -inf adds 0 whatever m is; NaN or +inf anywhere makes the slice's sum NaN, and that
+ * NaN is always LSE_NAN_BITS: which NaN an exp or a subtraction yields differs between the x86 host
+ * (the sign of inf - inf, the payload of the operand) and the GPU (one canonical NaN), so the
+ * result is pinned to one, to keep the sums' bits equal everywhere.
  *
  * Plain C for the host; the CUDA kernel (cuda_linear_ops.cu) runs the same lanes, tree and terms. */
 #ifndef DS_LSE_CORE_H
@@ -23,6 +26,7 @@
 #define LSE_LANES 256
 #define LSE_GROUP 4      /* consecutive entries a lane takes at a time */
 #define LSE_SLICES_MAX 8 /* the TP8 head's column blocks */
+#define LSE_NAN_BITS 0x7ff8000000000000ull /* a NaN sum's bits, on every backend */
 
 /* Slices of a row of V ids: the largest of 8, 4, 2, 1 that divides V. */
 static inline int64_t lse_slices(int64_t V) {
@@ -36,6 +40,7 @@ static inline int lse_lane(int64_t i) { return (int)((i / LSE_GROUP) % LSE_LANES
 
 #ifndef __CUDACC__
 #include <math.h>
+#include <string.h>
 
 #include "backend.h"
 
@@ -49,6 +54,10 @@ static inline struct be_lse_part lse_slice_host(const float *x, int64_t n, int64
     for (int64_t i = 0; i < n; i++) acc[lse_lane(i)] += x[i] == -INFINITY ? 0.0 : (double)expf(x[i] - m);
     for (int h = LSE_LANES / 2; h > 0; h /= 2)
         for (int l = 0; l < h; l++) acc[l] += acc[l + h];
+    if (acc[0] != acc[0]) {
+        const uint64_t nan_bits = LSE_NAN_BITS;
+        memcpy(&acc[0], &nan_bits, sizeof acc[0]);
+    }
     return (struct be_lse_part){.s = acc[0], .m = m, .t = ti >= 0 ? x[ti] : 0.0f};
 }
 #endif

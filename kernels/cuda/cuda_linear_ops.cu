@@ -823,6 +823,7 @@ __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *
         for (int h = 16; h > 0; h >>= 1) acc = __dadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, h));
         if (l == 0) {
             const int64_t c = target ? target[r] : -1;
+            if (acc != acc) acc = __longlong_as_double((long long)LSE_NAN_BITS);
             out[q] = (struct be_lse_part){.s = acc, .m = m, .t = c >= j * n && c < (j + 1) * n ? x[r * V + c] : 0.0f};
         }
     }

@@ -315,6 +315,19 @@ static void test_lse_split(void **s) {
         }
         free(x), free(sl), free(parts), free(tg), free(tl);
     }
+    { /* a NaN sum is one NaN whatever made it (x86's inf - inf is a negative NaN, a NaN entry keeps
+         its payload, the GPU has one canonical NaN): its bits are LSE_NAN_BITS */
+        uint32_t payload = 0x7fc01234u;
+        float rows[3][4] = {{1.0f, INFINITY, 2.0f, 3.0f}, {1.0f, 0.0f, 2.0f, 3.0f}, {-INFINITY, INFINITY, 0, 0}};
+        memcpy(&rows[1][1], &payload, sizeof payload);
+        struct be_lse_part p[3];
+        be.ops->row_lse(&be, p, &rows[0][0], 3, 4, 1, NULL);
+        for (int r = 0; r < 3; r++) {
+            uint64_t bits;
+            memcpy(&bits, &p[r].s, sizeof bits);
+            if (bits != LSE_NAN_BITS) fail_msg("NaN sum of row %d has bits %#llx", r, (unsigned long long)bits);
+        }
+    }
     backend_cpu_free(&be);
 }
 
