@@ -165,9 +165,12 @@ struct backend_ops {
      * out [R][ns] = each slice's maximum, its sum of expf(x - m) and, where target[r] (a column of
      * x, or -1; [R] int32, backend memory; NULL = none) falls in the slice, x at it. The host merges
      * a row's slices in column order (sampler_lse_merge): 16 bytes a slice leave the device instead
-     * of the row, and a vocab-split head's ranks each take their own slices. */
+     * of the row, and a vocab-split head's ranks each take their own slices. temp ([R] fp32, backend
+     * memory) or NULL: with it each row's slice sums are of expf((x - m) / temp[r]) with NaN entries
+     * adding 0 (lse_core.h: the full-row temperature draw's total, sampler_wsum_merge); rows with
+     * temp[r] <= 0 get the plain sums. */
     void (*row_lse)(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
-                    const int32_t *target);
+                    const int32_t *target, const float *temp);
     /* The k (1..BE_TOPK_MAX) first entries of each row in the draw order of kernels/draw_order.h (a
      * larger value first, equal values — ±0 too — by the lower column, NaN never), sorted, the
      * value's bits as in x; (NaN, -1) past a row's last number. x [R, V] fp32, out [R][k]. Exact

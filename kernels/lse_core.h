@@ -17,6 +17,11 @@
  * (the sign of inf - inf, the payload of the operand) and the GPU (one canonical NaN), so the
  * result is pinned to one, to keep the sums' bits equal everywhere.
  *
+ * The same slices, lanes and tree with a temperature T > 0 give the weight sums of the full-row
+ * temperature draws (sampler.c: the draw's total Z, so that a backend can give it without the row):
+ * each term is then expf((x - m) / T) (float difference, float quotient), and a NaN entry adds 0
+ * like -inf (NaN is never drawn); +inf still makes the sum NaN (LSE_NAN_BITS).
+ *
  * Plain C for the host; the CUDA kernel (cuda_linear_ops.cu) runs the same lanes, tree and terms. */
 #ifndef DS_LSE_CORE_H
 #define DS_LSE_CORE_H
@@ -44,14 +49,22 @@ static inline int lse_lane(int64_t i) { return (int)((i / LSE_GROUP) % LSE_LANES
 
 #include "backend.h"
 
-/* One slice of n entries (host): its part, t = the entry at index ti of the slice (ti < 0: 0). */
-static inline struct be_lse_part lse_slice_host(const float *x, int64_t n, int64_t ti) {
+/* A term of a temperature sum (T > 0): 0 for -inf and NaN; the one expression sampler.c's draw
+ * weights use too. */
+static inline double lse_wterm_host(float x, float m, float T) { return x > -INFINITY ? (double)expf((x - m) / T) : 0.0; }
+
+/* One slice of n entries (host): its part, t = the entry at index ti of the slice (ti < 0: 0);
+ * T == 0: the log-probability's terms expf(x - m), else the temperature sum's (lse_wterm_host). */
+static inline struct be_lse_part lse_slice_host(const float *x, int64_t n, int64_t ti, float T) {
     float m = -INFINITY;
     for (int64_t i = 0; i < n; i++)
         if (x[i] > m) m = x[i];
     m += 0.0f; /* -0 -> +0: the maximum's bits do not depend on which zero a scan met first */
     double acc[LSE_LANES] = {0};
-    for (int64_t i = 0; i < n; i++) acc[lse_lane(i)] += x[i] == -INFINITY ? 0.0 : (double)expf(x[i] - m);
+    if (T > 0)
+        for (int64_t i = 0; i < n; i++) acc[lse_lane(i)] += lse_wterm_host(x[i], m, T);
+    else
+        for (int64_t i = 0; i < n; i++) acc[lse_lane(i)] += x[i] == -INFINITY ? 0.0 : (double)expf(x[i] - m);
     for (int h = LSE_LANES / 2; h > 0; h /= 2)
         for (int l = 0; l < h; l++) acc[l] += acc[l + h];
     if (acc[0] != acc[0]) {

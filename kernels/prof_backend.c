@@ -191,9 +191,9 @@ static void prof_argmax(struct backend *be, int32_t *out, const float *x, int64_
     PR(be)->inner->ops->argmax(PR(be)->inner, out, x, R, V);
     prof_end(be, PROF_ARGMAX, t0);
 }
-static void prof_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns, const int32_t *target) {
+static void prof_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns, const int32_t *target, const float *temp) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->row_lse(PR(be)->inner, out, x, R, V, ns, target);
+    PR(be)->inner->ops->row_lse(PR(be)->inner, out, x, R, V, ns, target, temp);
     prof_end(be, PROF_ROW_LSE, t0);
 }
 static void prof_row_topk(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k) {

@@ -260,6 +260,12 @@ int dist_trace_write(struct dist_engine *d, const char *path) {
 }
 
 void dist_close(struct dist_engine *d) {
+    int64_t full = 0, whole = 0;
+    if (d->m) model_draw_stats(d->m, &full, &whole);
+    if (full > 0 && d->topo.tp_rank == 0 && d->topo.pp_rank == d->topo.pp - 1)
+        log_info("full-row temperature draws: %lld drawn where the logits are, %lld of them from the whole row "
+                 "(a nucleus or drawn entry past the first %d)",
+                 (long long)full, (long long)whole, BE_TOPK_MAX);
     free(d->trace);
     if (d->results_comm != MPI_COMM_NULL) CHECK_MPI(MPI_Comm_free(&d->results_comm));
     model_free(d->m);
@@ -397,10 +403,11 @@ static int mb_forward(struct dist_engine *d, struct mb *b, int32_t *out, double 
     for (int i = 0; i < b->n; i++)
         if (b->seqs[i].start == 0) model_reset_slot(d->m, b->seqs[i].slot);
     struct stage_io io = {.X_in = b->X, .P_in = b->P, .X_out = b->X, .P_out = b->P};
-    /* a step that keeps no logits rows and scores, or whose drawn rows are all greedy or top-k,
-     * draws where the logits are (model_forward_draws: the tokens of sampler_pick and the
-     * log-probability bits of sampler_logprob on the downloaded rows); every rank of the step sees
-     * the same rows, so the TP group agrees on the path */
+    /* a step that keeps no logits rows and scores, or draws (greedy, top-k, or a temperature over
+     * every entry where the TP layout cuts whole lse slices: model_draw_ready), draws where the
+     * logits are (model_forward_draws: the tokens of sampler_pick and the log-probability bits of
+     * sampler_logprob on the downloaded rows); every rank of the step sees the same rows, so the TP
+     * group agrees on the path */
     bool draws = !d->whole_logits && (!(d->score || d->logprobs) || model_lse_ready(d->m));
     struct sample_params *sp = NULL; /* [n] the rows' draws (unsampled rows: greedy, not kept) */
     uint64_t *key = NULL;            /* [2n] request, then position */

@@ -792,8 +792,20 @@ int model_forward_stage(struct model *m, const struct fwd_seq *seqs, int n, cons
 
 bool model_lse_ready(const struct model *m) { return lse_slices(m->cfg->vocab_size) % m->tp_size == 0; }
 
+/* a temperature draw over every entry (top_k off): sampler_pick_cand's, from row_topk lists and
+ * row_lse's temperature sums */
+static bool draw_full_row(const struct model *m, const struct sample_params *p) {
+    return p->temperature > 0 && !(p->top_k > 0 && p->top_k < m->cfg->vocab_size);
+}
+
+void model_draw_stats(const struct model *m, int64_t *full, int64_t *whole_rows) {
+    *full = m->draws_full;
+    *whole_rows = m->draws_whole_rows;
+}
+
 bool model_draw_ready(const struct model *m, const struct sample_params *p) {
-    return p->temperature <= 0 || (p->top_k > 0 && p->top_k < m->cfg->vocab_size && p->top_k <= BE_TOPK_MAX);
+    if (draw_full_row(m, p)) return model_lse_ready(m);
+    return p->temperature <= 0 || p->top_k <= BE_TOPK_MAX;
 }
 
 int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
@@ -806,8 +818,9 @@ int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, cons
     }
     for (int i = 0; hd->params && i < n; i++)
         if (!model_draw_ready(m, &hd->params[i])) {
-            ds_err_set("model_forward_draws: sequence %d's draw (temperature %g, top-k %d) needs the whole row", i,
-                       (double)hd->params[i].temperature, hd->params[i].top_k);
+            ds_err_set("model_forward_draws: sequence %d's draw (temperature %g, top-k %d) needs the whole row "
+                       "(top-k above %d, or TP %d not splitting the vocabulary into whole lse slices)",
+                       i, (double)hd->params[i].temperature, hd->params[i].top_k, BE_TOPK_MAX, m->tp_size);
             return -1;
         }
     if (hd->lp && !model_lse_ready(m)) {
@@ -852,19 +865,52 @@ static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64
     free(h);
 }
 
-/* The draws of hd's rows, some top-k, from the vocab-split head's logits lg [R, Vl]: each rank's
- * row_topk lists of its columns (k = the step's largest top_k), all-gathered, merged per row on the
- * host (sampler_topk_merge) and drawn (sampler_pick_topk); tv[r] = the drawn entry's logit. */
+/* The weight totals Z[r] of hd's full-row draws (draw_full_row; other rows: 0) from the vocab-split
+ * head's logits lg [R, Vl]: row_lse with each row's temperature on each rank's slices, all-gathered,
+ * merged per row in slice order (sampler_wsum_merge). */
+static void head_wsum(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, double *Z) {
+    const int64_t np = m->tp_size, ns = lse_slices(m->cfg->vocab_size), nsl = ns / np;
+    float *th = ds_malloc(sizeof(float) * (size_t)R);
+    for (int64_t r = 0; r < R; r++) th[r] = draw_full_row(m, &hd->params[r]) ? hd->params[r].temperature : 0.0f;
+    float *td = model_tmp(m, sizeof(float) * (size_t)R); /* [R] */
+    OPS->upload(m->be, td, th, sizeof(float) * (size_t)R);
+    const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
+    struct be_lse_part *pt = model_tmp(m, bytes), row[LSE_SLICES_MAX]; /* [R][nsl] */
+    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, NULL, td);
+    struct be_lse_part *h = head_gather(m, pt, bytes, "draw weight sums"); /* [np][R][nsl] */
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
+        float mx;
+        Z[r] = th[r] > 0 ? sampler_wsum_merge(row, ns, th[r], &mx) : 0.0;
+    }
+    free(h), free(th);
+    model_tfree(m, td);
+}
+
+/* The draws of hd's rows, some top-k or full-row, from the vocab-split head's logits lg [R, Vl]:
+ * each rank's row_topk lists of its columns (k = the step's largest top_k, BE_TOPK_MAX with a
+ * full-row draw), all-gathered, merged per row on the host (sampler_topk_merge) and drawn
+ * (sampler_pick_topk; full rows sampler_pick_cand with head_wsum's totals); tv[r] = the drawn
+ * entry's logit. A full-row draw the lists do not decide (a nucleus longer than k: flat rows) takes
+ * the whole rows (every rank agrees: each has merged the same lists) and sampler_pick. */
 static void head_topk(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, int64_t k,
-                      float *tv) {
+                      bool full, float *tv) {
+    const int64_t V = m->cfg->vocab_size;
     const size_t bytes = sizeof(struct be_topk_entry) * (size_t)(R * k);
+    double *Z = full ? ds_malloc(sizeof(double) * (size_t)R) : NULL;
+    if (full) head_wsum(m, hd, lg, R, Vl, Z);
     struct be_topk_entry *pt = model_tmp(m, bytes); /* [R][k] */
     OPS->row_topk(m->be, pt, lg, R, Vl, k);
     struct be_topk_entry *h = head_gather(m, pt, bytes, "top-k lists"), *top = ds_malloc(bytes); /* [np][R][k]; [R][k] */
     sampler_topk_merge(top, h, R, m->tp_size, k, Vl);
+    int64_t undecided = 0;
     for (int64_t r = 0; r < R; r++) {
         const struct be_topk_entry *e = top + r * k;
-        hd->tokens[r] = sampler_pick_topk(e, k, &hd->params[r], hd->request[r], hd->position[r]);
+        const struct sample_params *p = &hd->params[r];
+        hd->tokens[r] = draw_full_row(m, p) ? sampler_pick_cand(e, k, V, Z[r], p, hd->request[r], hd->position[r])
+                                            : sampler_pick_topk(e, k, p, hd->request[r], hd->position[r]);
+        undecided += hd->tokens[r] < 0;
+        m->draws_full += draw_full_row(m, p);
         tv[r] = NAN; /* a row of NaN: token 0, no entry */
         for (int64_t j = 0; j < k && e[j].i >= 0; j++)
             if (e[j].i == hd->tokens[r]) {
@@ -872,7 +918,20 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
                 break;
             }
     }
-    free(h), free(top);
+    if (undecided) {
+        m->draws_whole_rows += undecided;
+        float *rows = model_tmp(m, sizeof(float) * (size_t)(R * V)), *row = ds_malloc(sizeof(float) * (size_t)V); /* [R, V] */
+        model_tp_gather_cols(m, rows, lg, R, sizeof(float) * (size_t)Vl, "logits (undecided draws)");
+        for (int64_t r = 0; r < R; r++) {
+            if (hd->tokens[r] >= 0) continue;
+            OPS->download(m->be, row, rows + r * V, sizeof(float) * (size_t)V);
+            hd->tokens[r] = sampler_pick(row, (int)V, &hd->params[r], hd->request[r], hd->position[r]);
+            tv[r] = row[hd->tokens[r]];
+        }
+        free(row);
+        model_tfree(m, rows);
+    }
+    free(h), free(top), free(Z);
 }
 
 /* The log-probabilities of hd's targets (or of its drawn tokens) from the vocab-split head's
@@ -895,7 +954,7 @@ static void head_logprobs(struct model *m, const struct head_draws *hd, const fl
     }
     const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
     struct be_lse_part *pt = model_tmp(m, bytes), row[LSE_SLICES_MAX]; /* [R][nsl] */
-    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg);
+    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg, NULL);
     struct be_lse_part *h = head_gather(m, pt, bytes, "log-sum-exp parts"); /* [np][R][nsl] */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
@@ -1012,12 +1071,17 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         float *rows = hd ? NULL : model_tmp(m, sizeof(float) * (size_t)(Rp * V));      /* [Rp, V] */
         OPS->head(m->be, lg, hr, R, &m->w->head);
         if (hd) {
-            int64_t k = 0; /* the step's largest top-k draw; 0: every row greedy */
-            for (int64_t r = 0; hd->params && r < R; r++)
-                if (hd->params[r].temperature > 0 && hd->params[r].top_k > k) k = hd->params[r].top_k;
+            int64_t k = 0; /* the step's longest list: its largest top-k, BE_TOPK_MAX with a full-row draw */
+            bool full = false;
+            for (int64_t r = 0; hd->params && r < R; r++) {
+                const struct sample_params *p = &hd->params[r];
+                if (draw_full_row(m, p)) full = true;
+                else if (p->temperature > 0 && p->top_k > k) k = p->top_k;
+            }
+            if (full && k < (V < BE_TOPK_MAX ? V : BE_TOPK_MAX)) k = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
             float *tv = k ? ds_malloc(sizeof(float) * (size_t)R) : NULL;
             if (hd->tokens && !k) head_greedy(m, hd->tokens, lg, R, Vl);
-            if (k) head_topk(m, hd, lg, R, Vl, k, tv);
+            if (k) head_topk(m, hd, lg, R, Vl, k, full, tv);
             if (hd->lp) head_logprobs(m, hd, lg, R, Vl, tv);
             free(tv);
         } else if (split) {

@@ -147,9 +147,15 @@ int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, cons
 /* Whether each TP rank's head columns are whole slices of kernels/lse_core.h (TP 1, 2, 4, 8 with
  * the vocabulary a multiple of 8), which model_forward_draws' log-probabilities need. */
 bool model_lse_ready(const struct model *m);
-/* Whether model_forward_draws can draw a row with these parameters: greedy, or a temperature draw
- * with 0 < top_k < V and top_k <= BE_TOPK_MAX (a draw over every entry needs the row). */
+/* Whether model_forward_draws can draw a row with these parameters: greedy, a top-k draw (0 < top_k
+ * < V) with top_k <= BE_TOPK_MAX, or a temperature draw over every entry (top-p or not) where
+ * model_lse_ready: its row_topk list of BE_TOPK_MAX entries and row_lse's weight total decide the
+ * draw (sampler_pick_cand), else, rarely on a trained model (a nucleus longer than the list), that
+ * step gathers the whole rows for those draws. */
 bool model_draw_ready(const struct model *m, const struct sample_params *p);
+/* How many full-row temperature draws model_forward_draws made so far, and how many of them needed
+ * the whole row (the list did not decide them). */
+void model_draw_stats(const struct model *m, int64_t *full, int64_t *whole_rows);
 
 /* Stale index keys across stages (MODEL.md §3.12): an open-group decode step on stage 0 scores
  * against the keys a later stage published last. After a forward, a later stage appends the index

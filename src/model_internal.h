@@ -64,6 +64,7 @@ struct model {
     bool graph_open;               /* a graph segment is recording (model_graph_begin) */
     uint64_t serial;               /* this model's number among those of the process (graph keys) */
     bool split_logits;             /* model_set_split_logits */
+    int64_t draws_full, draws_whole_rows; /* full-row draws; those their row_topk lists did not decide */
 };
 
 /* Gather `bytes` per rank across the TP group into whole rows: src [T, n] on each rank becomes

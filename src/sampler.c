@@ -16,6 +16,7 @@
 #include "sampler.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,6 +132,72 @@ static int draw_position(const float *val, int n, double mx, double temp, float 
     return pos;
 }
 
+/* The full-row temperature draw (top_k off) over the row's first n entries in draw order val[0..n)
+ * (complete: every number of the row; NaN never among them), M the row's maximum, Z its weight
+ * total (the row's lse_core.h temperature slices merged by sampler_wsum_merge). The weights are
+ * lse_wterm_host's, expf((v - M) / T) of float operands, the sums sequential in draw order; top-p
+ * keeps the shortest prefix whose running share Σ w / Z reaches top_p (the whole row if none does)
+ * and totals it, else the total is Z; the position is the first whose running sum exceeds u0 times
+ * that total (rounding past the end: the last of positive weight). Returns the position, or -1 when
+ * the row's later entries could still decide (not complete, and no top-p prefix or draw ended in
+ * the n). A row with +inf draws its first entry (its first +inf). */
+static int draw_full(const float *val, int n, bool complete, float M, float T, float top_p, double Z, double u0) {
+    if (M == INFINITY) return 0;
+    M += 0.0f; /* as the slices' maxima: -0 -> +0 */
+    double *pr = ds_malloc(sizeof(double) * (size_t)n), S = Z, c = 0;
+    for (int i = 0; i < n; i++) pr[i] = lse_wterm_host(val[i], M, T);
+    int m = n, pos = -1;
+    bool cut = false;
+    if (top_p > 0 && top_p < 1) {
+        for (int i = 0; i < n && !cut; i++) {
+            c += pr[i] / Z;
+            if (c >= top_p) m = i + 1, cut = true;
+        }
+        if (!cut && !complete) goto out;
+        S = 0;
+        for (int i = 0; i < m; i++) S += pr[i];
+        cut = true;
+    }
+    const double u = u0 * S;
+    c = 0;
+    for (int i = 0; i < m; i++) {
+        c += pr[i];
+        if (u < c) {
+            pos = i;
+            goto out;
+        }
+    }
+    if (!cut && !complete) goto out;
+    for (pos = m - 1; pos > 0 && pr[pos] == 0; pos--) {}
+out:
+    free(pr);
+    return pos;
+}
+
+int sampler_pick_cand(const struct be_topk_entry *top, int64_t k, int64_t V, double Z, const struct sample_params *p,
+                      uint64_t request, uint64_t position) {
+    if (top[0].i < 0) return 0; /* every entry NaN: row_max's 0 */
+    if (p->temperature <= 0 || top[0].v == -INFINITY) return top[0].i;
+    int n = 0;
+    while (n < k && top[n].i >= 0) n++;
+    float *val = ds_malloc(sizeof(float) * (size_t)n);
+    for (int i = 0; i < n; i++) val[i] = top[i].v;
+    const int pos = draw_full(val, n, n < k || k >= V, top[0].v, p->temperature, p->top_p, Z,
+                              sampler_uniform(p->seed, request, position));
+    free(val);
+    return pos < 0 ? -1 : top[pos].i;
+}
+
+/* The weight total of a full-row temperature draw from the row's own slices (what the backends'
+ * row_lse with the temperature gives). */
+static double row_wsum(const float *logits, int V, float T) {
+    struct be_lse_part parts[LSE_SLICES_MAX];
+    const int64_t ns = lse_slices(V), n = V / ns;
+    for (int64_t j = 0; j < ns; j++) parts[j] = lse_slice_host(logits + j * n, n, -1, T);
+    float M;
+    return sampler_wsum_merge(parts, ns, T, &M);
+}
+
 int sampler_pick(const float *logits, int V, const struct sample_params *p, uint64_t request, uint64_t position) {
     int best;
     float fmx = row_max(logits, V, &best);
@@ -145,16 +212,28 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
         free(ids);
         return pick;
     }
-    const double mx = fmx, temp = p->temperature;
-    const double u0 = sampler_uniform(p->seed, request, position);
-    /* every entry in play: their weights in descending order of the logits (the values alone fix
-     * the weights and the sums; which id holds a value matters only for the drawn position) */
+    /* the full row: its total Z, then the row's first entries as a backend's row_topk gives them;
+     * only when those do not decide the draw, every entry sorted */
+    const double Z = row_wsum(logits, V, p->temperature);
+    {
+        const int k = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
+        int *ids = ds_malloc(sizeof(int) * (size_t)k);
+        struct be_topk_entry *top = ds_malloc(sizeof *top * (size_t)k);
+        const int n = draw_top_k_ids(logits, V, k, ids);
+        for (int i = 0; i < k; i++) top[i] = i < n ? (struct be_topk_entry){logits[ids[i]], ids[i]} : (struct be_topk_entry){NAN, -1};
+        const int pick = sampler_pick_cand(top, k, V, Z, p, request, position);
+        free(top);
+        free(ids);
+        if (pick >= 0) return pick;
+    }
+    /* every entry in play, in descending order of the logits (the values alone fix the weights and
+     * the sums; which id holds a value matters only for the drawn position) */
     int n = V;
     float *val = ds_malloc(sizeof(float) * (size_t)V * 2);
     uint32_t *keys = ds_malloc(sizeof(uint32_t) * (size_t)V * 2);
     sort_desc(logits, V, val, keys, keys + V, val + V);
     while (n > 0 && val[n - 1] != val[n - 1]) n--; /* NaN entries sort last and are never drawn */
-    int pos = draw_position(val, n, mx, temp, p->top_p, u0);
+    int pos = draw_full(val, n, true, val[0], p->temperature, p->top_p, Z, sampler_uniform(p->seed, request, position));
     /* the id at sorted position pos: among the entries equal to its value (a contiguous run of
      * the sorted values), the one of that rank by id */
     float v = val[pos];
@@ -208,21 +287,24 @@ void sampler_topk_merge(struct be_topk_entry *out, const struct be_topk_entry *p
     free(at);
 }
 
-double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M) {
+double sampler_wsum_merge(const struct be_lse_part *p, int64_t ns, float temp, float *M) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < ns; j++)
         if (p[j].m > mx) mx = p[j].m;
     double s = 0;
     for (int64_t j = 0; j < ns; j++) /* a slice of -inf adds nothing; a NaN sum makes s NaN */
-        if (p[j].s != 0) s += p[j].s * exp((double)p[j].m - (double)mx);
+        if (p[j].s != 0) s += p[j].s * exp(((double)p[j].m - (double)mx) / (double)temp);
     *M = mx;
-    return log(s);
+    return s;
 }
+
+/* the temperature 1 sum (a quotient by 1 is exact: the same bits as without it) */
+double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M) { return log(sampler_wsum_merge(p, ns, 1.0f, M)); }
 
 double sampler_logprob(const float *logits, int V, int token) {
     struct be_lse_part p[LSE_SLICES_MAX];
     const int64_t ns = lse_slices(V), n = V / ns;
-    for (int64_t j = 0; j < ns; j++) p[j] = lse_slice_host(logits + j * n, n, -1);
+    for (int64_t j = 0; j < ns; j++) p[j] = lse_slice_host(logits + j * n, n, -1, 0.0f);
     float mx;
     const double ls = sampler_lse_merge(p, ns, &mx);
     return (double)logits[token] - (double)mx - ls;

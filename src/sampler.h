@@ -18,7 +18,11 @@ void philox4x32(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
 /* Uniform in [0, 1) for (seed, request, position). */
 double sampler_uniform(uint64_t seed, uint64_t request, uint64_t position);
 
-/* Pick a token from logits [V] (not modified). */
+/* Pick a token from logits [V] (not modified). Greedy: the first largest. Top-k (0 < top_k < V):
+ * the k first entries in the draw order, weights e^((x - max) / T) in double, sequential sums.
+ * Otherwise (the full row): weights expf((x - max) / T) of float operands (lse_core.h's temperature
+ * terms), their total Z in lse_core.h's slices so that a backend gives it without the row, top-p's
+ * prefix and the draw by running sums in draw order (sampler.c: draw_full). */
 int sampler_pick(const float *logits, int V, const struct sample_params *p, uint64_t request, uint64_t position);
 
 /* log-softmax of logits at `token`: x[token] - M - log S in double, M the row's maximum and S its
@@ -43,6 +47,18 @@ void sampler_topk_merge(struct be_topk_entry *out, const struct be_topk_entry *p
  * returns log Σ_j s_j · exp(m_j - M) (the sum in slice order, double). */
 struct be_lse_part;
 double sampler_lse_merge(const struct be_lse_part *p, int64_t ns, float *M);
+/* The same merge of a temperature's slices (row_lse with temp): Σ_j s_j · exp((m_j - M) / temp),
+ * the weight total Z of a full-row temperature draw. */
+double sampler_wsum_merge(const struct be_lse_part *p, int64_t ns, float temp, float *M);
+
+/* sampler_pick's full-row temperature draw (temperature > 0, top_k off: every entry in play, top-p
+ * or not) from the row's k first entries in the draw order (row_topk + sampler_topk_merge) and its
+ * weight total Z (row_lse with the temperature + sampler_wsum_merge) for a row of V entries: the
+ * token, or -1 when those k entries do not decide the draw (a nucleus or a drawn position past
+ * them: then sampler_pick over the whole row gives it). On trained models' rows the k = 1,024
+ * first entries nearly always decide it. */
+int sampler_pick_cand(const struct be_topk_entry *top, int64_t k, int64_t V, double Z, const struct sample_params *p,
+                      uint64_t request, uint64_t position);
 
 /* The greedy draws of R rows whose vocabulary is split in np consecutive slices of Vl ids: parts
  * [np][R][2] int32 holds each slice's best (the backend's argmax op: a float's bits, then its index

@@ -39,7 +39,7 @@ void cpu_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, 
 void cpu_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, int64_t V);
 void cpu_op_row_topk(struct backend *be, struct be_topk_entry *out, const float *x, int64_t R, int64_t V, int64_t k);
 void cpu_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
-                    const int32_t *target);
+                    const int32_t *target, const float *temp);
 
 /* ---- cpu_elementwise.c ---- */
 void cpu_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,

@@ -268,14 +268,15 @@ void cpu_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R, 
 
 /* lse_core.h's slices, each row's in turn (the op's contract is that order, not a thread count). */
 void cpu_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
-                    const int32_t *target) {
+                    const int32_t *target, const float *temp) {
     (void)be;
     if (ns < 1 || V % ns) ds_die("cpu row_lse: %lld slices do not divide %lld columns", (long long)ns, (long long)V);
     const int64_t n = V / ns;
 #pragma omp parallel for schedule(static) if (R * ns > 1)
     for (int64_t q = 0; q < R * ns; q++) {
         const int64_t r = q / ns, j = q % ns, c = target ? target[r] : -1;
-        out[q] = lse_slice_host(x + r * V + j * n, n, c >= j * n && c < (j + 1) * n ? c - j * n : -1);
+        out[q] = lse_slice_host(x + r * V + j * n, n, c >= j * n && c < (j + 1) * n ? c - j * n : -1,
+                                temp && temp[r] > 0 ? temp[r] : 0.0f);
     }
 }
 

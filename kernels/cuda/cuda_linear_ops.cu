@@ -764,14 +764,22 @@ void cuda_op_argmax(struct backend *be, int32_t *out, const float *x, int64_t R,
  * slice's maximum (any tree: a maximum of non-NaN values, +0 for ±0 after it), then each lane's
  * groups of 4 in id order, its terms summed in double, and the lanes folded by the same tree as
  * lse_slice_host (h = 128, 64, 32 through shared memory, then 16 .. 1 by shuffles: lane l adds lane
- * l + h each time). Every add and the float difference are explicitly rounded (no contraction). */
+ * l + h each time). Every add, the float difference and (WT: the temperature sums, T = temp[r] > 0)
+ * the quotient by T are explicitly rounded (no contraction). */
 __device__ __forceinline__ double lse_term(float v, float m) {
     return v == __int_as_float((int)0xff800000u) ? 0.0 : (double)ds_expf(__fsub_rn(v, m));
 }
 
+/* lse_wterm_host's term: NaN and -inf add 0 */
+__device__ __forceinline__ double lse_wterm(float v, float m, float T) {
+    return v > __int_as_float((int)0xff800000u) ? (double)ds_expf(__fdiv_rn(__fsub_rn(v, m), T)) : 0.0;
+}
+
+template <bool WT>
 __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *__restrict__ out,
                                                            const float *__restrict__ x, int64_t V, int64_t ns,
-                                                           int64_t n, const int32_t *__restrict__ target) {
+                                                           int64_t n, const int32_t *__restrict__ target,
+                                                           const float *__restrict__ temp) {
     __shared__ double sacc[LSE_LANES];
     __shared__ float smax[LSE_LANES / 32];
     const int64_t q = blockIdx.x, r = q / ns, j = q % ns;
@@ -797,17 +805,33 @@ __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *
 #pragma unroll
     for (int w = 1; w < LSE_LANES / 32; w++) m = fmaxf(m, smax[w]);
     m = __fadd_rn(m, 0.0f);
+    const float T = WT ? temp[r] : 0.0f;
     double acc = 0.0;
-    for (int64_t g = l; g < ng; g += LSE_LANES) {
-        const int64_t i = g * LSE_GROUP;
-        if (v4 && i + 4 <= n) {
-            const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
-            acc = __dadd_rn(acc, lse_term(f.x, m));
-            acc = __dadd_rn(acc, lse_term(f.y, m));
-            acc = __dadd_rn(acc, lse_term(f.z, m));
-            acc = __dadd_rn(acc, lse_term(f.w, m));
-        } else {
-            for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_term(s[k], m));
+    if (WT && T > 0.0f) { /* CTA-uniform */
+        for (int64_t g = l; g < ng; g += LSE_LANES) {
+            const int64_t i = g * LSE_GROUP;
+            if (v4 && i + 4 <= n) {
+                const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
+                acc = __dadd_rn(acc, lse_wterm(f.x, m, T));
+                acc = __dadd_rn(acc, lse_wterm(f.y, m, T));
+                acc = __dadd_rn(acc, lse_wterm(f.z, m, T));
+                acc = __dadd_rn(acc, lse_wterm(f.w, m, T));
+            } else {
+                for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_wterm(s[k], m, T));
+            }
+        }
+    } else {
+        for (int64_t g = l; g < ng; g += LSE_LANES) {
+            const int64_t i = g * LSE_GROUP;
+            if (v4 && i + 4 <= n) {
+                const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
+                acc = __dadd_rn(acc, lse_term(f.x, m));
+                acc = __dadd_rn(acc, lse_term(f.y, m));
+                acc = __dadd_rn(acc, lse_term(f.z, m));
+                acc = __dadd_rn(acc, lse_term(f.w, m));
+            } else {
+                for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_term(s[k], m));
+            }
         }
     }
     sacc[l] = acc;
@@ -830,11 +854,14 @@ __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *
 }
 
 void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x, int64_t R, int64_t V, int64_t ns,
-                     const int32_t *target) {
+                     const int32_t *target, const float *temp) {
     if (R <= 0) return;
     if (ns < 1 || V < 1 || V % ns || R * ns > INT32_MAX)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "row_lse", "ns must divide V and R * ns fit a grid");
-    row_lse_kernel<<<(unsigned)(R * ns), LSE_LANES, 0, cuda_be_stream(be)>>>(out, x, V, ns, V / ns, target);
+    if (temp)
+        row_lse_kernel<true><<<(unsigned)(R * ns), LSE_LANES, 0, cuda_be_stream(be)>>>(out, x, V, ns, V / ns, target, temp);
+    else
+        row_lse_kernel<false><<<(unsigned)(R * ns), LSE_LANES, 0, cuda_be_stream(be)>>>(out, x, V, ns, V / ns, target, temp);
     KERNEL_CHECK();
 }
 

@@ -10,7 +10,13 @@
  *    (lse_slices(V_local) slices) + [R][slices] parts downloaded + sampler_lse_merge;
  *  - host_topk / backend_topk: a top-k draw a row (temperature 0.8, top-k 50, top-p 0.95):
  *    sampler_pick over the downloaded rows, or the row_topk op + [R][50] lists downloaded +
- *    sampler_pick_topk (one slice: the merge of a TP rank's list is not counted).
+ *    sampler_pick_topk (one slice: the merge of a TP rank's list is not counted);
+ *  - host_tp / backend_tp: a full-row temperature draw a row (temperature 0.3, top-p 0.95, no
+ *    top-k): sampler_pick over the downloaded rows, or the row_topk op (BE_TOPK_MAX entries) and
+ *    row_lse with the temperature, both downloaded, + sampler_wsum_merge + sampler_pick_cand, and
+ *    for rows the list does not decide the row downloaded + sampler_pick (counted: "whole rows").
+ *    The temperature is low because these rows are random: at 0.3 their 0.95-nucleus is a few
+ *    hundred entries at most, as a trained model's rows at its usual temperatures.
  * Each is timed from the head's launch to the tokens or log-probabilities on the host (the backend
  * synchronized), as a step pays them, and the head alone beside them — on the GPU as the engine
  * runs it (the tensor-core switch on: cuda_op_head's BF16 mma tilings) and with --exact-linears'
@@ -21,7 +27,7 @@
  * all-to-all is not counted here); 129,280 is one rank's whole head.
  *   bench_head_draw [--backend cuda|cpu] [--rows 1,8,64,256] [--vocab 16160,129280] [--iters N] [--csv F]
  * CSV: backend,device,v_local,rows,path,ms,ms_min (path: head, host, backend, head_exact, host_lp,
- * backend_lp, host_topk, backend_topk). */
+ * backend_lp, host_topk, backend_topk, host_tp, backend_tp). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -108,9 +114,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (f) fprintf(f, "backend,device,v_local,rows,path,ms,ms_min\n");
-    printf("%-8s %8s %5s %10s %10s %10s %10s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host draws)\n",
+    printf("%-8s %8s %5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s   (ms a step, mean of %d; host = download + host "
+           "draws)\n",
            "backend", "v_local", "rows", "head", "host", "backend", "head_exact", "host_lp", "backend_lp", "host_topk",
-           "backend_topk", iters);
+           "backend_topk", "host_tp", "backend_tp", iters);
     int rc = 0;
     for (int vi = 0; vi < n_vocab; vi++) {
         const int64_t V = vocab[vi];
@@ -137,6 +144,17 @@ int main(int argc, char **argv) {
             struct be_topk_entry *tk = ops->alloc(&be, sizeof *tk * (size_t)(R * TOPK)),
                                  *tkh = malloc(sizeof *tkh * (size_t)(R * TOPK));
             int32_t *k_host = malloc(sizeof(int32_t) * (size_t)R), *k_be = malloc(sizeof(int32_t) * (size_t)R);
+            const struct sample_params psp = {.temperature = 0.3f, .top_p = 0.95f, .seed = 3};
+            const int64_t KC = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
+            struct be_topk_entry *cd = ops->alloc(&be, sizeof *cd * (size_t)(R * KC)),
+                                 *cdh = malloc(sizeof *cdh * (size_t)(R * KC));
+            float *tph = malloc(sizeof(float) * (size_t)R), *tpd = ops->alloc(&be, sizeof(float) * (size_t)R),
+                  *whole = malloc(sizeof(float) * (size_t)V);
+            for (int64_t r = 0; r < R; r++) tph[r] = psp.temperature;
+            ops->upload(&be, tpd, tph, sizeof(float) * (size_t)R);
+            struct be_lse_part *wp = ops->alloc(&be, sizeof *wp * (size_t)(R * ns)), *wph = malloc(sizeof *wph * (size_t)(R * ns));
+            int32_t *p_host = malloc(sizeof(int32_t) * (size_t)R), *p_be = malloc(sizeof(int32_t) * (size_t)R);
+            int64_t n_whole = 0;
             for (int64_t r = 0; r < R; r++) tgh[r] = (int32_t)(rnd() % (uint64_t)V);
             ops->upload(&be, tg, tgh, sizeof(int32_t) * (size_t)R);
             float *host = ops->host_alloc ? ops->host_alloc(&be, sizeof(float) * (size_t)(R * V))
@@ -144,8 +162,9 @@ int main(int argc, char **argv) {
             int32_t *amh = malloc(sizeof(int32_t) * (size_t)(2 * R)), *t_host = malloc(sizeof(int32_t) * (size_t)R),
                     *t_be = malloc(sizeof(int32_t) * (size_t)R);
             ops->upload(&be, x, xh, sizeof(uint16_t) * (size_t)(R * DIM));
-            enum { NP = 8 };
-            double sum[NP] = {0}, mn[NP] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
+            enum { NP = 10 };
+            double sum[NP] = {0}, mn[NP];
+            for (int p = 0; p < NP; p++) mn[p] = 1e30;
             for (int it = -2; it < iters; it++) { /* two warm-up rounds */
                 double t[NP];
                 for (int p = 0; p < NP; p++) {
@@ -172,7 +191,7 @@ int main(int argc, char **argv) {
 #pragma omp parallel for schedule(static) if (R > 1)
                         for (int64_t r = 0; r < R; r++) lp_host[r] = sampler_logprob(host + r * V, (int)V, tgh[r]);
                     } else if (p == 5) {
-                        ops->row_lse(&be, pt, lg, R, V, ns, tg);
+                        ops->row_lse(&be, pt, lg, R, V, ns, tg, NULL);
                         ops->download(&be, pth, pt, sizeof *pt * (size_t)(R * ns));
                         ops->sync(&be);
                         for (int64_t r = 0; r < R; r++) {
@@ -190,6 +209,27 @@ int main(int argc, char **argv) {
                         ops->download(&be, tkh, tk, sizeof *tkh * (size_t)(R * TOPK));
                         ops->sync(&be);
                         for (int64_t r = 0; r < R; r++) k_be[r] = sampler_pick_topk(tkh + r * TOPK, TOPK, &tsp, (uint64_t)r, 7);
+                    } else if (p == 8) {
+                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
+                        ops->sync(&be);
+#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+                        for (int64_t r = 0; r < R; r++) p_host[r] = sampler_pick(host + r * V, (int)V, &psp, (uint64_t)r, 9);
+                    } else if (p == 9) {
+                        ops->row_lse(&be, wp, lg, R, V, ns, NULL, tpd);
+                        ops->row_topk(&be, cd, lg, R, V, KC);
+                        ops->download(&be, wph, wp, sizeof *wph * (size_t)(R * ns));
+                        ops->download(&be, cdh, cd, sizeof *cdh * (size_t)(R * KC));
+                        ops->sync(&be);
+                        for (int64_t r = 0; r < R; r++) {
+                            float mx;
+                            const double Z = sampler_wsum_merge(wph + r * ns, ns, psp.temperature, &mx);
+                            p_be[r] = sampler_pick_cand(cdh + r * KC, KC, V, Z, &psp, (uint64_t)r, 9);
+                            if (p_be[r] >= 0) continue;
+                            ops->download(&be, whole, lg + r * V, sizeof(float) * (size_t)V);
+                            ops->sync(&be);
+                            p_be[r] = sampler_pick(whole, (int)V, &psp, (uint64_t)r, 9);
+                            n_whole += it >= 0;
+                        }
                     }
                     ops->sync(&be);
                     t[p] = now_s() - t0;
@@ -212,17 +252,22 @@ int main(int argc, char **argv) {
                             (long long)V, (long long)R);
                     rc = 1;
                 }
+                if (memcmp(p_host, p_be, sizeof(int32_t) * (size_t)R)) {
+                    fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's full-row draws differ from the host's\n",
+                            (long long)V, (long long)R);
+                    rc = 1;
+                }
                 if (memcmp(lp_host, lp_be, sizeof(double) * (size_t)R)) {
                     fprintf(stderr, "bench_head_draw: V %lld rows %lld: the backend's log-probabilities differ from the host's\n",
                             (long long)V, (long long)R);
                     rc = 1;
                 }
             }
-            static const char *const names[NP] = {"head",    "host",       "backend",   "head_exact",
-                                                  "host_lp", "backend_lp", "host_topk", "backend_topk"};
+            static const char *const names[NP] = {"head",      "host",         "backend", "head_exact", "host_lp",
+                                                  "backend_lp", "host_topk", "backend_topk", "host_tp", "backend_tp"};
             printf("%-8s %8lld %5lld", backend, (long long)V, (long long)R);
             for (int p = 0; p < NP; p++) printf(" %10.3f", 1e3 * sum[p] / iters);
-            printf("\n");
+            printf("   whole rows %lld of %lld\n", (long long)n_whole, (long long)(R * iters));
             for (int p = 0; p < NP && f; p++)
                 fprintf(f, "%s,%s,%lld,%lld,%s,%.4f,%.4f\n", backend, device, (long long)V, (long long)R, names[p],
                         1e3 * sum[p] / iters, 1e3 * mn[p]);
@@ -232,6 +277,10 @@ int main(int argc, char **argv) {
             ops->free(&be, pt);
             ops->free(&be, tg);
             ops->free(&be, tk);
+            ops->free(&be, cd);
+            ops->free(&be, tpd);
+            ops->free(&be, wp);
+            free(cdh), free(tph), free(whole), free(wph), free(p_host), free(p_be);
             free(pth), free(tgh), free(lp_host), free(lp_be), free(tkh), free(k_host), free(k_be);
             if (ops->host_alloc) ops->host_free(&be, host);
             else free(host);

@@ -113,6 +113,28 @@ check "greedy with --logprobs on the GPU (argmax + row_lse, max-seqs 8): the hos
   --temperature 0.9 --top-k 40 --top-p 0.9 --seed 4 --save-logits 2>/dev/null
 check "top-k draws on the GPU (row_topk + row_lse, max-seqs 8): the host's tokens and log-probability bits" \
   'python3 tests/tools/same_tokens.py --logprobs "$T/tkh8.jsonl" "$T/tk8.jsonl"'
+# full-row temperature draws on the GPU (row_topk lists of 1,024 + row_lse's temperature sums,
+# sampler_pick_cand; the whole rows where those do not decide) against the host's draw, on a
+# vocabulary of 4,096 where T 1.0 / top-p 0.9 rows of a random model need the rows and T 0.05 rows
+# do not (the log counts both)
+"$DSBATCH" mkmodel --preset tp8pp2 --seed 8 --vocab_size 4096 --out "$T/v4k" >/dev/null 2>&1
+python3 - "$T/pf.jsonl" <<'EOF'
+import json, random, sys
+r = random.Random(11)
+kinds = [{"temperature": 1.0, "top_p": 0.9, "seed": 5}, {"temperature": 0.05, "seed": 6},
+         {"temperature": 0.3, "top_p": 0.5, "seed": 7}]
+with open(sys.argv[1], "w") as f:
+    for i in range(12):
+        j = {"id": i, "tokens": [r.randrange(3, 4000) for _ in range(r.randrange(3, 40))], "max_new_tokens": 10}
+        j.update(kinds[i % 3]); f.write(json.dumps(j) + "\n")
+EOF
+"$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pf8.jsonl" --max-seqs 8 --backend cuda --logprobs \
+  2>"$T/pf8.err"
+"$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pfh8.jsonl" --max-seqs 8 --backend cuda --logprobs \
+  --save-logits 2>/dev/null
+grep -m1 "full-row" "$T/pf8.err" | sed 's/^/# /'
+check "full-row temperature draws on the GPU (row_topk + row_lse with temperatures, max-seqs 8): the host's tokens and log-probability bits" \
+  'python3 tests/tools/same_tokens.py --logprobs "$T/pfh8.jsonl" "$T/pf8.jsonl" && grep -q "120 drawn where the logits are, [1-9]" "$T/pf8.err"'
 $MPIRUN -np 16 "$DSBATCH" generate --model "$GOLDEN/tp8pp2" --prompts "$T/p8.jsonl" --out "$T/gd16.jsonl" --max-seqs 8 \
   --tp 8 --pp 2 --backend cuda --quiet 2>"$T/gd16.err"
 check "greedy drawn on the GPU by 16 ranks TP8 x PP2 (each rank its vocab columns): one GPU rank's host-drawn tokens" \

@@ -83,6 +83,40 @@ for lay in "1 1 1" "16 8 2" "8 4 2" "16 8 2 owner"; do
   drawn "$T/pk.jsonl" "$T/gkl.jsonl" "top-k draws on the backend (row_topk + row_lse; greedy and top-k 40 / 5 rows in a step)" --logprobs
 done
 
+# full-row temperature draws (no top-k) where the logits are: each rank's row_topk list of 1,024
+# entries and row_lse's temperature sums decide most draws (sampler_pick_cand); a draw they do not
+# decide (a flat row's nucleus past the list) gathers the whole rows. On a vocabulary of 4,096 the
+# T 1.0 / top-p 0.9 rows of this random model take the rows and the T 0.05 and T 0.3 / top-p 0.5
+# rows do not: the host's tokens and log-probability bits either way, and the log counts both
+"$DSBATCH" mkmodel --preset tp8pp2 --seed 8 --vocab_size 4096 --out "$T/v4k" >/dev/null 2>&1 || nok "mkmodel tp8pp2 vocab 4096"
+python3 - "$T/pf.jsonl" <<'EOF'
+import json, random, sys
+r = random.Random(11)
+kinds = [{"temperature": 1.0, "top_p": 0.9, "seed": 5}, {"temperature": 0.05, "seed": 6},
+         {"temperature": 0.3, "top_p": 0.5, "seed": 7}]
+with open(sys.argv[1], "w") as f:
+    for i in range(6):
+        j = {"id": i, "tokens": [r.randrange(3, 4000) for _ in range(r.randrange(3, 40))], "max_new_tokens": 10}
+        j.update(kinds[i % 3]); f.write(json.dumps(j) + "\n")
+EOF
+"$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pfl.jsonl" --max-seqs 4 --logprobs --save-logits 2>/dev/null
+for lay in "1 1 1" "16 8 2" "4 4 1"; do
+  set -- $lay
+  np=$1 tp=$2 pp=$3
+  if [ $np -eq 1 ]; then run=("$DSBATCH"); else run=($MPIRUN -np $np "$DSBATCH"); fi
+  "${run[@]}" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/gn.jsonl" --max-seqs 4 --tp $tp --pp $pp \
+    --logprobs --watchdog 120 >"$T/log" 2>&1
+  rc=$?
+  stats=$(grep -o "full-row temperature draws: [0-9]* drawn where the logits are, [0-9]* of them" "$T/log" | grep -o "[0-9][0-9]*" | tr '\n' ' ')
+  set -- $stats
+  if [ $rc -eq 0 ] && python3 tests/tools/same_tokens.py --logprobs "$T/pfl.jsonl" "$T/gn.jsonl" && [ $# -eq 2 ] \
+     && [ "$1" -eq 60 ] && [ "$2" -gt 0 ] && [ "$2" -lt "$1" ]; then
+    ok "full-row temperature draws on the backend, TP$tp x PP$pp ($np ranks; $2 of $1 from the whole row): the host's tokens and log-probability bits"
+  else
+    nok "full-row temperature draws on the backend, TP$tp x PP$pp ($np ranks; draws: ${stats:-none}) differ from the host's draw: $(grep -m1 error "$T/log")"
+  fi
+done
+
 # --save-logits keeps the rows on rank 0 only, yet the TP group must take one path: every rank
 # draws on the host then (a rank drawing on the backend would gather 8 bytes a row against rank
 # 0's rows and abort)

@@ -27,6 +27,7 @@
 
 #include "cpu/cpu_internal.h"
 #include "cuda/cuda_router.h"
+#include "lse_core.h"
 #endif
 
 _Static_assert(TOL_GPU_DATA_EXACT == 0 && TOL_GPU_INDEX_SELECT_EXACT == 0,
@@ -826,11 +827,14 @@ static void test_row_topk(void **st) {
 }
 
 /* kinds 1..5 of head_rows, then (r % 6 == 0) peaked rows: a trained model's shape, where the sum
- * is a few large terms and many tiny ones; targets anywhere, -1 in every fifth row */
-static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off) {
+ * is a few large terms and many tiny ones; targets anywhere, -1 in every fifth row. wt: the
+ * temperature sums (full-row draws' totals), each row its own temperature, every seventh 0 (the
+ * plain sums in the same launch) */
+static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off, bool wt) {
+    static const float temps[] = {0.0f, 0.7f, 1.0f, 0.05f, 2.5f, 1.3f, 0.3f};
     char tag[96];
-    snprintf(tag, sizeof tag, "row_lse R=%lld V=%lld ns=%lld off=%lld", (long long)R, (long long)V, (long long)ns,
-             (long long)off);
+    snprintf(tag, sizeof tag, "row_lse R=%lld V=%lld ns=%lld off=%lld wt=%d", (long long)R, (long long)V, (long long)ns,
+             (long long)off, (int)wt);
     seed_tag(tag);
     float *x = NEW(float, (size_t)(R * V + off));
     struct be_lse_part *oc = NEW(struct be_lse_part, (size_t)(R * ns)), *og = NEW(struct be_lse_part, (size_t)(R * ns));
@@ -840,14 +844,20 @@ static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off) {
         for (int64_t i = 0; i < V; i++)
             x[off + r * V + i] = (float)((double)(rnd64() >> 11) / 9007199254740992.0 * 6 - 20) + (i % 97 == 3 ? 25.0f : 0.0f);
     for (int64_t r = 0; r < R; r++) tg[r] = r % 5 == 4 ? -1 : (int32_t)(rnd64() % (uint64_t)V);
-    CPU->row_lse(&cpu_be, oc, x + off, R, V, ns, tg);
-    float *dx = g_in(x, sizeof(float) * (size_t)(R * V + off));
+    float *th = NEW(float, (size_t)R);
+    for (int64_t r = 0; r < R; r++) th[r] = temps[r % 7];
+    CPU->row_lse(&cpu_be, oc, x + off, R, V, ns, tg, wt ? th : NULL);
+    float *dx = g_in(x, sizeof(float) * (size_t)(R * V + off)), *dth = g_in(th, sizeof(float) * (size_t)R);
     void *dt = g_in(tg, sizeof(int32_t) * (size_t)R), *dd = g_out(sizeof *og * (size_t)(R * ns), PZ_32I);
-    GPU->row_lse(&gpu_be, dd, dx + off, R, V, ns, dt);
+    GPU->row_lse(&gpu_be, dd, dx + off, R, V, ns, dt, wt ? dth : NULL);
     g_get(og, dd, sizeof *og * (size_t)(R * ns));
-    g_free(dx), g_free(dt), g_free(dd);
+    g_free(dx), g_free(dt), g_free(dd), g_free(dth);
+    if (wt) /* the temperatures reach the sums: a row at T 0.7 is not its plain sum */
+        for (int64_t r = 1; r < R; r += 7)
+            if (oc[r * ns].s == lse_slice_host(x + off + r * V, V / ns, -1, 0.0f).s && oc[r * ns].s > 1.0)
+                fail_msg("%s: row %lld's temperature sum equals its plain sum", tag, (long long)r);
     struct cmp c;
-    cmp_begin(&c, "row_lse", "R=%lld V=%lld ns=%lld", (long long)R, (long long)V, (long long)ns);
+    cmp_begin(&c, "row_lse", "R=%lld V=%lld ns=%lld wt=%d", (long long)R, (long long)V, (long long)ns, (int)wt);
     for (int64_t i = 0; i < R * ns; i++) {
         uint64_t gs, cs;
         uint32_t gm, cm, gt, ct;
@@ -859,19 +869,21 @@ static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off) {
         cmp_bits(&c, (long long)(3 * i + 2), gt, ct, og[i].t, oc[i].t);
     }
     cmp_end(&c);
-    free(x), free(oc), free(og), free(tg);
+    free(x), free(oc), free(og), free(tg), free(th);
 }
 
 static void test_row_lse(void **st) {
     NEED_GPU(st);
     static const int64_t Rs[] = {1, 8, 64, 256};
-    for (int i = 0; i < 4; i++) row_lse_case(Rs[i], VOCAB_LOCAL, 1, 0); /* a TP8 rank's head columns */
-    row_lse_case(12, VOCAB, 8, 0);                                       /* one rank's whole vocabulary */
-    row_lse_case(10, VOCAB / 2, 4, 0);                                   /* TP2 */
-    row_lse_case(13, 1004, 4, 0);                                        /* slices not 16-byte aligned */
-    row_lse_case(7, 4099, 1, 1);                                         /* rows not aligned, a short group */
-    row_lse_case(6, 3, 1, 0);
-    row_lse_case(6, 1, 1, 0);
+    for (int wt = 0; wt < 2; wt++) {
+        for (int i = 0; i < 4; i++) row_lse_case(Rs[i], VOCAB_LOCAL, 1, 0, wt); /* a TP8 rank's head columns */
+        row_lse_case(12, VOCAB, 8, 0, wt);                                       /* one rank's whole vocabulary */
+        row_lse_case(10, VOCAB / 2, 4, 0, wt);                                   /* TP2 */
+        row_lse_case(13, 1004, 4, 0, wt);                                        /* slices not 16-byte aligned */
+        row_lse_case(7, 4099, 1, 1, wt);                                         /* rows not aligned, a short group */
+        row_lse_case(6, 3, 1, 0, wt);
+        row_lse_case(6, 1, 1, 0, wt);
+    }
 }
 
 int main(void) {

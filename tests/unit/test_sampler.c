@@ -289,7 +289,7 @@ static void test_lse_split(void **s) {
             for (int j = 0; j < np; j++) {
                 take_slice(sl, x, R, V, Vl, j);
                 for (int r = 0; r < R; r++) tl[r] = tg[r] >= j * Vl && tg[r] < (j + 1) * Vl ? tg[r] - j * Vl : -1;
-                be.ops->row_lse(&be, parts + (size_t)j * R * nsl, sl, R, Vl, nsl, tl);
+                be.ops->row_lse(&be, parts + (size_t)j * R * nsl, sl, R, Vl, nsl, tl, NULL);
             }
             for (int r = 0; r < R; r++) {
                 for (int k = 0; k < ns; k++) row[k] = parts[((size_t)(k / nsl) * R + r) * nsl + k % nsl];
@@ -305,10 +305,10 @@ static void test_lse_split(void **s) {
         }
         if (ns > 1) { /* slice 0's part of row 0 does not see the other slices */
             struct be_lse_part a, b;
-            be.ops->row_lse(&be, parts, x, 1, V, ns, NULL);
+            be.ops->row_lse(&be, parts, x, 1, V, ns, NULL, NULL);
             a = parts[0];
             for (int i = V / ns; i < V; i++) x[i] = 50.0f;
-            be.ops->row_lse(&be, parts, x, 1, V, ns, NULL);
+            be.ops->row_lse(&be, parts, x, 1, V, ns, NULL, NULL);
             b = parts[0];
             assert_memory_equal(&a, &b, sizeof a);
             assert_true(parts[1].m == 50.0f && parts[1].s == (double)(V / ns));
@@ -321,12 +321,71 @@ static void test_lse_split(void **s) {
         float rows[3][4] = {{1.0f, INFINITY, 2.0f, 3.0f}, {1.0f, 0.0f, 2.0f, 3.0f}, {-INFINITY, INFINITY, 0, 0}};
         memcpy(&rows[1][1], &payload, sizeof payload);
         struct be_lse_part p[3];
-        be.ops->row_lse(&be, p, &rows[0][0], 3, 4, 1, NULL);
+        be.ops->row_lse(&be, p, &rows[0][0], 3, 4, 1, NULL, NULL);
         for (int r = 0; r < 3; r++) {
             uint64_t bits;
             memcpy(&bits, &p[r].s, sizeof bits);
             if (bits != LSE_NAN_BITS) fail_msg("NaN sum of row %d has bits %#llx", r, (unsigned long long)bits);
         }
+    }
+    backend_cpu_free(&be);
+}
+
+/* Full-row temperature draws (top_k off) where the logits are: each of np vocab slices' row_topk
+ * list (BE_TOPK_MAX entries, or V) and row_lse temperature parts, merged (sampler_topk_merge,
+ * sampler_wsum_merge) and drawn by sampler_pick_cand — where that returns -1, the engine takes the
+ * row: sampler_pick's token for every split, temperature and top-p, whenever the list decides.
+ * Both outcomes must occur where the list is shorter than the row: peaked rows (a trained model's
+ * shape) and low temperatures decide from the list, flat rows at high temperature need the row;
+ * a list holding every number of the row always decides. */
+static void test_full_split(void **s) {
+    (void)s;
+    struct backend be;
+    assert_int_equal(backend_cpu_init(&be), 0);
+    static const int Vs[] = {1, 3, 40, 1000, 2048, 129280};
+    static const float temps[] = {0.05f, 0.7f, 1.0f, 2.5f}, top_ps[] = {1.0f, 0.95f, 0.5f};
+    for (size_t vi = 0; vi < sizeof Vs / sizeof *Vs; vi++) {
+        const int V = Vs[vi], R = V > 5000 ? 7 : 24, k = V < BE_TOPK_MAX ? V : BE_TOPK_MAX, ns = (int)lse_slices(V);
+        float *x = malloc(sizeof(float) * (size_t)R * V), *sl = malloc(sizeof(float) * (size_t)R * V), th[24];
+        struct be_topk_entry *parts = malloc(sizeof *parts * (size_t)R * k * 8), *merged = malloc(sizeof *merged * (size_t)R * k);
+        struct be_lse_part *lp = malloc(sizeof *lp * (size_t)R * ns), row[LSE_SLICES_MAX];
+        int decided = 0, undecided = 0;
+        split_rows(x, R, V, 1);
+        for (int np = 1; np <= ns; np *= 2) {
+            const int Vl = V / np, nsl = ns / np;
+            for (int ti = 0; ti < 4; ti++) {
+                for (int r = 0; r < R; r++) th[r] = temps[ti];
+                for (int j = 0; j < np; j++) {
+                    take_slice(sl, x, R, V, Vl, j);
+                    be.ops->row_topk(&be, parts + (size_t)j * R * k, sl, R, Vl, k);
+                    be.ops->row_lse(&be, lp + (size_t)j * R * nsl, sl, R, Vl, nsl, NULL, th);
+                }
+                sampler_topk_merge(merged, parts, R, np, k, Vl);
+                for (int r = 0; r < R; r++) {
+                    for (int j = 0; j < ns; j++) row[j] = lp[((size_t)(j / nsl) * R + r) * nsl + j % nsl];
+                    float mx;
+                    const double Z = sampler_wsum_merge(row, ns, temps[ti], &mx);
+                    for (int pi = 0; pi < 3; pi++) {
+                        struct sample_params p = {.temperature = temps[ti], .top_p = top_ps[pi], .seed = 5};
+                        const uint64_t req = (uint64_t)(r * 3 + np), pos = (uint64_t)(ti * 3 + pi);
+                        const int got = sampler_pick_cand(merged + (size_t)r * k, k, V, Z, &p, req, pos);
+                        if (got < 0) {
+                            if (k == V) fail_msg("V=%d row %d: a list of the whole row did not decide", V, r);
+                            undecided++;
+                            continue;
+                        }
+                        decided++;
+                        const int want = sampler_pick(x + (size_t)r * V, V, &p, req, pos);
+                        if (got != want)
+                            fail_msg("V=%d split %d row %d T=%g top_p=%g: token %d from the list, %d from the row", V, np, r,
+                                     p.temperature, p.top_p, got, want);
+                    }
+                }
+            }
+        }
+        if (k < V && (decided == 0 || undecided == 0))
+            fail_msg("V=%d: %d draws decided by the list, %d not: both kinds expected", V, decided, undecided);
+        free(x), free(sl), free(parts), free(merged), free(lp);
     }
     backend_cpu_free(&be);
 }
@@ -340,6 +399,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_split),
         cmocka_unit_test(test_lse_split),
         cmocka_unit_test(test_topk_split),
+        cmocka_unit_test(test_full_split),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

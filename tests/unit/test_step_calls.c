@@ -11,7 +11,8 @@
  * sampler_pick takes from the logits of sequences in the same state; with log-probabilities
  * (model_forward_draws) one row_lse call and one more download, sampler_logprob's bits, for the
  * greedy tokens, for given targets (dsbatch score's rows) and for top-k draws (one row_topk call,
- * no argmax: sampler_pick's tokens). */
+ * no argmax: sampler_pick's tokens); a temperature draw over every entry adds one row_lse call
+ * (its weight total) and one download, and takes no row. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -105,32 +106,35 @@ static void test_decode_calls_independent_of_batch(void **s) {
                                       {.temperature = 1.3f, .top_k = 3, .top_p = 0.8f, .seed = 2},
                                       {.temperature = 0.6f, .top_k = 500, .seed = 3}};
     uint64_t keys[B] = {11, 12, 13, 14, 100, 100, 101, 101}; /* requests, then positions */
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         double lp[B / 2];
         for (int q = 0; q < B / 2; q++) lo[q].start++, hi[q].start++;
         assert_int_equal(model_forward(m, lo, B / 2, lb, NULL), 0);
         prof_backend_reset(&pb);
         struct head_draws hd = {.tokens = k == 1 ? NULL : drawn, .targets = k == 1 ? targets : NULL, .lp = lp};
-        if (k == 2) hd.params = sp, hd.request = keys, hd.position = keys + B / 2;
+        if (k >= 2) hd.params = sp, hd.request = keys, hd.position = keys + B / 2;
+        if (k == 3) sp[2].top_k = 0; /* a draw over every entry: the list (V <= BE_TOPK_MAX: the whole row) and its total */
         assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &hd, NULL), 0);
         assert_int_equal(prof_backend_calls(&pb, "argmax"), k == 0 ? 1 : 0);
-        assert_int_equal(prof_backend_calls(&pb, "row_topk"), k == 2 ? 1 : 0);
-        assert_int_equal(prof_backend_calls(&pb, "row_lse"), 1);
-        assert_int_equal(prof_backend_calls(&pb, "download"), k == 1 ? 1 : 2); /* draws; 16 bytes a row and slice */
+        assert_int_equal(prof_backend_calls(&pb, "row_topk"), k >= 2 ? 1 : 0);
+        assert_int_equal(prof_backend_calls(&pb, "row_lse"), k == 3 ? 2 : 1);
+        /* draws; 16 bytes a row and slice; the full-row draw's totals */
+        assert_int_equal(prof_backend_calls(&pb, "download"), k == 1 ? 1 : k == 3 ? 3 : 2);
         for (int q = 0; q < B / 2; q++) {
             const float *row = lb + (size_t)q * V;
             const int t = k == 1 ? targets[q] : drawn[q];
             const double want = t < 0 ? 0.0 : sampler_logprob(row, (int)V, t);
             if (k == 0) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &greedy, 0, 0));
-            if (k == 2) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &sp[q], keys[q], keys[B / 2 + q]));
+            if (k >= 2) assert_int_equal(drawn[q], sampler_pick(row, (int)V, &sp[q], keys[q], keys[B / 2 + q]));
             assert_memory_equal(&lp[q], &want, sizeof want);
             assert_true(t < 0 || (lp[q] <= 0 && lp[q] > -1e3));
         }
     }
-    /* a draw over every entry (no top-k) needs the row: refused before the forward runs */
-    sp[2].top_k = 0;
-    struct head_draws all = {.tokens = drawn, .params = sp, .request = keys, .position = keys + B / 2};
-    assert_int_equal(model_forward_draws(m, hi, B / 2, NULL, &all, NULL), -1);
+    assert_true(V <= BE_TOPK_MAX);
+    int64_t full, whole;
+    model_draw_stats(m, &full, &whole);
+    assert_int_equal(full, 1);
+    assert_int_equal(whole, 0);
 
     free(l1);
     free(lb);
