@@ -903,14 +903,17 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
     OPS->row_topk(m->be, pt, lg, R, Vl, k);
     struct be_topk_entry *h = head_gather(m, pt, bytes, "top-k lists"), *top = ds_malloc(bytes); /* [np][R][k]; [R][k] */
     sampler_topk_merge(top, h, R, m->tp_size, k, Vl);
-    int64_t undecided = 0;
+    int64_t undecided = 0, n_full = 0;
+    /* the rows are independent draws (each keyed by its request and position): the rank's threads
+     * share them, the same bits as one by one (a full row's list: ~1,024 expf and sums) */
+#pragma omp parallel for schedule(static) reduction(+ : undecided, n_full) if (R > 8)
     for (int64_t r = 0; r < R; r++) {
         const struct be_topk_entry *e = top + r * k;
         const struct sample_params *p = &hd->params[r];
         hd->tokens[r] = draw_full_row(m, p) ? sampler_pick_cand(e, k, V, Z[r], p, hd->request[r], hd->position[r])
                                             : sampler_pick_topk(e, k, p, hd->request[r], hd->position[r]);
         undecided += hd->tokens[r] < 0;
-        m->draws_full += draw_full_row(m, p);
+        n_full += draw_full_row(m, p);
         tv[r] = NAN; /* a row of NaN: token 0, no entry */
         for (int64_t j = 0; j < k && e[j].i >= 0; j++)
             if (e[j].i == hd->tokens[r]) {
@@ -918,6 +921,7 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
                 break;
             }
     }
+    m->draws_full += n_full;
     if (undecided) {
         m->draws_whole_rows += undecided;
         float *rows = model_tmp(m, sizeof(float) * (size_t)(R * V)), *row = ds_malloc(sizeof(float) * (size_t)V); /* [R, V] */

@@ -1,18 +1,23 @@
 /* Sampling (see sampler.h). Top-k and top-p act on the temperature-scaled distribution; ties in
  * the order are broken by token id so the choice is a pure function of the logits and the key.
  *
- * This runs on the host for every row of every step (every prompt token when scoring), over the
- * whole vocabulary (129,280 entries), so its cost is per-entry work. The first version sorted every
- * index with qsort for any temperature (27 ms a row on the CI machine: 1.7 s a step at batch 64,
- * where a GPU step takes ~12 ms); now top-k selects its k entries with a bounded heap and the
- * top-p path sorts the values alone by radix (the weights and sums depend only on the values in
- * order; the drawn position's id is found after), and the largest logit is found in 8 independent
- * lanes. The draws' arithmetic is the first version's, operation for operation (glibc exp in
- * double, the sums in the same order), so the tokens are the same; a hand-written exp (Taylor,
- * vectorized) was no faster than glibc's here (1.2-1.6 against 1.1 ms a row). The log-probability
- * is kernels/lse_core.h's: slices and lanes a GPU and a vocab-split head can run too, so the
- * backends' row_lse parts merged here (sampler_lse_merge) give it without downloading rows. NaN
- * logits are never drawn (a log-probability over a row with NaN is NaN). */
+ * Every definition here is one a backend can run where the logits are, from a few bytes a row:
+ * greedy from each vocab slice's best (argmax op), top-k from each slice's k first entries
+ * (row_topk), the log-probability from each slice's lse_core.h part (row_lse), and the draw over
+ * the whole row (temperature, top_k off) from the row's 1,024 first entries and its weight total Z
+ * in lse_core.h's slices (row_topk + row_lse with the temperature): the weights are
+ * expf((x - M) / T) of float operands so that a GPU computes the same terms, top-p's prefix and the
+ * draw are running sums in draw order, and only a draw whose nucleus or drawn position lies past
+ * the list needs the whole row (sampler_pick_cand returns -1; flat rows). The host path below runs
+ * the same functions on the row, so --save-logits, the CPU backend and any TP layout draw the same
+ * tokens. Top-k draws keep the first version's arithmetic (glibc exp in double over the k entries).
+ *
+ * History: the first version sorted every index with qsort for any temperature (27 ms a row on the
+ * CI machine: 1.7 s a step at batch 64, where a GPU step takes ~12 ms); then top-k selected its k
+ * entries with a bounded heap and the full-row path radix-sorted the values (4.1 ms a row), and
+ * the largest logit is found in 8 independent lanes; a hand-written exp (Taylor, vectorized) was no
+ * faster than glibc's (1.2-1.6 against 1.1 ms a row). NaN logits are never drawn (a
+ * log-probability over a row with NaN is NaN). */
 #include "sampler.h"
 
 #include <math.h>
@@ -101,9 +106,9 @@ static void sort_desc(const float *x, int V, float *out, uint32_t *k0, uint32_t 
     if (va != out) memcpy(out, va, sizeof(float) * (size_t)V); /* three passes: the result is in tmp */
 }
 
-/* The drawn position among n values in draw order: weights e^((v - mx) / temp) in double, the
- * top-p prefix (the smallest whose share reaches top_p), then the first position whose running
- * sum exceeds u0 times the total — the first version's arithmetic, operation for operation. */
+/* The top-k draw's position among its n values in draw order: weights e^((v - mx) / temp) in
+ * double, the top-p prefix (the smallest whose share reaches top_p), then the first position whose
+ * running sum exceeds u0 times the total — the first version's arithmetic, operation for operation. */
 static int draw_position(const float *val, int n, double mx, double temp, float top_p, double u0) {
     double *pr = ds_malloc(sizeof(double) * (size_t)n), sum = 0;
     for (int i = 0; i < n; i++) sum += pr[i] = exp(((double)val[i] - mx) / temp);

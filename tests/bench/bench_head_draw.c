@@ -208,6 +208,7 @@ int main(int argc, char **argv) {
                         ops->row_topk(&be, tk, lg, R, V, TOPK);
                         ops->download(&be, tkh, tk, sizeof *tkh * (size_t)(R * TOPK));
                         ops->sync(&be);
+#pragma omp parallel for schedule(static) if (R > 8) /* as model.c's head_topk */
                         for (int64_t r = 0; r < R; r++) k_be[r] = sampler_pick_topk(tkh + r * TOPK, TOPK, &tsp, (uint64_t)r, 7);
                     } else if (p == 8) {
                         ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
@@ -220,10 +221,13 @@ int main(int argc, char **argv) {
                         ops->download(&be, wph, wp, sizeof *wph * (size_t)(R * ns));
                         ops->download(&be, cdh, cd, sizeof *cdh * (size_t)(R * KC));
                         ops->sync(&be);
+#pragma omp parallel for schedule(static) if (R > 8) /* as model.c's head_topk */
                         for (int64_t r = 0; r < R; r++) {
                             float mx;
                             const double Z = sampler_wsum_merge(wph + r * ns, ns, psp.temperature, &mx);
                             p_be[r] = sampler_pick_cand(cdh + r * KC, KC, V, Z, &psp, (uint64_t)r, 9);
+                        }
+                        for (int64_t r = 0; r < R; r++) {
                             if (p_be[r] >= 0) continue;
                             ops->download(&be, whole, lg + r * V, sizeof(float) * (size_t)V);
                             ops->sync(&be);

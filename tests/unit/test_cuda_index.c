@@ -852,10 +852,12 @@ static void row_lse_case(int64_t R, int64_t V, int64_t ns, int64_t off, bool wt)
     GPU->row_lse(&gpu_be, dd, dx + off, R, V, ns, dt, wt ? dth : NULL);
     g_get(og, dd, sizeof *og * (size_t)(R * ns));
     g_free(dx), g_free(dt), g_free(dd), g_free(dth);
-    if (wt) /* the temperatures reach the sums: a row at T 0.7 is not its plain sum */
-        for (int64_t r = 1; r < R; r += 7)
-            if (oc[r * ns].s == lse_slice_host(x + off + r * V, V / ns, -1, 0.0f).s && oc[r * ns].s > 1.0)
-                fail_msg("%s: row %lld's temperature sum equals its plain sum", tag, (long long)r);
+    if (wt && V > 3) { /* the temperatures reach the sums: rows at T != 1 are not all their plain sums */
+        int differ = 0;
+        for (int64_t r = 0; r < R; r++)
+            if (th[r] > 0 && th[r] != 1.0f) differ += oc[r * ns].s != lse_slice_host(x + off + r * V, V / ns, -1, 0.0f).s;
+        if (R > 1 && !differ) fail_msg("%s: every temperature sum equals its plain sum", tag);
+    }
     struct cmp c;
     cmp_begin(&c, "row_lse", "R=%lld V=%lld ns=%lld wt=%d", (long long)R, (long long)V, (long long)ns, (int)wt);
     for (int64_t i = 0; i < R * ns; i++) {
