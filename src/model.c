@@ -865,25 +865,37 @@ static void head_greedy(struct model *m, int32_t *tokens, const float *lg, int64
     free(h);
 }
 
-/* The weight totals Z[r] of hd's full-row draws (draw_full_row; other rows: 0) from the vocab-split
- * head's logits lg [R, Vl]: row_lse with each row's temperature on each rank's slices, all-gathered,
- * merged per row in slice order (sampler_wsum_merge). */
-static void head_wsum(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, double *Z) {
+/* Each rank's row_lse parts of its lse_core.h slices of lg [R, Vl] (tg: target columns, td:
+ * temperatures, backend memory or NULL), all-gathered, on the host as [R][ns] in slice order
+ * (ds_malloc'd). */
+static struct be_lse_part *head_lse_rows(struct model *m, const float *lg, int64_t R, int64_t Vl, const int32_t *tg,
+                                         const float *td, const char *what) {
     const int64_t np = m->tp_size, ns = lse_slices(m->cfg->vocab_size), nsl = ns / np;
+    const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
+    struct be_lse_part *pt = model_tmp(m, bytes); /* [R][nsl] */
+    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg, td);
+    struct be_lse_part *h = head_gather(m, pt, bytes, what), *rows = ds_malloc(sizeof *rows * (size_t)(R * ns)); /* [np][R][nsl] */
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < ns; j++) rows[r * ns + j] = h[((j / nsl) * R + r) * nsl + j % nsl];
+    free(h);
+    return rows;
+}
+
+/* The weight totals Z[r] of hd's full-row draws (draw_full_row; other rows: 0) from the vocab-split
+ * head's logits lg [R, Vl]: row_lse with each row's temperature on each rank's slices, merged per
+ * row in slice order (sampler_wsum_merge). */
+static void head_wsum(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, double *Z) {
+    const int64_t ns = lse_slices(m->cfg->vocab_size);
     float *th = ds_malloc(sizeof(float) * (size_t)R);
     for (int64_t r = 0; r < R; r++) th[r] = draw_full_row(m, &hd->params[r]) ? hd->params[r].temperature : 0.0f;
     float *td = model_tmp(m, sizeof(float) * (size_t)R); /* [R] */
     OPS->upload(m->be, td, th, sizeof(float) * (size_t)R);
-    const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
-    struct be_lse_part *pt = model_tmp(m, bytes), row[LSE_SLICES_MAX]; /* [R][nsl] */
-    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, NULL, td);
-    struct be_lse_part *h = head_gather(m, pt, bytes, "draw weight sums"); /* [np][R][nsl] */
+    struct be_lse_part *rows = head_lse_rows(m, lg, R, Vl, NULL, td, "draw weight sums"); /* [R][ns] */
     for (int64_t r = 0; r < R; r++) {
-        for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
         float mx;
-        Z[r] = th[r] > 0 ? sampler_wsum_merge(row, ns, th[r], &mx) : 0.0;
+        Z[r] = th[r] > 0 ? sampler_wsum_merge(rows + r * ns, ns, th[r], &mx) : 0.0;
     }
-    free(h), free(th);
+    free(rows), free(th);
     model_tfree(m, td);
 }
 
@@ -944,7 +956,7 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
  * holds it, a drawn token's from tv (top-k draws) or, greedy, the row's maximum. */
 static void head_logprobs(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl,
                           const float *tv_drawn) {
-    const int64_t np = m->tp_size, V = m->cfg->vocab_size, ns = lse_slices(V), nsl = ns / np, n = V / ns;
+    const int64_t V = m->cfg->vocab_size, ns = lse_slices(V), n = V / ns;
     int32_t *tg = NULL; /* [R] target columns of this rank's, -1 elsewhere (backend memory) */
     if (hd->targets) {
         int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)R);
@@ -956,19 +968,16 @@ static void head_logprobs(struct model *m, const struct head_draws *hd, const fl
         OPS->upload(m->be, tg, h, sizeof(int32_t) * (size_t)R);
         free(h);
     }
-    const size_t bytes = sizeof(struct be_lse_part) * (size_t)(R * nsl);
-    struct be_lse_part *pt = model_tmp(m, bytes), row[LSE_SLICES_MAX]; /* [R][nsl] */
-    OPS->row_lse(m->be, pt, lg, R, Vl, nsl, tg, NULL);
-    struct be_lse_part *h = head_gather(m, pt, bytes, "log-sum-exp parts"); /* [np][R][nsl] */
+    struct be_lse_part *rows = head_lse_rows(m, lg, R, Vl, tg, NULL, "log-sum-exp parts"); /* [R][ns] */
     for (int64_t r = 0; r < R; r++) {
-        for (int64_t j = 0; j < ns; j++) row[j] = h[((j / nsl) * R + r) * nsl + j % nsl];
+        const struct be_lse_part *row = rows + r * ns;
         float mx;
         const double ls = sampler_lse_merge(row, ns, &mx);
         const int64_t t = hd->targets ? hd->targets[r] : hd->tokens[r];
         const float tv = hd->targets ? (t >= 0 ? row[t / n].t : 0.0f) : tv_drawn ? tv_drawn[r] : mx;
         hd->lp[r] = hd->targets && t < 0 ? 0.0 : (double)tv - (double)mx - ls;
     }
-    free(h);
+    free(rows);
     if (tg) model_tfree(m, tg);
 }
 

@@ -135,13 +135,15 @@ struct head_draws {
     const int32_t *targets;             /* [R] (model_logits_rows) ids to score, -1 = none (lp 0), or NULL */
     double *lp;                         /* [R] targets' log-probabilities, or [n] the tokens'; NULL = none */
 };
-/* model_forward_stage that returns hd's draws: tokens (greedy or top-k; one row a sequence, no
- * all_logits) and/or log-probabilities, the bits of sampler_pick and sampler_logprob over the rows
- * model_forward_stage would write. The logits stay in backend memory: each TP rank takes its vocab
- * columns' argmax (all rows greedy, 8 bytes a row) or row_topk lists (k = the largest top_k of the
- * step) and row_lse parts (16 bytes a slice of kernels/lse_core.h) and the group all-gathers them,
- * instead of the rows' V floats moved between the ranks and downloaded. Log-probabilities need
- * model_lse_ready. hd is unused on other stages. */
+/* model_forward_stage that returns hd's draws: tokens (greedy, top-k or full-row temperature
+ * draws; one row a sequence, no all_logits) and/or log-probabilities, the bits of sampler_pick and
+ * sampler_logprob over the rows model_forward_stage would write. The logits stay in backend memory:
+ * each TP rank takes its vocab columns' argmax (all rows greedy, 8 bytes a row) or row_topk lists
+ * (k = the largest top_k of the step, BE_TOPK_MAX with a full-row draw) and row_lse parts (16 bytes
+ * a slice of kernels/lse_core.h; a second call with the temperatures for full-row draws) and the
+ * group all-gathers them, instead of the rows' V floats moved between the ranks and downloaded; a
+ * full-row draw the list does not decide takes the step's whole rows (model_draw_stats counts
+ * them). Log-probabilities and full-row draws need model_lse_ready. hd is unused on other stages. */
 int model_forward_draws(struct model *m, const struct fwd_seq *seqs, int n, const struct stage_io *io,
                         const struct head_draws *hd, const struct fwd_hooks *hooks);
 /* Whether each TP rank's head columns are whole slices of kernels/lse_core.h (TP 1, 2, 4, 8 with

@@ -201,13 +201,15 @@ def main():
     if os.path.exists(hd):
         r = rows(hd)
         vs = sorted({int(x["v_local"]) for x in r})
-        fig, axes = plt.subplots(1, len(vs), figsize=(6 * len(vs), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(vs), figsize=(6 * len(vs), 5.4), squeeze=False)
         styles = {"head": ("head (tensor cores)", "-", "o"), "head_exact": ("head (exact kernel)", ":", "s"),
                   "host": ("head + download + host draw", "--", "^"), "backend": ("head + argmax op", "-", "v"),
                   "host_lp": ("head + download + host log-probability", "--", "D"),
                   "backend_lp": ("head + row_lse op + merge", "-", "P"),
                   "host_topk": ("head + download + host top-k draw", "--", "x"),
-                  "backend_topk": ("head + row_topk op + draw", "-", "*")}
+                  "backend_topk": ("head + row_topk op + draw", "-", "*"),
+                  "host_tp": ("head + download + host full-row draw (T 0.3, top-p 0.95)", "--", "<"),
+                  "backend_tp": ("head + row_topk(1024) + row_lse(T) + draw", "-", ">")}
         for ax, v in zip(axes[0], vs):
             for path, (label, ls, mk) in styles.items():
                 pts = sorted((int(x["rows"]), float(x["ms"])) for x in r if int(x["v_local"]) == v and x["path"] == path)
@@ -218,9 +220,10 @@ def main():
             ax.set_xlabel("rows (sequences drawn this step)")
             ax.set_ylabel("ms a step")
             ax.set_title("head [%d, 5120] bf16 (%s)" % (v, r[0]["device"]), fontsize=9)
-            ax.legend(fontsize=8)
-        fig.suptitle("bench_head_draw: the last stage's head, greedy draw and log-probabilities", fontsize=10)
-        fig.tight_layout(rect=(0, 0, 1, 0.93))
+        handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for the panels, below them
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7.5)
+        fig.suptitle("bench_head_draw: the last stage's head, its draws and log-probabilities", fontsize=10)
+        fig.tight_layout(rect=(0, 0.16, 1, 0.93))
         fig.savefig(os.path.join(d, "cuda_head_draw.png"), dpi=110)
 
 

@@ -118,16 +118,7 @@ check "top-k draws on the GPU (row_topk + row_lse, max-seqs 8): the host's token
 # vocabulary of 4,096 where T 1.0 / top-p 0.9 rows of a random model need the rows and T 0.05 rows
 # do not (the log counts both)
 "$DSBATCH" mkmodel --preset tp8pp2 --seed 8 --vocab_size 4096 --out "$T/v4k" >/dev/null 2>&1
-python3 - "$T/pf.jsonl" <<'EOF'
-import json, random, sys
-r = random.Random(11)
-kinds = [{"temperature": 1.0, "top_p": 0.9, "seed": 5}, {"temperature": 0.05, "seed": 6},
-         {"temperature": 0.3, "top_p": 0.5, "seed": 7}]
-with open(sys.argv[1], "w") as f:
-    for i in range(12):
-        j = {"id": i, "tokens": [r.randrange(3, 4000) for _ in range(r.randrange(3, 40))], "max_new_tokens": 10}
-        j.update(kinds[i % 3]); f.write(json.dumps(j) + "\n")
-EOF
+python3 tests/tools/full_row_prompts.py "$T/pf.jsonl" 12
 "$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pf8.jsonl" --max-seqs 8 --backend cuda --logprobs \
   2>"$T/pf8.err"
 "$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pfh8.jsonl" --max-seqs 8 --backend cuda --logprobs \

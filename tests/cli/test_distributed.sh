@@ -89,16 +89,7 @@ done
 # T 1.0 / top-p 0.9 rows of this random model take the rows and the T 0.05 and T 0.3 / top-p 0.5
 # rows do not: the host's tokens and log-probability bits either way, and the log counts both
 "$DSBATCH" mkmodel --preset tp8pp2 --seed 8 --vocab_size 4096 --out "$T/v4k" >/dev/null 2>&1 || nok "mkmodel tp8pp2 vocab 4096"
-python3 - "$T/pf.jsonl" <<'EOF'
-import json, random, sys
-r = random.Random(11)
-kinds = [{"temperature": 1.0, "top_p": 0.9, "seed": 5}, {"temperature": 0.05, "seed": 6},
-         {"temperature": 0.3, "top_p": 0.5, "seed": 7}]
-with open(sys.argv[1], "w") as f:
-    for i in range(6):
-        j = {"id": i, "tokens": [r.randrange(3, 4000) for _ in range(r.randrange(3, 40))], "max_new_tokens": 10}
-        j.update(kinds[i % 3]); f.write(json.dumps(j) + "\n")
-EOF
+python3 tests/tools/full_row_prompts.py "$T/pf.jsonl" 6
 "$DSBATCH" generate --model "$T/v4k" --prompts "$T/pf.jsonl" --out "$T/pfl.jsonl" --max-seqs 4 --logprobs --save-logits 2>/dev/null
 for lay in "1 1 1" "16 8 2" "4 4 1"; do
   set -- $lay
