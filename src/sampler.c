@@ -146,34 +146,40 @@ static int draw_position(const float *val, int n, double mx, double temp, float 
  * that total (rounding past the end: the last of positive weight). Returns the position, or -1 when
  * the row's later entries could still decide (not complete, and no top-p prefix or draw ended in
  * the n). A row with +inf draws its first entry (its first +inf). */
+/* pr[i], computed on first use (every loop below walks the positions from 0, so a draw that a
+ * peaked row decides in its first entries computes those weights only; the same values and sums) */
+static inline double lazy_weight(double *pr, int *have, const float *val, int i, float M, float T) {
+    for (; *have <= i; (*have)++) pr[*have] = lse_wterm_host(val[*have], M, T);
+    return pr[i];
+}
+
 static int draw_full(const float *val, int n, bool complete, float M, float T, float top_p, double Z, double u0) {
     if (M == INFINITY) return 0;
     M += 0.0f; /* as the slices' maxima: -0 -> +0 */
     double *pr = ds_malloc(sizeof(double) * (size_t)n), S = Z, c = 0;
-    for (int i = 0; i < n; i++) pr[i] = lse_wterm_host(val[i], M, T);
-    int m = n, pos = -1;
+    int m = n, pos = -1, have = 0;
     bool cut = false;
     if (top_p > 0 && top_p < 1) {
         for (int i = 0; i < n && !cut; i++) {
-            c += pr[i] / Z;
+            c += lazy_weight(pr, &have, val, i, M, T) / Z;
             if (c >= top_p) m = i + 1, cut = true;
         }
         if (!cut && !complete) goto out;
         S = 0;
-        for (int i = 0; i < m; i++) S += pr[i];
+        for (int i = 0; i < m; i++) S += lazy_weight(pr, &have, val, i, M, T);
         cut = true;
     }
     const double u = u0 * S;
     c = 0;
     for (int i = 0; i < m; i++) {
-        c += pr[i];
+        c += lazy_weight(pr, &have, val, i, M, T);
         if (u < c) {
             pos = i;
             goto out;
         }
     }
     if (!cut && !complete) goto out;
-    for (pos = m - 1; pos > 0 && pr[pos] == 0; pos--) {}
+    for (pos = m - 1; pos > 0 && pr[pos] == 0; pos--) {} /* every weight below m computed by the scan */
 out:
     free(pr);
     return pos;
