@@ -903,8 +903,8 @@ static void head_wsum(struct model *m, const struct head_draws *hd, const float 
  * each rank's row_topk lists of its columns (k = the step's largest top_k, BE_TOPK_MAX with a
  * full-row draw), all-gathered, merged per row on the host (sampler_topk_merge) and drawn
  * (sampler_pick_topk; full rows sampler_pick_cand with head_wsum's totals); tv[r] = the drawn
- * entry's logit. A full-row draw the lists do not decide (a nucleus longer than k: flat rows) takes
- * the whole rows (every rank agrees: each has merged the same lists) and sampler_pick. */
+ * entry's logit. The full-row draws the lists do not decide (a nucleus longer than k: flat rows)
+ * take their whole rows (every rank agrees which: each has merged the same lists) and sampler_pick. */
 static void head_topk(struct model *m, const struct head_draws *hd, const float *lg, int64_t R, int64_t Vl, int64_t k,
                       bool full, float *tv) {
     const int64_t V = m->cfg->vocab_size;
@@ -934,18 +934,29 @@ static void head_topk(struct model *m, const struct head_draws *hd, const float 
             }
     }
     m->draws_full += n_full;
-    if (undecided) {
-        m->draws_whole_rows += undecided;
-        float *rows = model_tmp(m, sizeof(float) * (size_t)(R * V)), *row = ds_malloc(sizeof(float) * (size_t)V); /* [R, V] */
-        model_tp_gather_cols(m, rows, lg, R, sizeof(float) * (size_t)Vl, "logits (undecided draws)");
-        for (int64_t r = 0; r < R; r++) {
-            if (hd->tokens[r] >= 0) continue;
-            OPS->download(m->be, row, rows + r * V, sizeof(float) * (size_t)V);
+    if (undecided) { /* those rows only: each rank packs its columns of them, one gather, one download */
+        const int64_t U = undecided;
+        m->draws_whole_rows += U;
+        int64_t *which = ds_malloc(sizeof(int64_t) * (size_t)U), u = 0;
+        float *sub = model_tmp(m, sizeof(float) * (size_t)(U * Vl)); /* [U, Vl] */
+        for (int64_t r = 0; r < R; r++)
+            if (hd->tokens[r] < 0) {
+                OPS->copy(m->be, sub + u * Vl, lg + r * Vl, sizeof(float) * (size_t)Vl);
+                which[u++] = r;
+            }
+        float *rows = model_tmp(m, sizeof(float) * (size_t)(U * V)), *host = ds_malloc(sizeof(float) * (size_t)(U * V)); /* [U, V] */
+        model_tp_gather_cols(m, rows, sub, U, sizeof(float) * (size_t)Vl, "logits (undecided draws)");
+        OPS->download(m->be, host, rows, sizeof(float) * (size_t)(U * V));
+#pragma omp parallel for schedule(dynamic, 1) if (U > 1)
+        for (int64_t i = 0; i < U; i++) {
+            const int64_t r = which[i];
+            const float *row = host + i * V;
             hd->tokens[r] = sampler_pick(row, (int)V, &hd->params[r], hd->request[r], hd->position[r]);
             tv[r] = row[hd->tokens[r]];
         }
-        free(row);
+        free(which), free(host);
         model_tfree(m, rows);
+        model_tfree(m, sub);
     }
     free(h), free(top), free(Z);
 }
