@@ -137,6 +137,13 @@ static int draw_position(const float *val, int n, double mx, double temp, float 
     return pos;
 }
 
+/* pr[i], computed on first use (every loop below walks the positions from 0, so a draw that a
+ * peaked row decides in its first entries computes those weights only; the same values and sums) */
+static inline double lazy_weight(double *pr, int *have, const float *val, int i, float M, float T) {
+    for (; *have <= i; (*have)++) pr[*have] = lse_wterm_host(val[*have], M, T);
+    return pr[i];
+}
+
 /* The full-row temperature draw (top_k off) over the row's first n entries in draw order val[0..n)
  * (complete: every number of the row; NaN never among them), M the row's maximum, Z its weight
  * total (the row's lse_core.h temperature slices merged by sampler_wsum_merge). The weights are
@@ -146,13 +153,6 @@ static int draw_position(const float *val, int n, double mx, double temp, float 
  * that total (rounding past the end: the last of positive weight). Returns the position, or -1 when
  * the row's later entries could still decide (not complete, and no top-p prefix or draw ended in
  * the n). A row with +inf draws its first entry (its first +inf). */
-/* pr[i], computed on first use (every loop below walks the positions from 0, so a draw that a
- * peaked row decides in its first entries computes those weights only; the same values and sums) */
-static inline double lazy_weight(double *pr, int *have, const float *val, int i, float M, float T) {
-    for (; *have <= i; (*have)++) pr[*have] = lse_wterm_host(val[*have], M, T);
-    return pr[i];
-}
-
 static int draw_full(const float *val, int n, bool complete, float M, float T, float top_p, double Z, double u0) {
     if (M == INFINITY) return 0;
     M += 0.0f; /* as the slices' maxima: -0 -> +0 */
