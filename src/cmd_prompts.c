@@ -19,8 +19,10 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_args.h"
 #include "h5io.h"
 #include "log.h"
+#include "prompt_fields.h"
 
 /* ------------------------------------------------------------------------------------------------
  * The prompt file writer (h5io.h) */
@@ -168,14 +170,6 @@ static void end_prompt(struct builder *b) {
     b->n++;
 }
 
-/* A JSON number that must be an integer in [lo, hi]. */
-static int json_int(const cJSON *v, double lo, double hi, int64_t *out) {
-    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < lo || v->valuedouble > hi)
-        return -1;
-    *out = (int64_t)v->valuedouble;
-    return 0;
-}
-
 static int parse_jsonl_line(struct builder *b, const char *path, int line, const char *s) {
     cJSON *j = cJSON_Parse(s);
     int rc = -1;
@@ -194,7 +188,7 @@ static int parse_jsonl_line(struct builder *b, const char *path, int line, const
     int64_t k = 0, v;
     const cJSON *t;
     cJSON_ArrayForEach(t, tk) {
-        if (json_int(t, 0, INT32_MAX, &v)) {
+        if (prompt_json_int(t, 0, INT32_MAX, &v)) {
             ds_err_set("%s:%d: tokens[%lld]: not a token id (an integer in [0, 2^31))", path, line, (long long)k);
             goto out;
         }
@@ -203,50 +197,18 @@ static int parse_jsonl_line(struct builder *b, const char *path, int line, const
     }
     const cJSON *f;
     int64_t i = b->n;
-    if ((f = cJSON_GetObjectItem(j, "max_new_tokens"))) {
-        if (json_int(f, 0, 9.0e15, &b->max_new[i])) {
-            ds_err_set("%s:%d: max_new_tokens: expected an integer >= 0", path, line);
-            goto out;
-        }
-        b->has_max_new = true;
-    }
-    if ((f = cJSON_GetObjectItem(j, "temperature"))) {
-        if (!cJSON_IsNumber(f) || !(f->valuedouble >= 0) || !isfinite(f->valuedouble)) {
-            ds_err_set("%s:%d: temperature: expected a number >= 0", path, line);
-            goto out;
-        }
-        b->temperature[i] = (float)f->valuedouble;
-        b->has_temperature = true;
-    }
-    if ((f = cJSON_GetObjectItem(j, "top_p"))) {
-        if (!cJSON_IsNumber(f) || !(f->valuedouble > 0 && f->valuedouble <= 1)) {
-            ds_err_set("%s:%d: top_p: expected a number in (0, 1]", path, line);
-            goto out;
-        }
-        b->top_p[i] = (float)f->valuedouble;
-        b->has_top_p = true;
-    }
-    if ((f = cJSON_GetObjectItem(j, "top_k"))) {
-        if (json_int(f, 0, INT32_MAX, &v)) {
-            ds_err_set("%s:%d: top_k: expected an integer >= 0", path, line);
-            goto out;
-        }
-        b->top_k[i] = (int32_t)v;
-        b->has_top_k = true;
-    }
-    if ((f = cJSON_GetObjectItem(j, "seed"))) {
-        /* JSON numbers are doubles: integers are exact up to 2^53. */
-        if (json_int(f, 0, 9007199254740992.0, &b->seed[i])) {
-            ds_err_set("%s:%d: seed: expected an integer in [0, 2^53]", path, line);
-            goto out;
-        }
-        b->has_seed = true;
-    }
+    struct prompt_fields pf;
+    if (prompt_fields_json(j, path, line, &pf)) goto out;
+    if (pf.has_max_new) b->max_new[i] = pf.max_new, b->has_max_new = true;
+    if (pf.has_temperature) b->temperature[i] = pf.temperature, b->has_temperature = true;
+    if (pf.has_top_p) b->top_p[i] = pf.top_p, b->has_top_p = true;
+    if (pf.has_top_k) b->top_k[i] = pf.top_k, b->has_top_k = true;
+    if (pf.has_seed) b->seed[i] = (int64_t)pf.seed, b->has_seed = true;
     if ((f = cJSON_GetObjectItem(j, "id"))) {
         if (cJSON_IsString(f)) {
             b->id[i] = ds_strdup(f->valuestring);
             b->string_ids = true;
-        } else if (!json_int(f, -9.0e15, 9.0e15, &b->int_id[i])) {
+        } else if (!prompt_json_int(f, -9.0e15, 9.0e15, &b->int_id[i])) {
             char s[32];
             snprintf(s, sizeof s, "%lld", (long long)b->int_id[i]);
             b->id[i] = ds_strdup(s);
@@ -388,13 +350,6 @@ static void usage(FILE *f) {
                "                  its max_new_tokens <= L\n");
 }
 
-static int64_t parse_nonneg(const char *opt, const char *v) {
-    char *end;
-    long long x = strtoll(v, &end, 10);
-    if (end == v || *end || x < 0) ds_die("prompts: %s: '%s' is not an integer >= 0", opt, v);
-    return x;
-}
-
 int cmd_prompts(int argc, char **argv) {
     const char *from = NULL, *out = NULL, *check = NULL;
     int64_t vocab = 0, max_len = 0;
@@ -408,9 +363,9 @@ int cmd_prompts(int argc, char **argv) {
         if (!strcmp(a, "--from")) from = v;
         else if (!strcmp(a, "--out")) out = v;
         else if (!strcmp(a, "--check")) check = v;
-        else if (!strcmp(a, "--vocab")) vocab = parse_nonneg(a, v);
-        else if (!strcmp(a, "--max-len")) max_len = parse_nonneg(a, v);
-        else if (!strcmp(a, "--zstd-level")) h5io_set_zstd_level((int)parse_nonneg(a, v));
+        else if (!strcmp(a, "--vocab")) vocab = cli_int(a, v, 0, INT32_MAX);
+        else if (!strcmp(a, "--max-len")) max_len = cli_int(a, v, 0, INT64_MAX);
+        else if (!strcmp(a, "--zstd-level")) h5io_set_zstd_level((int)cli_int(a, v, 0, 22));
         else ds_die("prompts: unknown option '%s' (see --help)", a);
         i++;
     }

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli_args.h"
 #include "comm_mpi.h"
 #include "engram_service.h"
 #ifdef DS_HAVE_CUDA
@@ -45,13 +46,10 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
         return 1;
     }
     if (!v) return 0;
-    if (!strcmp(a, "--tp")) o->tp = atoi(v);
-    else if (!strcmp(a, "--pp")) o->pp = atoi(v);
-    else if (!strcmp(a, "--watchdog")) o->deadline_s = atof(v);
-    else if (!strcmp(a, "--max-batch-tokens")) {
-        o->max_batch_tokens = atoll(v);
-        if (o->max_batch_tokens < 1) ds_die("--max-batch-tokens: expected a positive number, got '%s'", v);
-    } else if (!strcmp(a, "--stop-ids")) {
+    if (!strcmp(a, "--tp")) o->tp = (int)cli_int(a, v, 1, 4096);
+    else if (!strcmp(a, "--pp")) o->pp = (int)cli_int(a, v, 1, 4096);
+    else if (!strcmp(a, "--watchdog")) o->deadline_s = cli_real(a, v, 0, 1e9, false);
+    else if (!strcmp(a, "--max-batch-tokens")) o->max_batch_tokens = cli_int(a, v, 1, INT64_MAX / 2); else if (!strcmp(a, "--stop-ids")) {
         o->n_stop_ids = 0;
         for (const char *p = v; *p && o->n_stop_ids < 64;) {
             char *e;

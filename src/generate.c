@@ -23,12 +23,14 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_args.h"
 #include "dist.h"
 #include "engine_cli.h"
 #include "h5io.h"
 #include "jobout.h"
 #include "log.h"
 #include "model.h"
+#include "prompt_fields.h"
 #include "sampler.h"
 #include "tokenizer.h"
 
@@ -146,14 +148,14 @@ static struct prompt *read_prompts(const char *path, const struct gen_opts *o, c
                 p->tokens[i++] = (int32_t)v->valuedouble;
             }
         }
-        cJSON *mn = cJSON_GetObjectItem(j, "max_new_tokens"), *t = cJSON_GetObjectItem(j, "temperature");
-        cJSON *tkk = cJSON_GetObjectItem(j, "top_k"), *tp = cJSON_GetObjectItem(j, "top_p"), *sd = cJSON_GetObjectItem(j, "seed");
-        p->max_new = cJSON_IsNumber(mn) ? (int64_t)mn->valuedouble : o->max_new;
+        struct prompt_fields pf; /* checked as `dsbatch prompts` and the HDF5 reader check them */
+        if (prompt_fields_json(j, path, line, &pf)) ds_die_err();
+        p->max_new = pf.has_max_new ? pf.max_new : o->max_new;
         p->sp = o->sp;
-        if (cJSON_IsNumber(t)) p->sp.temperature = (float)t->valuedouble;
-        if (cJSON_IsNumber(tkk)) p->sp.top_k = tkk->valueint;
-        if (cJSON_IsNumber(tp)) p->sp.top_p = (float)tp->valuedouble;
-        if (cJSON_IsNumber(sd)) p->sp.seed = (uint64_t)sd->valuedouble;
+        if (pf.has_temperature) p->sp.temperature = pf.temperature;
+        if (pf.has_top_k) p->sp.top_k = pf.top_k;
+        if (pf.has_top_p) p->sp.top_p = pf.top_p;
+        if (pf.has_seed) p->sp.seed = pf.seed;
         if (p->n + p->max_new > o->max_seq_len)
             ds_die("%s:%d: prompt of %lld tokens + max_new_tokens %lld exceeds the maximum sequence length %lld",
                    path, line, (long long)p->n, (long long)p->max_new, (long long)o->max_seq_len);
@@ -222,30 +224,25 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
         if (OPT("--model")) o->model = v;
         else if (OPT("--prompts")) o->prompts = v;
         else if (OPT("--out")) o->out = v;
-        else if (OPT("--max-new-tokens")) o->max_new = atoll(v);
-        else if (OPT("--max-seqs")) o->max_seqs = atoi(v);
-        else if (OPT("--max-seq-len")) o->max_seq_len = atoll(v);
-        else if (OPT("--chunk")) o->chunk = atoll(v);
-        else if (OPT("--temperature")) o->sp.temperature = (float)atof(v);
-        else if (OPT("--top-k")) o->sp.top_k = atoi(v);
-        else if (OPT("--top-p")) o->sp.top_p = (float)atof(v);
-        else if (OPT("--seed")) o->sp.seed = strtoull(v, NULL, 10);
+        else if (OPT("--max-new-tokens")) o->max_new = cli_int(a, v, 0, INT64_MAX / 2);
+        else if (OPT("--max-seqs")) o->max_seqs = (int)cli_int(a, v, 1, INT32_MAX);
+        else if (OPT("--max-seq-len")) o->max_seq_len = cli_int(a, v, 0, INT64_MAX / 2);
+        else if (OPT("--chunk")) o->chunk = cli_int(a, v, 1, INT32_MAX);
+        else if (OPT("--temperature")) o->sp.temperature = (float)cli_real(a, v, 0, INFINITY, false);
+        else if (OPT("--top-k")) o->sp.top_k = (int)cli_int(a, v, 0, INT32_MAX);
+        else if (OPT("--top-p")) o->sp.top_p = (float)cli_real(a, v, 0, 1, true);
+        else if (OPT("--seed")) o->sp.seed = cli_u64(a, v);
         else if (!strcmp(a, "--logprobs")) o->logprobs = true;
         else if (OPT("--trace")) o->trace = v;
         else if (OPT("--tokenizer")) o->tokenizer = v;
         else if (!strcmp(a, "--chat")) o->chat.chat = o->chat.chat ? o->chat.chat : TOK_CHAT_PLAIN;
-        else if (OPT("--think")) o->chat.chat = TOK_CHAT_THINKING, o->chat.reasoning_effort = atoi(v);
+        else if (OPT("--think")) o->chat.chat = TOK_CHAT_THINKING, o->chat.reasoning_effort = (int)cli_int(a, v, 1, 100);
         else if (OPT("--system")) o->chat.system = v;
         else if (!strcmp(a, "--keep-special")) o->keep_special = true;
         else if (!strcmp(a, "--resume")) o->resume = true;
         else if (!score && !strcmp(a, "--save-logits")) o->save_logits = true;
         else if (score && !strcmp(a, "--report-logits-rows")) o->report_logits_rows = true;
-        else if (OPT("--zstd-level")) {
-            char *e;
-            long lv = strtol(v, &e, 10);
-            if (*e || lv < 0 || lv > 22) ds_die("--zstd-level: expected 0 (none) .. 22, got '%s'", v);
-            h5io_set_zstd_level((int)lv);
-        }
+        else if (OPT("--zstd-level")) h5io_set_zstd_level((int)cli_int(a, v, 0, 22)); /* 0: none */
         else if (engine_flag_parse(argc, argv, &i, &o->ef)) continue;
         else if (dist_flag_parse(argc, argv, &i, &o->dist)) continue;
         else if (!strcmp(a, "--help")) {

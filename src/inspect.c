@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_args.h"
 #include "config.h"
 #include "h5io.h"
 #include "loader.h"
@@ -298,13 +299,6 @@ static void usage(FILE *f) {
                "  table, parameters and bytes by role and dtype; with --tp/--pp also the bytes each rank maps.\n");
 }
 
-static int parse_count(const char *opt, const char *v) {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (end == v || *end || x < 1 || x > 4096) ds_die("inspect: %s: '%s' is not an integer in [1, 4096]", opt, v);
-    return (int)x;
-}
-
 int cmd_inspect(int argc, char **argv) {
     const char *dir = NULL;
     int tp = 0, pp = 0;
@@ -316,9 +310,9 @@ int cmd_inspect(int argc, char **argv) {
         }
         if (!strcmp(a, "--tp") || !strcmp(a, "--pp")) {
             if (i + 1 >= argc) ds_die("inspect: %s needs a value", a);
-            *(a[2] == 't' ? &tp : &pp) = parse_count(a, argv[++i]);
+            *(a[2] == 't' ? &tp : &pp) = (int)cli_int(a, argv[++i], 1, 4096);
         } else if (!strncmp(a, "--tp=", 5) || !strncmp(a, "--pp=", 5)) {
-            *(a[2] == 't' ? &tp : &pp) = parse_count(a, a + 5);
+            *(a[2] == 't' ? &tp : &pp) = (int)cli_int(a, a + 5, 1, 4096);
         } else if (a[0] == '-' && a[1]) {
             ds_die("inspect: unknown option '%s' (see --help)", a);
         } else if (dir) {

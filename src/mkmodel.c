@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_args.h"
 #include "config.h"
 #include "engram_hash.h"
 #include "formats.h"
@@ -940,15 +941,6 @@ static void usage(FILE *f) {
             "  --dry-run       print the size and shard count, write nothing\n");
 }
 
-static int64_t parse_i64(const char *opt, const char *v, int64_t lo, int64_t hi) {
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi)
-        ds_die("%s: '%s' is not an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
-    return x;
-}
-
 static void parse_args(int argc, char **argv, struct mk_args *a) {
     memset(a, 0, sizeof *a);
     a->layer_a = a->layer_b = -1;
@@ -980,11 +972,7 @@ static void parse_args(int argc, char **argv, struct mk_args *a) {
         } else if (!strcmp(key, "out")) {
             a->out = val;
         } else if (!strcmp(key, "seed")) {
-            char *end;
-            errno = 0;
-            unsigned long long s = strtoull(val, &end, 10);
-            if (errno || end == val || *end || val[0] == '-') ds_die("--seed: '%s' is not a non-negative integer", val);
-            a->seed = s;
+            a->seed = cli_u64("--seed", val);
         } else if (!strcmp(key, "layers")) {
             int x, y, n = 0;
             if (sscanf(val, "%d-%d%n", &x, &y, &n) != 2 || val[n] || x < 0 || y < x)
@@ -992,9 +980,9 @@ static void parse_args(int argc, char **argv, struct mk_args *a) {
             a->layer_a = x;
             a->layer_b = y;
         } else if (!strcmp(key, "experts")) {
-            a->experts = (int)parse_i64("--experts", val, 1, 1 << 20);
+            a->experts = (int)cli_int("--experts", val, 1, 1 << 20);
         } else if (!strcmp(key, "max-pos") || !strcmp(key, "max_pos")) {
-            a->max_pos = parse_i64("--max-pos", val, 1, INT64_MAX / 4);
+            a->max_pos = cli_int("--max-pos", val, 1, INT64_MAX / 4);
         } else {
             if (a->n_over == (int)(sizeof a->over_key / sizeof a->over_key[0]))
                 ds_die("mkmodel: too many overrides");

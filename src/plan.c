@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_args.h"
 #include "config.h"
 #include "cuda/moe_mma.h"
 #include "engine_cli.h"
@@ -216,14 +217,6 @@ static uint64_t parse_size(const char *opt, const char *v) {
     ds_die("plan: %s '%s': expected a size like 40G, 40GiB, 42949672960 or 40GB", opt, v);
 }
 
-static int64_t parse_int(const char *opt, const char *v, int64_t lo, int64_t hi) {
-    char *end;
-    long long x = strtoll(v, &end, 10);
-    if (end == v || *end || x < lo || x > hi)
-        ds_die("plan: %s: '%s' is not an integer in [%lld, %lld]", opt, v, (long long)lo, (long long)hi);
-    return x;
-}
-
 static void layer_ids(const struct model_config *c, uint64_t mask, char *buf, size_t n) {
     size_t off = 0;
     buf[0] = 0;
@@ -266,17 +259,17 @@ static void parse_args(int argc, char **argv, struct plan_opts *o) {
         if (!strcmp(a, "--model"))
             o->dir = v;
         else if (!strcmp(a, "--tp"))
-            o->tp = (int)parse_int(a, v, 1, 4096);
+            o->tp = (int)cli_int(a, v, 1, 4096);
         else if (!strcmp(a, "--pp"))
-            o->pp = (int)parse_int(a, v, 1, TOPO_MAX_PP);
+            o->pp = (int)cli_int(a, v, 1, TOPO_MAX_PP);
         else if (!strcmp(a, "--ranks-per-node"))
-            o->ranks_per_node = (int)parse_int(a, v, 1, 1 << 20);
+            o->ranks_per_node = (int)cli_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--max-seqs"))
-            o->max_seqs = (int)parse_int(a, v, 1, 1 << 20);
+            o->max_seqs = (int)cli_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--max-seq-len"))
-            o->max_seq_len = parse_int(a, v, 1, (int64_t)1 << 40);
+            o->max_seq_len = cli_int(a, v, 1, (int64_t)1 << 40);
         else if (!strcmp(a, "--max-batch-tokens"))
-            o->max_batch_tokens = parse_int(a, v, 1, (int64_t)1 << 30);
+            o->max_batch_tokens = cli_int(a, v, 1, (int64_t)1 << 30);
         else if (!strcmp(a, "--gpu-mem"))
             o->gpu_mem = parse_size(a, v), o->gpu_mem_text = v;
         else

@@ -531,6 +531,17 @@ bad "prompt longer than the model's maximum" 'too_long.h5: /prompts/offsets: pro
 bad "unwritable output path" 'no/such/dir/out.h5: cannot write: No such file or directory' --prompts "$T/good.h5" \
   --out "$T/no/such/dir/out.h5"
 bad "--resume with a JSONL output" '--resume needs an HDF5 output' --prompts "$T/good.h5" --out "$T/bad.jsonl" --resume
+# sampling fields of a JSONL prompt line and numeric flags: the HDF5 reader's and `dsbatch
+# prompts`' rules (prompt_fields.c, cli_args.c), one line naming the file, line and field or the flag
+for kv in "temperature -1" "top_p 1.5" "top_p 0" "top_k -3" 'temperature "x"' "seed -1" "max_new_tokens 2.5"; do
+  key=${kv%% *} val=${kv#* }
+  printf '{"tokens": [5, 6, 7]}\n{"tokens": [5, 6], "%s": %s}\n' "$key" "$val" >"$T/badf.jsonl"
+  bad "JSONL $key = $val" "badf.jsonl:2: $key: expected" --prompts "$T/badf.jsonl" --out "$T/bad.h5"
+done
+bad "--top-p 1.5" "--top-p: '1.5' is not a number in \(0, 1\]" --prompts "$T/good.h5" --out "$T/bad.h5" --top-p 1.5
+bad "--temperature -1" "--temperature: '-1' is not a number" --prompts "$T/good.h5" --out "$T/bad.h5" --temperature -1
+bad "--max-seqs x" "--max-seqs: 'x' is not an integer" --prompts "$T/good.h5" --out "$T/bad.h5" --max-seqs x
+bad "--seed -1" "--seed: '-1' is not an integer" --prompts "$T/good.h5" --out "$T/bad.h5" --seed -1
 echo "not HDF5" >"$T/notes.h5"
 sums=$(md5sum "$T/notes.h5")
 bad "--resume into a file that is not a dsbatch output" 'notes.h5: not an HDF5 file; refusing to resume into it' \
