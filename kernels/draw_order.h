@@ -32,6 +32,10 @@ DRAW_FN uint32_t desc_key(float f) {
 DRAW_FN uint32_t draw_key(float f) { return desc_key(f == 0.0f ? 0.0f : f); }
 
 #ifndef __CUDACC__
+#include <math.h>
+
+#include "backend.h"
+
 /* The order of the draw: a before b when its logit is larger, ties by the lower id. */
 static inline int draw_before(const float *x, int a, int b) { return x[a] > x[b] || (x[a] == x[b] && a < b); }
 
@@ -68,6 +72,14 @@ static inline int draw_top_k_ids(const float *x, int V, int k, int *out) {
         out[end] = out[0];
         draw_sift_down(x, out, end, last);
     }
+    return n;
+}
+
+/* The same k first entries as a row_topk list (the op's contract, backend.h): out[k] the logits and
+ * ids in order, (NaN, -1) past the row's numbers; ids is scratch of k. Returns how many are numbers. */
+static inline int draw_top_k_list(const float *x, int V, int k, int *ids, struct be_topk_entry *out) {
+    const int n = draw_top_k_ids(x, V, k, ids);
+    for (int j = 0; j < k; j++) out[j] = j < n ? (struct be_topk_entry){x[ids[j]], ids[j]} : (struct be_topk_entry){NAN, -1};
     return n;
 }
 #endif

@@ -265,9 +265,6 @@ static int parse_gen_opts(int argc, char **argv, struct gen_opts *o, bool score)
 #undef OPT
     }
     if (!o->model || !o->prompts || !o->out) ds_die("--model, --prompts and --out are required");
-    if (o->max_seqs < 1 || o->chunk < 1) ds_die("--max-seqs and --chunk must be positive");
-    if (o->chat.chat == TOK_CHAT_THINKING && (o->chat.reasoning_effort < 1 || o->chat.reasoning_effort > 100))
-        ds_die("--think: the reasoning effort must be an integer 1..100");
     if (o->chat.system && !o->chat.chat) ds_die("--system needs --chat or --think");
     return 0;
 }

@@ -213,29 +213,21 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
     int best;
     float fmx = row_max(logits, V, &best);
     if (p->temperature <= 0 || fmx == -INFINITY) return best;
-    if (p->top_k > 0 && p->top_k < V) { /* the draw from the row's top_k first entries */
-        int *ids = ds_malloc(sizeof(int) * (size_t)p->top_k);
-        const int n = draw_top_k_ids(logits, V, p->top_k, ids); /* >= 1: the row has a number above -inf */
-        struct be_topk_entry *top = ds_malloc(sizeof *top * (size_t)n);
-        for (int i = 0; i < n; i++) top[i] = (struct be_topk_entry){logits[ids[i]], ids[i]};
-        const int pick = sampler_pick_topk(top, n, p, request, position);
-        free(top);
-        free(ids);
-        return pick;
-    }
-    /* the full row: its total Z, then the row's first entries as a backend's row_topk gives them;
-     * only when those do not decide the draw, every entry sorted */
-    const double Z = row_wsum(logits, V, p->temperature);
+    /* a top-k draw: from the row's top_k first entries; the full row: from its first entries as a
+     * backend's row_topk gives them and its total Z, and only when those do not decide the draw,
+     * every entry sorted (below) */
+    const bool topk = p->top_k > 0 && p->top_k < V;
+    const int k = topk ? p->top_k : V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
+    const double Z = topk ? 0.0 : row_wsum(logits, V, p->temperature);
     {
-        const int k = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
         int *ids = ds_malloc(sizeof(int) * (size_t)k);
         struct be_topk_entry *top = ds_malloc(sizeof *top * (size_t)k);
-        const int n = draw_top_k_ids(logits, V, k, ids);
-        for (int i = 0; i < k; i++) top[i] = i < n ? (struct be_topk_entry){logits[ids[i]], ids[i]} : (struct be_topk_entry){NAN, -1};
-        const int pick = sampler_pick_cand(top, k, V, Z, p, request, position);
+        draw_top_k_list(logits, V, k, ids, top); /* >= 1 number: the row has one above -inf */
+        const int pick = topk ? sampler_pick_topk(top, k, p, request, position)
+                              : sampler_pick_cand(top, k, V, Z, p, request, position);
         free(top);
         free(ids);
-        if (pick >= 0) return pick;
+        if (topk || pick >= 0) return pick;
     }
     /* every entry in play, in descending order of the logits (the values alone fix the weights and
      * the sums; which id holds a value matters only for the drawn position) */

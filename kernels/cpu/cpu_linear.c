@@ -287,9 +287,6 @@ void cpu_op_row_topk(struct backend *be, struct be_topk_entry *out, const float 
 #pragma omp parallel for schedule(dynamic, 1) if (R > 1)
     for (int64_t r = 0; r < R; r++) {
         int ids[BE_TOPK_MAX];
-        const float *row = x + r * V;
-        const int n = draw_top_k_ids(row, (int)V, (int)k, ids);
-        for (int64_t j = 0; j < k; j++)
-            out[r * k + j] = j < n ? (struct be_topk_entry){row[ids[j]], ids[j]} : (struct be_topk_entry){NAN, -1};
+        draw_top_k_list(x + r * V, (int)V, (int)k, ids, out + r * k);
     }
 }

@@ -775,6 +775,27 @@ __device__ __forceinline__ double lse_wterm(float v, float m, float T) {
     return v > __int_as_float((int)0xff800000u) ? (double)ds_expf(__fdiv_rn(__fsub_rn(v, m), T)) : 0.0;
 }
 
+/* Lane l's sum of its groups of the slice s[0..n) (ng groups), in id order: the log-probability's
+ * terms, or (W) the temperature sum's at T. */
+template <bool W>
+__device__ __forceinline__ double lse_lane_sum(const float *__restrict__ s, int64_t n, int64_t ng, int l, bool v4, float m,
+                                               float T) {
+    double acc = 0.0;
+    for (int64_t g = l; g < ng; g += LSE_LANES) {
+        const int64_t i = g * LSE_GROUP;
+        if (v4 && i + 4 <= n) {
+            const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
+            const float e[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+            for (int u = 0; u < 4; u++) acc = __dadd_rn(acc, W ? lse_wterm(e[u], m, T) : lse_term(e[u], m));
+        } else {
+            for (int64_t k = i; k < n && k < i + LSE_GROUP; k++)
+                acc = __dadd_rn(acc, W ? lse_wterm(s[k], m, T) : lse_term(s[k], m));
+        }
+    }
+    return acc;
+}
+
 template <bool WT>
 __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *__restrict__ out,
                                                            const float *__restrict__ x, int64_t V, int64_t ns,
@@ -806,34 +827,8 @@ __global__ void __launch_bounds__(LSE_LANES) row_lse_kernel(struct be_lse_part *
     for (int w = 1; w < LSE_LANES / 32; w++) m = fmaxf(m, smax[w]);
     m = __fadd_rn(m, 0.0f);
     const float T = WT ? temp[r] : 0.0f;
-    double acc = 0.0;
-    if (WT && T > 0.0f) { /* CTA-uniform */
-        for (int64_t g = l; g < ng; g += LSE_LANES) {
-            const int64_t i = g * LSE_GROUP;
-            if (v4 && i + 4 <= n) {
-                const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
-                acc = __dadd_rn(acc, lse_wterm(f.x, m, T));
-                acc = __dadd_rn(acc, lse_wterm(f.y, m, T));
-                acc = __dadd_rn(acc, lse_wterm(f.z, m, T));
-                acc = __dadd_rn(acc, lse_wterm(f.w, m, T));
-            } else {
-                for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_wterm(s[k], m, T));
-            }
-        }
-    } else {
-        for (int64_t g = l; g < ng; g += LSE_LANES) {
-            const int64_t i = g * LSE_GROUP;
-            if (v4 && i + 4 <= n) {
-                const float4 f = __ldcs(reinterpret_cast<const float4 *>(s + i));
-                acc = __dadd_rn(acc, lse_term(f.x, m));
-                acc = __dadd_rn(acc, lse_term(f.y, m));
-                acc = __dadd_rn(acc, lse_term(f.z, m));
-                acc = __dadd_rn(acc, lse_term(f.w, m));
-            } else {
-                for (int64_t k = i; k < n && k < i + LSE_GROUP; k++) acc = __dadd_rn(acc, lse_term(s[k], m));
-            }
-        }
-    }
+    double acc = WT && T > 0.0f ? lse_lane_sum<true>(s, n, ng, l, v4, m, T) /* CTA-uniform */
+                                : lse_lane_sum<false>(s, n, ng, l, v4, m, T);
     sacc[l] = acc;
     __syncthreads();
 #pragma unroll

@@ -69,6 +69,16 @@ static int parse_list(const char *s, int64_t *out, int max) {
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void) { return xorshift64(&g_rng); }
 
+/* The host paths: the logits lg [R, V] downloaded into host and each row drawn by sampler_pick
+ * (request r, the given position) on the rank's threads, as dist.c draws downloaded rows. */
+static void host_draws(struct backend *be, float *host, const float *lg, int64_t R, int64_t V,
+                       const struct sample_params *sp, uint64_t position, int32_t *out) {
+    be->ops->download(be, host, lg, sizeof(float) * (size_t)(R * V));
+    be->ops->sync(be);
+#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
+    for (int64_t r = 0; r < R; r++) out[r] = sampler_pick(host + r * V, (int)V, sp, (uint64_t)r, position);
+}
+
 int main(int argc, char **argv) {
     const char *backend = "cuda", *csv = NULL;
     int64_t rows[16] = {1, 8, 64, 256}, vocab[8] = {16160, 129280};
@@ -175,11 +185,8 @@ int main(int argc, char **argv) {
                     const double t0 = now_s();
                     ops->head(&be, lg, x, R, &W);
                     if (p == 1) {
-                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
-                        ops->sync(&be);
-                        struct sample_params sp = {.temperature = 0.0f};
-#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
-                        for (int64_t r = 0; r < R; r++) t_host[r] = sampler_pick(host + r * V, (int)V, &sp, 0, 0);
+                        const struct sample_params greedy = {.temperature = 0.0f};
+                        host_draws(&be, host, lg, R, V, &greedy, 0, t_host);
                     } else if (p == 2) {
                         ops->argmax(&be, am, lg, R, V);
                         ops->download(&be, amh, am, sizeof(int32_t) * (size_t)(2 * R));
@@ -200,10 +207,7 @@ int main(int argc, char **argv) {
                             lp_be[r] = (double)pth[r * ns + tgh[r] / (V / ns)].t - (double)mx - ls;
                         }
                     } else if (p == 6) {
-                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
-                        ops->sync(&be);
-#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
-                        for (int64_t r = 0; r < R; r++) k_host[r] = sampler_pick(host + r * V, (int)V, &tsp, (uint64_t)r, 7);
+                        host_draws(&be, host, lg, R, V, &tsp, 7, k_host);
                     } else if (p == 7) {
                         ops->row_topk(&be, tk, lg, R, V, TOPK);
                         ops->download(&be, tkh, tk, sizeof *tkh * (size_t)(R * TOPK));
@@ -211,10 +215,7 @@ int main(int argc, char **argv) {
 #pragma omp parallel for schedule(static) if (R > 8) /* as model.c's head_topk */
                         for (int64_t r = 0; r < R; r++) k_be[r] = sampler_pick_topk(tkh + r * TOPK, TOPK, &tsp, (uint64_t)r, 7);
                     } else if (p == 8) {
-                        ops->download(&be, host, lg, sizeof(float) * (size_t)(R * V));
-                        ops->sync(&be);
-#pragma omp parallel for schedule(dynamic, 1) if (R > 1)
-                        for (int64_t r = 0; r < R; r++) p_host[r] = sampler_pick(host + r * V, (int)V, &psp, (uint64_t)r, 9);
+                        host_draws(&be, host, lg, R, V, &psp, 9, p_host);
                     } else if (p == 9) {
                         ops->row_lse(&be, wp, lg, R, V, ns, NULL, tpd);
                         ops->row_topk(&be, cd, lg, R, V, KC);
