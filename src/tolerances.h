@@ -203,9 +203,10 @@
  * other ranks must keep their poison bit for bit. */
 #define TOL_GPU_MOE_FLIP_ULPS 1
 
-/* row_lse (the log-probabilities' slices, kernels/lse_core.h): the same terms (a float difference
- * and expf, glibc's on the host and its bit-for-bit copy on the device), the same lanes and the same
- * tree of double adds on both backends, the maximum a comparison: exact. */
+/* row_lse (the log-probabilities' slices, kernels/lse_core.h, and with temperatures the full-row
+ * draws' weight sums): the same terms (a float difference, the quotient by T when given, and expf,
+ * glibc's on the host and its bit-for-bit copy on the device), the same lanes and the same tree of
+ * double adds on both backends, the maximum a comparison, a NaN sum one fixed NaN: exact. */
 #define TOL_GPU_ROW_LSE_EXACT 0
 
 /* ---------------------------------------------------------------------------------------------
