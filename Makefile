@@ -102,7 +102,7 @@ test-cuda: all
 # on the GPU machine: the linear kernels per shape next to PyTorch (bf16 matmul on dequantized
 # weights), the decode step and prefill of one rank's shard with its per-op profile, the decode
 # step at a 2,048-token context (the index top-k then selects 512 of 1,024 rows), the head with
-# its greedy draw on the host and on the GPU, then the plots
+# its greedy draw on the host and on the GPU, the sparse attention op next to PyTorch's, then the plots
 # (results/*.png)
 bench: all
 	@mkdir -p results
@@ -112,6 +112,8 @@ bench: all
 	$(BUILD_DIR)/bench/bench_step --backend cuda --exact-linears --csv results/cuda_step_exact.csv
 	$(BUILD_DIR)/bench/bench_step --backend cuda --ctx 2048 --batch 1,8 --prefill "" --csv results/cuda_step_ctx2048.csv
 	$(BUILD_DIR)/bench/bench_head_draw --csv results/cuda_head_draw.csv
+	$(BUILD_DIR)/bench/bench_attn --csv results/cuda_attn.csv
+	python3 tests/bench/torch_attn_baseline.py results/cuda_attn.csv
 	python3 tests/bench/plot_results.py results
 
 demo: all

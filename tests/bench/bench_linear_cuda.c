@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "bench/bench_copy_bw.h"
 #include "cuda/cuda_linear.h"
 #include "cuda/linear_mma.h"
 
@@ -47,28 +48,6 @@ static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_
     }
 }
 
-static double copy_bandwidth(void) {
-    size_t bytes = (size_t)1 << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, bytes));
-    CK(cudaMalloc(&b, bytes));
-    CK(cudaMemset(a, 1, bytes));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; i++) CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e0, 0));
-    int reps = 20;
-    for (int i = 0; i < reps; i++) CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0));
-    CK(cudaEventRecord(e1, 0));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    CK(cudaFree(a));
-    CK(cudaFree(b));
-    return 2.0 * (double)bytes * reps / (ms * 1e-3);
-}
-
 int main(int argc, char **argv) {
     if (cuda_device_count() < 1) {
         fprintf(stderr, "bench: no GPU\n");
@@ -76,7 +55,7 @@ int main(int argc, char **argv) {
     }
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    double bw = copy_bandwidth();
+    double bw = bench_copy_bandwidth();
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
     /* the T list: the decode sizes on all three paths, or the ones given (mma only) */

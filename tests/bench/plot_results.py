@@ -16,6 +16,9 @@ cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head, greedy dr
                             (bench_head_draw), ms a step per row count: the head alone (tensor cores /
                             exact kernel), and head + draw or log-probability on the host (logits
                             downloaded) or where the logits are (argmax, row_lse, row_topk ops).
+cuda_attn.csv            -> cuda_attn.png: the sparse attention op (bench_attn) next to PyTorch doing the
+                            same op (torch_attn_baseline.py rows in the same file), ms a call per row
+                            count (graph replays) and, at decode rows, % of the copy bandwidth.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -225,6 +228,36 @@ def main():
         fig.suptitle("bench_head_draw: the last stage's head, its draws and log-probabilities", fontsize=10)
         fig.tight_layout(rect=(0, 0.16, 1, 0.93))
         fig.savefig(os.path.join(d, "cuda_head_draw.png"), dpi=110)
+
+    at = os.path.join(d, "cuda_attn.csv")
+    if os.path.exists(at):
+        r = rows(at)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        styles = {"ours": ("ours (graph)", "-", "o"), "ours_eager": ("ours (eager)", ":", "o"),
+                  "torch_eager": ("torch: gather + matmul + softmax with sink (graph)", "--", "s"),
+                  "torch_sdpa": ("torch: gather + SDPA, no sink (graph)", "--", "^")}
+        for path, (label, ls, mk) in styles.items():
+            pts = sorted((int(x["rows"]), float(x["ms_per_call"])) for x in r if x["path"] == path)
+            if pts:
+                axes[0].plot([p[0] for p in pts], [1e3 * p[1] for p in pts], ls=ls, marker=mk, label=label)
+            dec = [(int(x["rows"]), float(x["bytes"]) / (float(x["ms_per_call"]) * 1e-3) / 1e9) for x in r
+                   if x["path"] == path and x["pattern"] == "decode"]
+            cbw = next((float(x["copy_gb_per_s"]) for x in r if float(x["copy_gb_per_s"]) > 0), None)
+            if dec and cbw:
+                dec.sort()
+                axes[1].plot([p[0] for p in dec], [100 * p[1] / cbw for p in dec], ls=ls, marker=mk, label=label)
+        axes[0].set_xscale("log", base=2)
+        axes[0].set_yscale("log")
+        axes[0].set_xlabel("query rows (decode: one sequence each; 2,048: one prefill chunk)")
+        axes[0].set_ylabel("µs a call")
+        axes[0].legend(fontsize=7.5)
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xlabel("query rows (decode)")
+        axes[1].set_ylabel("distinct bytes / time, % of copy bandwidth")
+        axes[1].axhline(70, color="k", ls="--", lw=0.8)
+        fig.suptitle("sparse attention, 8 heads x 512, 640 entries a row, sink (%s)" % r[0]["device"], fontsize=10)
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+        fig.savefig(os.path.join(d, "cuda_attn.png"), dpi=110)
 
 
 if __name__ == "__main__":
