@@ -13,14 +13,18 @@
  * of every product are fixed by the entry's place in its block and the d's place in hd, and the
  * partial q·k sums are combined in a fixed order, so the results are batch invariant. Calls of
  * AM_SPLIT_MIN_T rows and more run the softmax once per (row, head group) in its own launch and P·V
- * as one warp per channel slice (attn_softmax_mma_kernel, attn_pv_split_kernel): the same
- * operations per element in the same order, so a row's bits do not depend on which path took it.
+ * as one warp per channel slice (attn_softmax_mma_kernel, attn_pv_split_kernel); but from
+ * AM_ONE_MIN_T rows, where hd <= 512, attn_one_pass_kernel takes the call, reading each kv row from
+ * memory once where the others read it for the scores and again for P·V (attn_mma.h):
+ * the same operations per element in the same order, so a row's bits do not depend on which path
+ * took it.
  *
  * Neither kernel stages kv in shared memory: lanes load their fragments straight from the cache
  * rows (16 contiguous bytes a lane for q·k; 4·TL for P·V), which the mma layouts allow because a
  * dot product may take its terms in any order as long as both operands agree (q·k: lane (g, t)
  * holds d = 8t..8t+7 of a 32-wide k-block and both operands use that k permutation; P·V: a lane's
  * output rows are 2·TL consecutive channels, so one row load feeds TL tiles). */
+#include "attn_mma.h"
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
 #include "mma_sm80.cuh"
@@ -44,6 +48,57 @@
  * Lane (g, t) loads d = 32·kb + 8t .. +7 of entry rows g and g + 8 and of head row g (16 bytes
  * each): registers .x/.y feed the k-block's first mma (as k = 2t, 2t+1 and 2t+8, 2t+9), .z/.w its
  * second. Heads past H and invalid entries load zeros and are not stored. */
+/* A warp's share of the logits: for each group eg of 16 entries (rows g and g + 8 of the group: kv
+ * rows id[eg][0], id[eg][1], -1 = zeros) one MMA chain from zero over the k-blocks [kb0, kb1) of hd
+ * in order, A = the entries' rows, B = the 8 heads' q rows (qr: the lane's head row at its 16-byte
+ * chunk tq, zeros where !hok). Both the two-pass and the one-pass forms take their partial sums from
+ * here, so a logit's operations do not depend on the form. */
+template <int EG>
+static __device__ __forceinline__ void am_qk_chain(float (&d)[EG][4], const uint4 *qr, bool hok, const uint16_t *kv,
+                                                   const int (&id)[EG][2], int hd, int kb0, int kb1, int tq) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int eg = 0; eg < EG; eg++) d[eg][0] = d[eg][1] = d[eg][2] = d[eg][3] = 0.0f;
+    for (int kb = kb0; kb < kb1; kb += 4) {
+        uint4 qf[4], af[EG][2][4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const bool in = kb + u < kb1;
+            qf[u] = in && hok ? __ldg(qr + (kb + u) * 4) : zero;
+#pragma unroll
+            for (int eg = 0; eg < EG; eg++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    af[eg][r][u] = in && id[eg][r] >= 0
+                                       ? __ldg(reinterpret_cast<const uint4 *>(kv + (int64_t)id[eg][r] * hd) +
+                                               (kb + u) * 4 + tq)
+                                       : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (kb + u >= kb1) break; /* warp-uniform */
+#pragma unroll
+            for (int eg = 0; eg < EG; eg++) {
+                float *c = d[eg];
+                mma_bf16(d[eg], af[eg][0][u].x, af[eg][1][u].x, af[eg][0][u].y, af[eg][1][u].y, qf[u].x, qf[u].y,
+                         c[0], c[1], c[2], c[3]);
+                mma_bf16(d[eg], af[eg][0][u].z, af[eg][1][u].z, af[eg][0][u].w, af[eg][1][u].w, qf[u].z, qf[u].w,
+                         c[0], c[1], c[2], c[3]);
+            }
+        }
+    }
+}
+
+/* The logit of fragment register r of group eg: warp 0's chain plus warps 1..3's in warp order
+ * (part[w][eg·4 + r][lane] = warp w + 1's), times scale (the CPU's `s * scale`). D fragment: r = 0,
+ * 1 -> entry row g, heads 2t, 2t+1; r = 2, 3 -> entry row g + 8. */
+static __device__ __forceinline__ float am_qk_logit(float d, const float (*part)[AM_QK_EG * 4][32], int q, int lane,
+                                                    float scale) {
+#pragma unroll
+    for (int w = 0; w < AM_W - 1; w++) d = __fadd_rn(d, part[w][q][lane]);
+    return __fmul_rn(d, scale);
+}
+
 __global__ void __launch_bounds__(128)
     attn_qk_mma_kernel(float *__restrict__ sc, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
                        const int32_t *__restrict__ idx, int H, int hd, int n_idx, int ncta, float scale) {
@@ -64,38 +119,8 @@ __global__ void __launch_bounds__(128)
         }
     const bool hok = h0 + g < H;
     const uint4 *qr = reinterpret_cast<const uint4 *>(q + (t * H + (hok ? h0 + g : 0)) * (int64_t)hd) + tq;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     float d[AM_QK_EG][4];
-#pragma unroll
-    for (int eg = 0; eg < AM_QK_EG; eg++) d[eg][0] = d[eg][1] = d[eg][2] = d[eg][3] = 0.0f;
-    for (int kb = kb0; kb < kb1; kb += 4) {
-        uint4 qf[4], af[AM_QK_EG][2][4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const bool in = kb + u < kb1;
-            qf[u] = in && hok ? __ldg(qr + (kb + u) * 4) : zero;
-#pragma unroll
-            for (int eg = 0; eg < AM_QK_EG; eg++)
-#pragma unroll
-                for (int r = 0; r < 2; r++)
-                    af[eg][r][u] = in && id[eg][r] >= 0
-                                       ? __ldg(reinterpret_cast<const uint4 *>(kv + (int64_t)id[eg][r] * hd) +
-                                               (kb + u) * 4 + tq)
-                                       : zero;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            if (kb + u >= kb1) break; /* warp-uniform */
-#pragma unroll
-            for (int eg = 0; eg < AM_QK_EG; eg++) {
-                float *c = d[eg];
-                mma_bf16(d[eg], af[eg][0][u].x, af[eg][1][u].x, af[eg][0][u].y, af[eg][1][u].y, qf[u].x, qf[u].y,
-                         c[0], c[1], c[2], c[3]);
-                mma_bf16(d[eg], af[eg][0][u].z, af[eg][1][u].z, af[eg][0][u].w, af[eg][1][u].w, qf[u].z, qf[u].w,
-                         c[0], c[1], c[2], c[3]);
-            }
-        }
-    }
+    am_qk_chain<AM_QK_EG>(d, qr, hok, kv, id, hd, kb0, kb1, tq);
     if (warp > 0) {
 #pragma unroll
         for (int eg = 0; eg < AM_QK_EG; eg++)
@@ -108,12 +133,8 @@ __global__ void __launch_bounds__(128)
     for (int eg = 0; eg < AM_QK_EG; eg++)
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            /* D fragment: r = 0, 1 -> entry row g, heads 2t, 2t+1; r = 2, 3 -> entry row g + 8 */
-            float s = d[eg][r];
-#pragma unroll
-            for (int w = 0; w < AM_W - 1; w++) s = __fadd_rn(s, part[w][eg * 4 + r][lane]);
             const int e = e0 + 16 * eg + g + 8 * (r >> 1), h = h0 + 2 * tq + (r & 1);
-            if (h < H && id[eg][r >> 1] >= 0) sc[(t * H + h) * (int64_t)n_idx + e] = __fmul_rn(s, scale);
+            if (h < H && id[eg][r >> 1] >= 0) sc[(t * H + h) * (int64_t)n_idx + e] = am_qk_logit(d[eg][r], part, eg * 4 + r, lane, scale);
         }
 }
 
@@ -390,6 +411,30 @@ __global__ void __launch_bounds__(128, 4)
         L[t * H + h] = !any ? -1.0f : sink ? __fadd_rn(l, ds_expf(__fsub_rn(sink[h], m))) : l;
 }
 
+/* The end of a row's P·V in the fragment layout of am_block_pv (acc[j][r]: head h0 + 2t + (r & 1),
+ * channel c0 + 2TL·g + 2j + (r >> 1)): o = bf16(acc / l) with l[hh] the denominator of head
+ * h0 + 2t + hh, or 0 where l < 0 (a row without a valid entry); 2TL consecutive bf16 a head. */
+template <int TL>
+static __device__ __forceinline__ void am_store_o(uint16_t *o, const float (&acc)[TL][4], const float (&l)[2], int64_t t,
+                                                  int H, int hd, int h0, int c0, int g, int tq) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int h = h0 + 2 * tq + hh;
+        if (h >= H) continue;
+        uint32_t wd[TL];
+#pragma unroll
+        for (int j = 0; j < TL; j++) {
+            const uint16_t lo = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][hh], l[hh]));
+            const uint16_t hi = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][2 + hh], l[hh]));
+            wd[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+        uint16_t *dst = o + (t * H + h) * (int64_t)hd + c0 + 2 * TL * g;
+        if constexpr (TL == 4) *reinterpret_cast<uint4 *>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        else if constexpr (TL == 2) *reinterpret_cast<uint2 *>(dst) = make_uint2(wd[0], wd[1]);
+        else *reinterpret_cast<uint32_t *>(dst) = wd[0];
+    }
+}
+
 /* attn_pv_split_kernel: a warp per (row, 8 heads, slice of 16·TL channels), 4 slices a CTA (x = row,
  * y = head group, z = group of 4 slices), the blocks in order with no barrier: the block's V
  * fragments as attn_pv_mma_kernel loads them, B = P^T from P, pv = the block's MMA chain from zero,
@@ -441,33 +486,200 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
             for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
     }
-    /* lane: heads 2t, 2t+1 (r & 1), channels 2TL·g + 2j + (r >> 1): 2TL consecutive bf16 a head */
+    const float lv[2] = {aok0 ? L[t * H + h0 + 2 * tq] : 0.0f, aok1 ? L[t * H + h0 + 2 * tq + 1] : 0.0f};
+    am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * One pass (attn_mma.h, CUDA_ATTN_ONE_PASS): a CTA of AM_OW = 8 warps per (row t, 8 heads) takes the
+ * row's blocks of 64 entries in order, each wholly before the next:
+ *   1. scores: warp w sums quarter w % 4 of hd for the block's entries 32 (w / 4) .. + 31 (two
+ *      16-entry groups, one chain after the other: both at once spilled at 2 CTAs an SM) with
+ *      am_qk_chain, the qk kernel's chain; warps 0 and 4 add the other three
+ *      quarters in warp order and scale (am_qk_logit) into the block's logits in shared memory;
+ *   2. softmax: warp 0, lane (g, t) = head g, entries 16t .. 16t + 15, the block's max per head
+ *      (am_block_max) and the new running max (the CPU's `x > m ? x : m`, block by block) and
+ *      alpha; then every thread p = expf(s − m_new) for two (head, entry) pairs (am_block_p's
+ *      expression; with warp 0 computing all 512 as am_block_p does, a block took ~7 µs), bf16(p)
+ *      into shared memory; warp 0 sums the p in am_block_p's order, l = l·alpha + lsum, while
+ *      the others go on;
+ *   3. P·V: warp w the 64 channels 64w .. 64w + 63 (TL = 4: am_load_v, am_block_pv from zero),
+ *      acc = acc·alpha + pv.
+ * The same operations on every element as the two-pass kernels, in the same order, hence the same
+ * bits (test_sparse_attn_forms); what changes is that a block's kv rows are read from memory once:
+ * step 3 reads the rows step 1 has just read, from the cache. Meanwhile the next block's indices are
+ * read and its rows prefetched into L2 (prefetch.global.L2), so a block's loads do not start cold.
+ * After the last block l += expf(sink − m) where the row has a valid entry, o = bf16(acc / l) as
+ * attn_pv_split_kernel stores it (am_store_o). hd <= 512 (a channel slice a warp). */
+#define AM_OW 8
+#define AM_ONE_TL 4 /* P·V channels a warp: 16·TL = 64 */
+__global__ void __launch_bounds__(32 * AM_OW, 2)
+    attn_one_pass_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
+                         const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
+                         float scale) {
+    constexpr int TL = AM_ONE_TL, DS = 16 * TL;
+    __shared__ float part[2][AM_W - 1][AM_QK_EG * 4][32]; /* [entry half][quarter 1..3][fragment][lane] */
+    __shared__ float sb[AM_HG][AM_BLOCK + 4];               /* the block's logits [head][entry] */
+    __shared__ __align__(16) uint16_t ps[AM_HG][AM_BLOCK + 8];
+    __shared__ int ids[3][AM_BLOCK]; /* this block's, the next one's, and the one P·V may still read */
+    __shared__ __align__(8) float pf[AM_HG][AM_BLOCK]; /* the block's p as float, for the ordered sum */
+    __shared__ float al_s[AM_HG], mn_s[AM_HG], l_s[AM_HG];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t t = blockIdx.x;
+    const int h0 = blockIdx.y * AM_HG;
+    const int32_t *ir = idx + t * n_idx;
+    const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
+    const int qw = warp % AM_W, eh = warp / AM_W; /* scores: quarter of hd, half of the block's entries */
+    const int nkb = hd >> 5, kb0 = qw * nkb / AM_W, kb1 = (qw + 1) * nkb / AM_W;
+    const bool hok = h0 + g < H;
+    const uint4 *qr = reinterpret_cast<const uint4 *>(q + (t * H + (hok ? h0 + g : 0)) * (int64_t)hd) + tq;
+    const int c0 = warp * DS;
+    const bool cact = c0 < hd; /* P·V: the warp's slice */
+    const uint16_t *kvd = kv + c0 + 2 * TL * g;
+    float acc[TL][4];
 #pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int h = h0 + 2 * tq + hh;
-        if (h >= H) continue;
-        const float l = L[t * H + h];
-        uint32_t wd[TL];
-#pragma unroll
-        for (int j = 0; j < TL; j++) {
-            const uint16_t lo = l < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][hh], l));
-            const uint16_t hi = l < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][2 + hh], l));
-            wd[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+    for (int j = 0; j < TL; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float m = -1e30f, l = 0.0f; /* warp 0: head g's running max and denominator */
+    bool any = false;
+    /* threads 0..63: entry tid of the block after next, loaded a block ahead of its store so that
+     * its latency is not on the block's path */
+    auto id_at = [&](int blk) { const int e = blk * AM_BLOCK + tid; return blk < nb && e < n_idx ? ir[e] : -1; };
+    int nid = -1;
+    if (tid < AM_BLOCK) {
+        ids[0][tid] = id_at(0);
+        nid = id_at(1);
+    }
+    __syncthreads();
+    for (int b = 0; b < nb; b++) {
+        const int cur = b % 3;
+        if (tid < AM_BLOCK && b + 1 < nb) {
+            const int id = nid;
+            ids[(b + 1) % 3][tid] = id;
+            nid = id_at(b + 2);
+            if (id >= 0) {
+                const char *row = reinterpret_cast<const char *>(kv + (int64_t)id * hd);
+                for (int c = 0; c < hd * 2; c += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + c));
+            }
         }
-        uint16_t *dst = o + (t * H + h) * (int64_t)hd + c0 + 2 * TL * g;
-        if constexpr (TL == 4) *reinterpret_cast<uint4 *>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-        else if constexpr (TL == 2) *reinterpret_cast<uint2 *>(dst) = make_uint2(wd[0], wd[1]);
-        else *reinterpret_cast<uint32_t *>(dst) = wd[0];
+        float d[AM_QK_EG][4]; /* the groups' chains one after the other: half the load registers */
+#pragma unroll
+        for (int eg = 0; eg < AM_QK_EG; eg++) {
+            const int id1[1][2] = {{ids[cur][32 * eh + 16 * eg + g], ids[cur][32 * eh + 16 * eg + g + 8]}};
+            float d1[1][4];
+            am_qk_chain<1>(d1, qr, hok, kv, id1, hd, kb0, kb1, tq);
+            d[eg][0] = d1[0][0], d[eg][1] = d1[0][1], d[eg][2] = d1[0][2], d[eg][3] = d1[0][3];
+        }
+        if (qw > 0) {
+#pragma unroll
+            for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) part[eh][qw - 1][eg * 4 + r][lane] = d[eg][r];
+        }
+        __syncthreads();
+        if (qw == 0) {
+#pragma unroll
+            for (int eg = 0; eg < AM_QK_EG; eg++)
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+                    sb[2 * tq + (r & 1)][32 * eh + 16 * eg + g + 8 * (r >> 1)] =
+                        am_qk_logit(d[eg][r], part[eh], eg * 4 + r, lane, scale);
+        }
+        __syncthreads();
+        if (warp == 0) { /* the block's max and the new running max per head, alpha */
+            float s[16];
+            unsigned vm = 0u;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                s[i] = sb[g][16 * tq + i];
+                const bool valid = ids[cur][16 * tq + i] >= 0;
+                any |= valid;
+                if (valid && hok) vm |= 1u << i;
+            }
+            const float mx = am_block_max(s, vm), mn = mx > m ? mx : m;
+            if (tq == 0) mn_s[g] = mn, al_s[g] = ds_expf(__fsub_rn(m, mn));
+            m = mn;
+        }
+        __syncthreads();
+        { /* p = expf(s − m_new) of every (head, entry) at once, two entries a thread (am_block_p's
+           * expression), as bf16 for P·V and as float for warp 0's ordered sum */
+            const int hh = tid >> 5, e = 2 * (tid & 31);
+            const bool hv = h0 + hh < H, v0 = hv && ids[cur][e] >= 0, v1 = hv && ids[cur][e + 1] >= 0;
+            const float mn = mn_s[hh];
+            const float p0 = v0 ? ds_expf(__fsub_rn(sb[hh][e], mn)) : 0.0f;
+            const float p1 = v1 ? ds_expf(__fsub_rn(sb[hh][e + 1], mn)) : 0.0f;
+            *reinterpret_cast<uint32_t *>(&ps[hh][e]) = (uint32_t)ds_bf16_rne(p0) | ((uint32_t)ds_bf16_rne(p1) << 16);
+            *reinterpret_cast<float2 *>(&pf[hh][e]) = make_float2(p0, p1);
+        }
+        __syncthreads();
+        if (warp == 0) { /* lsum in am_block_p's order: the lane's 16 in turn, then the xor tree */
+            float lsum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) lsum = __fadd_rn(lsum, pf[g][16 * tq + i]);
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) lsum = __fadd_rn(lsum, __shfl_xor_sync(0xffffffffu, lsum, off));
+            l = __fadd_rn(__fmul_rn(l, al_s[g]), lsum);
+        }
+        if (cact) {
+            uint32_t vw[4][4][TL]; /* [k-step][entry 2t, 2t+1, 2t+8, 2t+9][word] */
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) am_load_v<TL>(vw[ks][u], kvd, hd, ids[cur][16 * ks + 2 * tq + (u & 1) + 8 * (u >> 1)]);
+            uint32_t pb[4][2];
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                pb[ks][0] = *reinterpret_cast<const uint32_t *>(&ps[g][16 * ks + 2 * tq]);
+                pb[ks][1] = *reinterpret_cast<const uint32_t *>(&ps[g][16 * ks + 2 * tq + 8]);
+            }
+            const float a0 = al_s[2 * tq], a1 = al_s[2 * tq + 1];
+            float pv[TL][4];
+            am_block_pv<TL>(pv, vw, pb);
+#pragma unroll
+            for (int j = 0; j < TL; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
+        }
+    }
+    if (warp == 0) {
+        any = __any_sync(0xffffffffu, any);
+        if (tq == 0) l_s[g] = !any ? -1.0f : sink && hok ? __fadd_rn(l, ds_expf(__fsub_rn(sink[h0 + g], m))) : l;
+    }
+    __syncthreads();
+    if (cact) {
+        const float lv[2] = {l_s[2 * tq], l_s[2 * tq + 1]};
+        am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq);
     }
 }
 
-bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
-                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
+/* AUTO takes the one pass from AM_ONE_MIN_T rows (attn_mma.h), measured with bench_attn (H100, the
+ * forced forms in one run, µs a call, two passes -> one pass): 1 15.9 -> 50.8, 8 21.5 -> 52.9, 32
+ * 33.4 -> 53.8, 64 47.6 -> 55.6, 96 76.4 -> 57.5, 128 104.2 -> 60.2, 256 172.1 -> 89.2 (62 % of
+ * the copy bandwidth), and a prefill chunk's rows (shared entries, in L2 between the passes) 512
+ * 161.4 -> 136.7, 2,048 550.5 -> 537.6. A one-pass CTA walks its row's 10 blocks one after the
+ * other (~5 µs a block), which a handful of rows cannot hide; the two passes spread a row over 20
+ * score CTAs and 8 channel slices. (With warp 0 computing the block's 512 exponentials itself, as
+ * am_block_p does, a block took ~7 µs: 67-74 µs a call up to 64 rows, 79.5 at 128, 107.1 at 256;
+ * a warp's two 16-entry groups loaded at once, one CTA an SM for the registers, 5-8 % faster up to
+ * 128 rows and 30-40 % slower from 192.) */
+#define AM_ONE_MIN_T 80
+
+bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                               const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
+                               float scale) {
     if (hd % 64 || hd > 4096 || n_idx <= 0 || n_idx > (1 << 30) || H > 65535LL * AM_HG || T <= 0 ||
-        (((uintptr_t)q | (uintptr_t)kv | (uintptr_t)o) & 15))
+        T > 0x7fffffffLL || (((uintptr_t)q | (uintptr_t)kv | (uintptr_t)o) & 15) || path < CUDA_ATTN_AUTO ||
+        path > CUDA_ATTN_ONE_PASS)
         return false;
     cudaStream_t st = cuda_be_stream(be);
     const int64_t target = 2LL * cuda_be_sms(be), hgs = (H + AM_HG - 1) / AM_HG;
+    const bool one_fits = hd <= AM_OW * 16 * AM_ONE_TL;
+    if (path == CUDA_ATTN_ONE_PASS && !one_fits) return false;
+    if (path == CUDA_ATTN_ONE_PASS || (path == CUDA_ATTN_AUTO && one_fits && T >= AM_ONE_MIN_T)) {
+        attn_one_pass_kernel<<<dim3((unsigned)T, (unsigned)hgs), 32 * AM_OW, 0, st>>>(
+            (uint16_t *)o, (const uint16_t *)q, (const uint16_t *)kv, idx, (int)H, (int)hd, (int)n_idx, sink, scale);
+        KERNEL_CHECK();
+        return true;
+    }
     const int ncta = (int)((n_idx + 16 * AM_QK_EG - 1) / (16 * AM_QK_EG));
     const int64_t nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
     /* per row: the logits [H][n_idx] f32; split calls also P [H][nb·64] bf16, AL [H][nb], L [H] */
@@ -524,4 +736,9 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
     }
     cuda_be_scratch_free(be, scratch);
     return true;
+}
+
+bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
+    return cuda_sparse_attn_mma_path(be, CUDA_ATTN_AUTO, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
 }

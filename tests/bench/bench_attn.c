@@ -14,7 +14,9 @@
  * Timing: the calls of one pass over the index sets recorded as one graph segment when the
  * backend has them (the CUDA backend: how a decode step runs), replayed --iters times after a
  * warm replay, wall time over the replays with the backend synchronized, ms per call; and the
- * same calls issued eagerly (path ours_eager). Decode rows report bytes (distinct kv rows read
+ * same calls issued eagerly (path ours_eager); on the CUDA backend also each tensor-core form
+ * forced (paths two_pass, one_pass: kernels/cuda/attn_mma.h; graphs), whichever the op would take
+ * at that row count. Decode rows report bytes (distinct kv rows read
  * + q + o + the index) / time and, on a GPU, the fraction of the device-to-device copy
  * bandwidth measured in the same run.
  *   bench_attn [--backend cuda|cpu] [--rows 1,8,64,256,2048] [--pool N] [--iters N] [--csv F]
@@ -36,6 +38,7 @@
 
 #ifdef DS_HAVE_CUDA
 #include "bench/bench_copy_bw.h"
+#include "cuda/attn_mma.h"
 #endif
 
 #include "backend.h"
@@ -123,6 +126,58 @@ static int write_file(const char *dir, const char *name, const void *p, size_t b
         return -1;
     }
     return 0;
+}
+
+/* The calls of one pass over a row count's index sets (a call per set, into one output). */
+enum { FORM_OP = -1, FORM_TWO = 1, FORM_ONE = 2 }; /* the op, or a tensor-core form (attn_mma.h) */
+struct pass {
+    struct backend *be;
+    bf16_t *o, *q, *kv;
+    int32_t *idx;
+    float *sink;
+    int64_t T;
+    int ns;
+    float scale;
+    int form;
+};
+
+static void run_pass(const struct pass *p) {
+    for (int s = 0; s < p->ns; s++) {
+        bf16_t *qs = p->q + (int64_t)s * p->T * HEADS * HD;
+        int32_t *is = p->idx + (int64_t)s * p->T * N_IDX;
+        if (p->form == FORM_OP) {
+            p->be->ops->sparse_attn(p->be, p->o, qs, p->kv, is, p->T, HEADS, HD, N_IDX, p->sink, p->scale);
+            continue;
+        }
+#ifdef DS_HAVE_CUDA
+        if (!cuda_sparse_attn_mma_path(p->be, p->form, p->o, qs, p->kv, is, p->T, HEADS, HD, N_IDX, p->sink, p->scale)) {
+            fprintf(stderr, "bench_attn: the tensor-core form %d refused the shape\n", p->form);
+            exit(2);
+        }
+#endif
+    }
+}
+
+/* ms per call: one warm pass (with graphs: the recording), then iters passes, the backend
+ * synchronized around them; graphs: each pass one graph segment (keyed by the shape and form) */
+static double time_pass(const struct pass *p, bool graphs, int iters) {
+    const struct backend_ops *ops = p->be->ops;
+    graphs = graphs && ops->graph_begin;
+    const uint64_t key[4] = {0xa77e0001u, (uint64_t)p->T, (uint64_t)p->ns, (uint64_t)(p->form + 2)};
+    double t0 = 0.0;
+    for (int it = -1; it < iters; it++) {
+        if (it == 0) {
+            ops->sync(p->be);
+            t0 = now_s();
+        }
+        if (!graphs) run_pass(p);
+        else if (ops->graph_begin(p->be, key, 4)) {
+            run_pass(p);
+            ops->graph_end(p->be);
+        }
+    }
+    ops->sync(p->be);
+    return 1e3 * (now_s() - t0) / ((double)iters * p->ns);
 }
 
 int main(int argc, char **argv) {
@@ -222,33 +277,16 @@ int main(int argc, char **argv) {
         ops->upload(&be, idx, idxh, sizeof(int32_t) * (size_t)(ns * T * N_IDX));
         ops->upload(&be, q, qh, sizeof(uint16_t) * (size_t)(ns * T * HEADS * HD));
 
-        /* one pass: a call per index set */
-        const uint64_t key[3] = {0xa77e0001u, (uint64_t)T, (uint64_t)ns};
-#define PASS()                                                                                                   \
-    for (int s = 0; s < ns; s++)                                                                                 \
-    ops->sparse_attn(&be, o, q + (int64_t)s * T * HEADS * HD, kv, idx + (int64_t)s * T * N_IDX, T, HEADS, HD, N_IDX, \
-                     sink, scale)
-        double ms[2];
-        for (int eager = 0; eager < 2; eager++) {
-            const bool graphs = !eager && ops->graph_begin;
-            for (int it = -1; it < iters; it++) { /* one warm pass (with graphs: the recording) */
-                if (it == 0) {
-                    ops->sync(&be);
-                    ms[eager] = now_s();
-                }
-                if (graphs) {
-                    if (ops->graph_begin(&be, key, 3)) {
-                        PASS();
-                        ops->graph_end(&be);
-                    }
-                } else {
-                    PASS();
-                }
-            }
-            ops->sync(&be);
-            ms[eager] = 1e3 * (now_s() - ms[eager]) / ((double)iters * ns);
+        /* the paths: the op (graph, eager), and on the CUDA backend each tensor-core form forced */
+        struct pass p = {&be, o, q, kv, idx, sink, T, ns, scale, FORM_OP};
+        enum { NPATH = 4 };
+        static const char *const pnames[NPATH] = {"ours", "ours_eager", "two_pass", "one_pass"};
+        double ms[NPATH];
+        const int npath = strcmp(backend, "cuda") ? 2 : NPATH;
+        for (int pi = 0; pi < npath; pi++) {
+            p.form = pi < 2 ? FORM_OP : pi == 2 ? FORM_TWO : FORM_ONE;
+            ms[pi] = time_pass(&p, pi != 1, iters);
         }
-#undef PASS
         if (dump && T == 8) {
             /* the first set's output, then its inputs in the baseline's form */
             ops->sparse_attn(&be, o, q, kv, idx, T, HEADS, HD, N_IDX, sink, scale);
@@ -274,15 +312,15 @@ int main(int argc, char **argv) {
         /* bytes of one call: its valid entries' distinct rows (decode: each row its own), q, o, idx */
         const double bytes = decode ? (double)valid / ns * HD * 2 + 2.0 * T * HEADS * HD * 2 + (double)T * N_IDX * 4 : 0.0;
         const double flops = 4.0 * (double)T * HEADS * N_IDX * HD;
-        for (int eager = 0; eager < 2; eager++) {
-            const char *path = eager ? "ours_eager" : "ours";
-            const double gbs = bytes / (ms[eager] * 1e-3) / 1e9, tf = flops / (ms[eager] * 1e-3) / 1e12;
+        for (int pi = 0; pi < npath; pi++) {
+            const char *path = pnames[pi];
+            const double gbs = bytes / (ms[pi] * 1e-3) / 1e9, tf = flops / (ms[pi] * 1e-3) / 1e12;
             const double frac = copy_bw > 0 ? gbs * 1e9 / copy_bw : 0.0;
             printf("  %-7s %5lld %-10s %10.4f %10.0f %8.1f%% %8.2f\n", decode ? "decode" : "prefill", (long long)T, path,
-                   ms[eager], gbs, 100.0 * frac, tf);
+                   ms[pi], gbs, 100.0 * frac, tf);
             if (f)
                 fprintf(f, "%s,%s,%s,%lld,%d,%d,%d,%s,%.5f,%.0f,%.1f,%.4f,%.1f,%.3f\n", backend, device,
-                        decode ? "decode" : "prefill", (long long)T, HEADS, HD, N_IDX, path, ms[eager], bytes, gbs, frac,
+                        decode ? "decode" : "prefill", (long long)T, HEADS, HD, N_IDX, path, ms[pi], bytes, gbs, frac,
                         copy_bw / 1e9, tf);
         }
         ops->free(&be, idx);

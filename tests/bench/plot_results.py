@@ -18,7 +18,8 @@ cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head, greedy dr
                             downloaded) or where the logits are (argmax, row_lse, row_topk ops).
 cuda_attn.csv            -> cuda_attn.png: the sparse attention op (bench_attn) next to PyTorch doing the
                             same op (torch_attn_baseline.py rows in the same file), ms a call per row
-                            count (graph replays) and, at decode rows, % of the copy bandwidth.
+                            count (graph replays; our two forms forced too) and, at decode rows, %
+                            of the copy bandwidth.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -234,6 +235,8 @@ def main():
         r = rows(at)
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
         styles = {"ours": ("ours (graph)", "-", "o"), "ours_eager": ("ours (eager)", ":", "o"),
+                  "two_pass": ("ours, two passes forced (scores, then softmax + P·V)", ":", "x"),
+                  "one_pass": ("ours, one pass forced (block by block)", ":", "+"),
                   "torch_eager": ("torch: gather + matmul + softmax with sink (graph)", "--", "s"),
                   "torch_sdpa": ("torch: gather + SDPA, no sink (graph)", "--", "^")}
         for path, (label, ls, mk) in styles.items():

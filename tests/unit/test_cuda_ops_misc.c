@@ -10,6 +10,7 @@
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/attn_mma.h"
 #include "cuda/linear_mma.h"
 #endif
 
@@ -1177,9 +1178,10 @@ static void sparse_attn_case(const char *name, int64_t T, int64_t H, int64_t hd,
     free_attn(&a);
 }
 
-/* Both paths: the exact kernels (mma switch off) and the tensor-core kernels (on; its column slices
- * of 16, 32 and 64 channels are chosen by grid size, so T = 1, 17 and 64 reach all three, and from
- * 128 rows the softmax and P·V split into two launches, T = 128 and the odd 3-head case at 129). hd = 96
+/* Both paths: the exact kernels (mma switch off) and the tensor-core kernels (on; the two-pass
+ * form's column slices of 16, 32 and 64 channels at T = 1, 17 and 64, the one-pass form from 80
+ * rows: T = 128 and the odd 3-head case at 129; the two passes' split softmax + P·V, which the op
+ * takes from 128 rows only where the one pass does not fit, in test_sparse_attn_forms). hd = 96
  * does not fit the tensor-core kernels (hd % 64): with the switch on it must take the exact ones. */
 static void test_sparse_attn(void **st) {
     NEED_GPU(st);
@@ -1204,6 +1206,68 @@ static void test_sparse_attn(void **st) {
         sparse_attn_case(nm, 6, 4, 96, 130, 150);
     }
     mma_switch(false);
+}
+
+#ifdef DS_HAVE_CUDA
+/* One shape through both tensor-core forms (attn_mma.h) forced: the one pass must give the two
+ * passes' bits on every row (both run the same operations per element in the same order), and
+ * write nothing past the output. Returns false where the one pass refuses the shape. */
+static bool attn_forms_case(const char *name, int64_t T, int64_t H, int64_t hd, int64_t n_idx, int64_t nkv) {
+    char tag[160];
+    snprintf(tag, sizeof tag, "sparse_attn forms %s T=%lld", name, (long long)T);
+    struct attn_in a = make_attn(tag, T, H, hd, n_idx, nkv);
+    const size_t ob = (size_t)(T * H * hd) * 2;
+    void *dq = g_in(a.q, (size_t)(T * H * hd) * 2), *dkv = g_in(a.kv, (size_t)(nkv * hd) * 2),
+         *di = g_in(a.idx, (size_t)(T * n_idx) * 4), *d2 = g_out(ob, PZ_16), *d1 = g_out(ob, PZ_16);
+    const void *ds = g_tensor(a.sink, (size_t)H * 4, false);
+    assert_true(cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_TWO_PASS, d2, dq, dkv, di, T, H, hd, n_idx, ds, a.scale));
+    const bool fits = cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_ONE_PASS, d1, dq, dkv, di, T, H, hd, n_idx, ds, a.scale);
+    if (fits) {
+        uint16_t *o2 = NEW(uint16_t, T * H * hd), *o1 = NEW(uint16_t, T * H * hd);
+        g_get(o2, d2, ob);
+        g_get(o1, d1, ob);
+        struct cmp c;
+        cmp_begin(&c, "sparse_attn", "one pass = two passes, %s T=%lld", name, (long long)T);
+        for (int64_t i = 0; i < T * H * hd; i++)
+            cmp_bits(&c, i, o1[i], o2[i], bf16_to_f32(o1[i]), bf16_to_f32(o2[i]));
+        cmp_end(&c);
+        free(o1);
+        free(o2);
+    }
+    g_free(dq);
+    g_free(dkv);
+    g_free(di);
+    g_free(d2);
+    g_free(d1); /* the sentinels past both outputs are checked here */
+    GPU->tensor_release(&gpu_be, ds);
+    free_attn(&a);
+    return fits;
+}
+#endif
+
+/* The one-pass form against the two-pass one, bit for bit, over the row kinds of make_idx_row
+ * (leading / trailing -1, rows without a valid entry, a whole block of -1), partial head groups (3
+ * heads, 12 heads = a group and a half), n_idx not a multiple of 64 or of 4, hd 64 (one P·V warp
+ * busy of 8) and a row count past the AUTO range; hd 1024 does not fit the one pass (its P·V takes
+ * 64 channels a warp, 512 a CTA) and must be refused with nothing launched. */
+static void test_sparse_attn_forms(void **st) {
+    NEED_GPU(st);
+#ifndef DS_HAVE_CUDA
+    skip();
+#else
+    if (gpu_state != 1) skip(); /* CUDA kernels called directly: no CPU stand-in */
+    const int64_t rows[] = {1, 8, 40, 129, 600};
+    for (int i = 0; i < 5; i++)
+        assert_true(attn_forms_case("8 heads, window 128 + top-512 of 2048", rows[i], H_LOCAL, HD, WINDOW + INDEX_TOPK,
+                                    WINDOW + 2048));
+    const int64_t odd_n[] = {1, 37, 100, 129};
+    for (int i = 0; i < 4; i++) {
+        assert_true(attn_forms_case("odd n_idx, 3 heads", 17, 3, HD, odd_n[i], 300));
+        assert_true(attn_forms_case("odd n_idx, 1 head", 5, 1, HD, odd_n[i], 33));
+    }
+    assert_true(attn_forms_case("12 heads hd=64", 9, 12, 64, 200, 150));
+    assert_false(attn_forms_case("8 heads hd=1024", 3, 8, 1024, 70, 90));
+#endif
 }
 
 static void compress_pool_case(int64_t G, int64_t r, int64_t n) {
@@ -1433,8 +1497,9 @@ static void attn_rows(void *vc, int64_t r0, int64_t T, void *out) {
 
 static void test_batch_invariance_sparse_attn(void **st) {
     NEED_GPU(st);
-    /* 128 rows: with the switch on, T = 1, 8 and 64 take the one-launch tensor-core kernel and
-     * T = 128 the split softmax + P·V, which must give every row the same bits */
+    /* 128 rows: with the switch on, T = 1, 8 and 64 take the two-pass kernels (one launch of
+     * softmax and P·V after the scores), T = 128 the one-pass kernel (attn_mma.h's AUTO), which
+     * must give every row the same bits (test_sparse_attn_forms: the split softmax + P·V too) */
     enum { BI_ROWS = 128 };
     const int64_t bi_t[] = {8, 64, BI_ROWS}, bi_probes[] = {0, 5, 7, 63, BI_ROWS - 1};
     struct attn_in a = make_attn("bi sparse_attn", BI_ROWS, H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048);
@@ -1497,6 +1562,7 @@ int main(void) {
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),
         cmocka_unit_test(test_index_scores_rows),
+        cmocka_unit_test(test_sparse_attn_forms),
         cmocka_unit_test(test_batch_invariance_sparse_attn),
         cmocka_unit_test(test_batch_invariance_index_scores),
     };
