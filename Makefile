@@ -102,7 +102,7 @@ test-cuda: all
 # on the GPU machine: the linear kernels per shape next to PyTorch (bf16 matmul on dequantized
 # weights), the decode step and prefill of one rank's shard with its per-op profile, the decode
 # step at a 2,048-token context (the index top-k then selects 512 of 1,024 rows), the head with
-# its greedy draw on the host and on the GPU, the sparse attention op next to PyTorch's, then the plots
+# its greedy draw on the host and on the GPU, the sparse attention and routed-expert ops next to PyTorch's, then the plots
 # (results/*.png)
 bench: all
 	@mkdir -p results
@@ -114,6 +114,8 @@ bench: all
 	$(BUILD_DIR)/bench/bench_head_draw --csv results/cuda_head_draw.csv
 	$(BUILD_DIR)/bench/bench_attn --csv results/cuda_attn.csv
 	python3 tests/bench/torch_attn_baseline.py results/cuda_attn.csv
+	$(BUILD_DIR)/bench/bench_moe --csv results/cuda_moe.csv
+	python3 tests/bench/torch_moe_baseline.py results/cuda_moe.csv
 	python3 tests/bench/plot_results.py results
 
 demo: all

@@ -20,6 +20,9 @@ cuda_attn.csv            -> cuda_attn.png: the sparse attention op (bench_attn) 
                             same op (torch_attn_baseline.py rows in the same file), ms a call per row
                             count (graph replays; our two forms forced too) and, at decode rows, %
                             of the copy bandwidth.
+cuda_moe.csv             -> cuda_moe.png: the routed experts op (bench_moe) next to PyTorch's loop over the
+                            experts (torch_moe_baseline.py rows in the same file), ms a call per token
+                            count and % of the copy bandwidth (each side's own weight bytes).
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -261,6 +264,35 @@ def main():
         fig.suptitle("sparse attention, 8 heads x 512, 640 entries a row, sink (%s)" % r[0]["device"], fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(os.path.join(d, "cuda_attn.png"), dpi=110)
+
+    mo = os.path.join(d, "cuda_moe.csv")
+    if os.path.exists(mo):
+        r = rows(mo)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        styles = {"ours": ("ours: FP4 weights on the tensor cores (graph)", "-", "o"),
+                  "ours_eager": ("ours (eager)", ":", "o"),
+                  "torch_loop": ("torch: the reference's loop, bf16 weights (graph)", "--", "s"),
+                  "torch_loop_nograph": ("torch loop (eager)", ":", "s")}
+        cbw = next((float(x["copy_gb_per_s"]) for x in r if float(x["copy_gb_per_s"]) > 0), None)
+        for path, (label, ls, mk) in styles.items():
+            pts = sorted((int(x["tokens"]), float(x["ms_per_call"]), float(x["bytes"])) for x in r if x["path"] == path)
+            if not pts:
+                continue
+            axes[0].plot([p[0] for p in pts], [1e3 * p[1] for p in pts], ls=ls, marker=mk, label=label)
+            if cbw:
+                axes[1].plot([p[0] for p in pts], [100 * p[2] / (p[1] * 1e-3) / 1e9 / cbw for p in pts], ls=ls, marker=mk,
+                             label=label)
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens a call (top-6 of 384 experts, 48 on this rank)")
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("µs a call")
+        axes[0].legend(fontsize=7.5)
+        axes[1].set_ylabel("weight bytes read / time, % of copy bandwidth")
+        axes[1].axhline(70, color="k", ls="--", lw=0.8)
+        fig.suptitle("routed experts, w1/w3 [2304, 5120], w2 [5120, 2304] (%s)" % r[0]["device"], fontsize=10)
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+        fig.savefig(os.path.join(d, "cuda_moe.png"), dpi=110)
 
 
 if __name__ == "__main__":

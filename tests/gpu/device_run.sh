@@ -17,13 +17,16 @@ for step in "$@"; do
       for t in carry/gpu/tests/test_cuda_*; do echo "== $t"; timeout ${T_TEST:-300} "$t" 2>&1; done > "$OUT/test_cuda.txt" 2>&1 ;;
     engine)
       timeout ${T_ENGINE:-500} bash tests/cli/test_cuda_engine.sh > "$OUT/test_cuda_engine.txt" 2>&1
-      # the attention benchmark's op check (tests/cli/test_bench_attn.sh) on the CUDA backend
-      d=$(mktemp -d)
-      if timeout 120 carry/gpu/bench/bench_attn --backend cuda --rows 8 --iters 1 --dump "$d" > /dev/null 2>&1 &&
-         python3 tests/bench/torch_attn_baseline.py --check "$d" > "$d/check" 2>&1; then
-        echo "ok - bench_attn's CUDA output is the op torch_attn_baseline.py times: $(cat "$d/check")"
-      else echo "not ok - bench_attn on the CUDA backend against the op: $(cat "$d/check" 2>/dev/null)"; fi >> "$OUT/test_cuda_engine.txt"
-      rm -rf "$d" ;;
+      # the benchmarks' op checks (tests/cli/test_bench_baselines.sh) on the CUDA backend
+      for op in attn moe; do
+        d=$(mktemp -d)
+        [ $op = attn ] && args="--rows 8" || args="--tokens 8"
+        if timeout 120 carry/gpu/bench/bench_$op --backend cuda $args --iters 1 --dump "$d" > /dev/null 2>&1 &&
+           python3 tests/bench/torch_${op}_baseline.py --check "$d" > "$d/check" 2>&1; then
+          echo "ok - bench_$op's CUDA output is the op torch_${op}_baseline.py times: $(cat "$d/check")"
+        else echo "not ok - bench_$op on the CUDA backend against the op: $(cat "$d/check" 2>/dev/null)"; fi >> "$OUT/test_cuda_engine.txt"
+        rm -rf "$d"
+      done ;;
     nccl)
       MPITESTS=$PWD/carry/gpu/mpitests timeout 120 bash tests/cli/test_nccl.sh > "$OUT/test_nccl.txt" 2>&1 ;;
     bench)
@@ -39,7 +42,9 @@ for step in "$@"; do
         timeout 120 python3 tests/bench/torch_gemm_ceiling.py "$OUT/cuda_gemm_ceiling.csv"
         timeout 120 python3 tests/bench/torch_linear_baseline.py "$OUT/torch_linear_decode.csv"
         timeout 200 carry/gpu/bench/bench_attn --csv "$OUT/cuda_attn.csv"
-        timeout 300 python3 tests/bench/torch_attn_baseline.py "$OUT/cuda_attn.csv" ) > "$OUT/bench.txt" 2>&1 ;;
+        timeout 300 python3 tests/bench/torch_attn_baseline.py "$OUT/cuda_attn.csv"
+        timeout 300 carry/gpu/bench/bench_moe --csv "$OUT/cuda_moe.csv"
+        timeout 300 python3 tests/bench/torch_moe_baseline.py "$OUT/cuda_moe.csv" ) > "$OUT/bench.txt" 2>&1 ;;
     multi) OUT="$OUT" timeout ${T_MULTI:-590} bash tests/gpu/multi_gpu.sh ;;  # issue #7, 8 GPUs: see its header
   esac
 done
