@@ -224,6 +224,20 @@ static __device__ __forceinline__ void am_block_pv(float (&pv)[TL][4], const uin
         }
 }
 
+/* A block into a row's P·V in the fragment layout (the split and one-pass kernels): pv from zero
+ * (am_block_pv), then acc = acc·alpha + pv per element, alpha a0 for head 2t and a1 for 2t + 1
+ * (the fragment register's r & 1). */
+template <int TL>
+static __device__ __forceinline__ void am_block_fold(float (&acc)[TL][4], const uint32_t (&vw)[4][4][TL],
+                                                     const uint32_t (&pb)[4][2], float a0, float a1) {
+    float pv[TL][4];
+    am_block_pv<TL>(pv, vw, pb);
+#pragma unroll
+    for (int j = 0; j < TL; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Online softmax and P·V.
  *
@@ -479,12 +493,7 @@ __global__ void __launch_bounds__(128)
             pb[ks][1] = pok ? __ldg(reinterpret_cast<const uint32_t *>(prow + e0 + 16 * ks + 2 * tq + 8)) : 0u;
         }
         const float a0 = aok0 ? __ldg(al0 + b) : 0.0f, a1 = aok1 ? __ldg(al1 + b) : 0.0f;
-        float pv[TL][4];
-        am_block_pv<TL>(pv, vw, pb);
-#pragma unroll
-        for (int j = 0; j < TL; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
+        am_block_fold<TL>(acc, vw, pb, a0, a1);
     }
     const float lv[2] = {aok0 ? L[t * H + h0 + 2 * tq] : 0.0f, aok1 ? L[t * H + h0 + 2 * tq + 1] : 0.0f};
     am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq);
@@ -632,12 +641,7 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
                 pb[ks][1] = *reinterpret_cast<const uint32_t *>(&ps[g][16 * ks + 2 * tq + 8]);
             }
             const float a0 = al_s[2 * tq], a1 = al_s[2 * tq + 1];
-            float pv[TL][4];
-            am_block_pv<TL>(pv, vw, pb);
-#pragma unroll
-            for (int j = 0; j < TL; j++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
+            am_block_fold<TL>(acc, vw, pb, a0, a1);
         }
     }
     if (warp == 0) {

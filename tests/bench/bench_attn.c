@@ -27,21 +27,18 @@
  * --check: q.bin [8][H][hd] bf16, k.bin [8][n_idx][hd] bf16 (each row's gathered entries, zeros
  * for -1), idx.bin [8][n_idx] int32, sink.bin [H] fp32, o.bin [8][H][hd] bf16 (this op's output),
  * meta.txt (rows heads hd n_idx scale), so that the baseline is checked to compute the same op. */
-#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 
 #ifdef DS_HAVE_CUDA
-#include "bench/bench_copy_bw.h"
 #include "cuda/attn_mma.h"
 #endif
 
 #include "backend.h"
+#include "bench/bench_util.h"
 #include "formats.h"
 #include "xorshift.h"
 
@@ -53,24 +50,6 @@
 #define NSETS 16         /* index sets a decode pass rotates over */
 #define DECODE_MAX_T 256 /* rows up to this: the decode pattern */
 #define PREFILL_CMP 1024 /* a prefill chunk's compressed rows (2,048 positions at ratio 2) */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int parse_list(const char *s, int64_t *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        char *e;
-        long long v = strtoll(s, &e, 10);
-        if (e == s || v <= 0 || v > (1 << 20) || (*e && *e != ',')) return -1;
-        out[n++] = v;
-        s = *e == ',' ? e + 1 : e;
-    }
-    return *s ? -1 : n;
-}
 
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
 static uint64_t rnd(void) { return xorshift64(&g_rng); }
@@ -117,17 +96,6 @@ static int64_t make_index(int32_t *idx, int64_t T, int64_t P, uint8_t *mark) {
     return valid;
 }
 
-static int write_file(const char *dir, const char *name, const void *p, size_t bytes) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(p, 1, bytes, f) != bytes || fclose(f)) {
-        fprintf(stderr, "bench_attn: cannot write %s: %s\n", path, strerror(errno));
-        return -1;
-    }
-    return 0;
-}
-
 /* The calls of one pass over a row count's index sets (a call per set, into one output). */
 enum { FORM_OP = -1, FORM_TWO = 1, FORM_ONE = 2 }; /* the op, or a tensor-core form (attn_mma.h) */
 struct pass {
@@ -141,7 +109,8 @@ struct pass {
     int form;
 };
 
-static void run_pass(const struct pass *p) {
+static void run_pass(const void *ctx) {
+    const struct pass *p = ctx;
     for (int s = 0; s < p->ns; s++) {
         bf16_t *qs = p->q + (int64_t)s * p->T * HEADS * HD;
         int32_t *is = p->idx + (int64_t)s * p->T * N_IDX;
@@ -158,35 +127,13 @@ static void run_pass(const struct pass *p) {
     }
 }
 
-/* ms per call: one warm pass (with graphs: the recording), then iters passes, the backend
- * synchronized around them; graphs: each pass one graph segment (keyed by the shape and form) */
-static double time_pass(const struct pass *p, bool graphs, int iters) {
-    const struct backend_ops *ops = p->be->ops;
-    graphs = graphs && ops->graph_begin;
-    const uint64_t key[4] = {0xa77e0001u, (uint64_t)p->T, (uint64_t)p->ns, (uint64_t)(p->form + 2)};
-    double t0 = 0.0;
-    for (int it = -1; it < iters; it++) {
-        if (it == 0) {
-            ops->sync(p->be);
-            t0 = now_s();
-        }
-        if (!graphs) run_pass(p);
-        else if (ops->graph_begin(p->be, key, 4)) {
-            run_pass(p);
-            ops->graph_end(p->be);
-        }
-    }
-    ops->sync(p->be);
-    return 1e3 * (now_s() - t0) / ((double)iters * p->ns);
-}
-
 int main(int argc, char **argv) {
     const char *backend = "cuda", *csv = NULL, *dump = NULL;
     int64_t rows[16] = {1, 8, 64, 256, 2048}, pool = 262144;
     int n_rows = 5, iters = 20;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
-        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) n_rows = parse_list(argv[++i], rows, 16);
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) n_rows = bench_parse_list(argv[++i], rows, 16);
         else if (!strcmp(argv[i], "--pool") && i + 1 < argc) pool = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
@@ -202,37 +149,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     struct backend be;
-    const char *device = "cpu";
-    double copy_bw = 0.0;
-    if (!strcmp(backend, "cpu")) {
-        if (backend_cpu_init(&be)) return 2;
-    } else if (!strcmp(backend, "cuda")) {
-#ifdef DS_HAVE_CUDA
-        if (backend_cuda_init(&be, 0)) {
-            fprintf(stderr, "bench_attn: no usable CUDA device\n");
-            return 2;
-        }
-        static struct cudaDeviceProp prop;
-        device = cudaGetDeviceProperties(&prop, 0) == cudaSuccess ? prop.name : "cuda:0";
-        backend_cuda_set_mma(&be, true); /* as the engine runs (--exact-linears: off) */
-        copy_bw = bench_copy_bandwidth();
-#else
-        fprintf(stderr, "bench_attn: built without CUDA (use --backend cpu)\n");
-        return 2;
-#endif
-    } else {
-        fprintf(stderr, "bench_attn: --backend is cuda or cpu, not '%s'\n", backend);
-        return 2;
-    }
+    const char *device;
+    double copy_bw;
+    if (bench_backend_open("bench_attn", backend, &be, &device, &copy_bw)) return 2;
     const struct backend_ops *ops = be.ops;
-    FILE *f = csv ? fopen(csv, "w") : NULL;
-    if (csv && !f) {
-        perror(csv);
-        return 2;
-    }
-    if (f)
-        fprintf(f, "backend,device,pattern,rows,heads,hd,n_idx,path,ms_per_call,bytes,gb_per_s,fraction_of_copy_bw,"
-                   "copy_gb_per_s,tflops\n");
+    FILE *f = bench_csv_open(csv, "backend,device,pattern,rows,heads,hd,n_idx,path,ms_per_call,bytes,gb_per_s,"
+                                  "fraction_of_copy_bw,copy_gb_per_s,tflops\n");
     printf("# %s (%s), heads %d, hd %d, %d index entries a row, pool %lld rows; device-to-device copy %.0f GB/s\n",
            device, backend, HEADS, HD, N_IDX, (long long)pool, copy_bw / 1e9);
     printf("# %-7s %5s %-10s %10s %10s %9s %8s\n", "pattern", "rows", "path", "ms/call", "GB/s", "of copy", "TFLOP/s");
@@ -285,7 +207,8 @@ int main(int argc, char **argv) {
         const int npath = strcmp(backend, "cuda") ? 2 : NPATH;
         for (int pi = 0; pi < npath; pi++) {
             p.form = pi < 2 ? FORM_OP : pi == 2 ? FORM_TWO : FORM_ONE;
-            ms[pi] = time_pass(&p, pi != 1, iters);
+            const uint64_t key[4] = {0xa77e0001u, (uint64_t)T, (uint64_t)ns, (uint64_t)(p.form + 2)};
+            ms[pi] = bench_time_pass(&be, run_pass, &p, ns, key, 4, pi != 1, iters);
         }
         if (dump && T == 8) {
             /* the first set's output, then its inputs in the baseline's form */
@@ -298,13 +221,12 @@ int main(int argc, char **argv) {
                 if (idxh[e] >= 0) memcpy(kg + e * HD, kvh + (int64_t)idxh[e] * HD, sizeof(uint16_t) * HD);
             char meta[256];
             const int len = snprintf(meta, sizeof meta, "%lld %d %d %d %.9g\n", (long long)T, HEADS, HD, N_IDX, scale);
-            mkdir(dump, 0755);
-            if (write_file(dump, "q.bin", qh, sizeof(uint16_t) * (size_t)(T * HEADS * HD)) ||
-                write_file(dump, "k.bin", kg, sizeof(uint16_t) * (size_t)(T * N_IDX * HD)) ||
-                write_file(dump, "idx.bin", idxh, sizeof(int32_t) * (size_t)(T * N_IDX)) ||
-                write_file(dump, "sink.bin", sinkh, sizeof sinkh) ||
-                write_file(dump, "o.bin", oh, sizeof(uint16_t) * (size_t)(T * HEADS * HD)) ||
-                write_file(dump, "meta.txt", meta, (size_t)len))
+            if (bench_write_file("bench_attn", dump, "q.bin", qh, sizeof(uint16_t) * (size_t)(T * HEADS * HD)) ||
+                bench_write_file("bench_attn", dump, "k.bin", kg, sizeof(uint16_t) * (size_t)(T * N_IDX * HD)) ||
+                bench_write_file("bench_attn", dump, "idx.bin", idxh, sizeof(int32_t) * (size_t)(T * N_IDX)) ||
+                bench_write_file("bench_attn", dump, "sink.bin", sinkh, sizeof sinkh) ||
+                bench_write_file("bench_attn", dump, "o.bin", oh, sizeof(uint16_t) * (size_t)(T * HEADS * HD)) ||
+                bench_write_file("bench_attn", dump, "meta.txt", meta, (size_t)len))
                 rc = 2;
             free(oh);
             free(kg);

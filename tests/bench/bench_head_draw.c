@@ -34,37 +34,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-#ifdef DS_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
 
 #include "backend.h"
+#include "bench/bench_util.h"
 #include "formats.h"
 #include "lse_core.h"
 #include "sampler.h"
 #include "xorshift.h"
 
 #define DIM 5120
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int parse_list(const char *s, int64_t *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        char *e;
-        long long v = strtoll(s, &e, 10);
-        if (e == s || v <= 0) return -1;
-        out[n++] = v;
-        s = *e == ',' ? e + 1 : e;
-    }
-    return n;
-}
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void) { return xorshift64(&g_rng); }
@@ -85,8 +63,8 @@ int main(int argc, char **argv) {
     int n_rows = 4, n_vocab = 2, iters = 20;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
-        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) n_rows = parse_list(argv[++i], rows, 16);
-        else if (!strcmp(argv[i], "--vocab") && i + 1 < argc) n_vocab = parse_list(argv[++i], vocab, 8);
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) n_rows = bench_parse_list(argv[++i], rows, 16);
+        else if (!strcmp(argv[i], "--vocab") && i + 1 < argc) n_vocab = bench_parse_list(argv[++i], vocab, 8);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
         else {
@@ -100,23 +78,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     struct backend be;
-    const char *device = "cpu";
-    if (!strcmp(backend, "cpu")) {
-        if (backend_cpu_init(&be)) return 2;
-    } else {
-#ifdef DS_HAVE_CUDA
-        if (backend_cuda_init(&be, 0)) {
-            fprintf(stderr, "bench_head_draw: no usable CUDA device\n");
-            return 2;
-        }
-        static struct cudaDeviceProp prop;
-        device = cudaGetDeviceProperties(&prop, 0) == cudaSuccess ? prop.name : "cuda:0";
-        backend_cuda_set_mma(&be, true); /* as the engine runs (--exact-linears: off) */
-#else
-        fprintf(stderr, "bench_head_draw: built without CUDA (use --backend cpu)\n");
-        return 2;
-#endif
-    }
+    const char *device;
+    if (bench_backend_open("bench_head_draw", backend, &be, &device, NULL)) return 2;
     const struct backend_ops *ops = be.ops;
     FILE *f = csv ? fopen(csv, "w") : NULL;
     if (csv && !f) {
@@ -182,7 +145,7 @@ int main(int argc, char **argv) {
                     if (p == 3 && strcmp(backend, "cpu")) backend_cuda_set_mma(&be, false);
 #endif
                     ops->sync(&be);
-                    const double t0 = now_s();
+                    const double t0 = bench_now_s();
                     ops->head(&be, lg, x, R, &W);
                     if (p == 1) {
                         const struct sample_params greedy = {.temperature = 0.0f};
@@ -237,7 +200,7 @@ int main(int argc, char **argv) {
                         }
                     }
                     ops->sync(&be);
-                    t[p] = now_s() - t0;
+                    t[p] = bench_now_s() - t0;
 #ifdef DS_HAVE_CUDA
                     if (p == 3 && strcmp(backend, "cpu")) backend_cuda_set_mma(&be, true);
 #endif

@@ -25,14 +25,7 @@
 #include "cuda/cuda_linear.h"
 #include "cuda/linear_mma.h"
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "bench: %s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
+#define CK(x) BENCH_CK(x)
 
 /* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,

@@ -20,19 +20,13 @@
  * experts.bin [n_dump] int32, w1.bin / w3.bin [n_dump][I][D/2] and w2.bin [n_dump][D][I/2] (packed
  * e2m1, low nibble = even k), s1.bin / s3.bin [n_dump][I][D/32] and s2.bin [n_dump][D][I/32]
  * (e8m0), y.bin [8][k][D] bf16 (this op's output; slots routed elsewhere zero). */
-#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
-
-#ifdef DS_HAVE_CUDA
-#include "bench/bench_copy_bw.h"
-#endif
 
 #include "backend.h"
+#include "bench/bench_util.h"
 #include "formats.h"
 #include "xorshift.h"
 
@@ -42,37 +36,8 @@
 #define DECODE_MAX_T 256
 #define LIMIT 10.0f
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int parse_list(const char *s, int64_t *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        char *e;
-        long long v = strtoll(s, &e, 10);
-        if (e == s || v <= 0 || v > (1 << 20) || (*e && *e != ',')) return -1;
-        out[n++] = v;
-        s = *e == ',' ? e + 1 : e;
-    }
-    return *s ? -1 : n;
-}
-
 static uint64_t g_rng = 0x853c49e6748fea9bull;
 static uint64_t rnd(void) { return xorshift64(&g_rng); }
-
-static int write_file(const char *dir, const char *name, const void *p, size_t bytes) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(p, 1, bytes, f) != bytes || fclose(f)) {
-        fprintf(stderr, "bench_moe: cannot write %s: %s\n", path, strerror(errno));
-        return -1;
-    }
-    return 0;
-}
 
 /* One expert matrix [n, k] in FP4: random codes, scales 2^-8 .. 2^-6 (outputs of order one). */
 static struct qweight make_fp4(int64_t n, int64_t k) {
@@ -98,32 +63,11 @@ struct pass {
     const struct qweight *w1, *w3, *w2;
 };
 
-static void run_pass(const struct pass *p) {
+static void run_pass(const void *ctx) {
+    const struct pass *p = ctx;
     for (int s = 0; s < p->ns; s++)
         p->be->ops->moe_experts(p->be, p->y, p->x + (int64_t)s * p->T * p->D, p->idx + (int64_t)s * p->T * TOPK,
                                 p->wts + (int64_t)s * p->T * TOPK, p->T, TOPK, 0, p->n_local, p->w1, p->w3, p->w2, LIMIT);
-}
-
-/* ms per call: one warm pass (with graphs: the recording), then iters passes, the backend
- * synchronized around them */
-static double time_pass(const struct pass *p, bool graphs, int iters) {
-    const struct backend_ops *ops = p->be->ops;
-    graphs = graphs && ops->graph_begin;
-    const uint64_t key[3] = {0x30e0001u, (uint64_t)p->T, (uint64_t)p->ns};
-    double t0 = 0.0;
-    for (int it = -1; it < iters; it++) {
-        if (it == 0) {
-            ops->sync(p->be);
-            t0 = now_s();
-        }
-        if (!graphs) run_pass(p);
-        else if (ops->graph_begin(p->be, key, 3)) {
-            run_pass(p);
-            ops->graph_end(p->be);
-        }
-    }
-    ops->sync(p->be);
-    return 1e3 * (now_s() - t0) / ((double)iters * p->ns);
 }
 
 /* The 8-token case's first set in the baseline's form (see the header). */
@@ -156,16 +100,15 @@ static int dump_case(const char *dir, struct backend *be, const struct pass *p, 
     char meta[256];
     const int len = snprintf(meta, sizeof meta, "%lld %d %lld %lld %d %.9g\n", (long long)T, TOPK, (long long)D,
                              (long long)I, nd, LIMIT);
-    mkdir(dir, 0755);
-    int rc = write_file(dir, "meta.txt", meta, (size_t)len) ||
-             write_file(dir, "x.bin", xh, sizeof(uint16_t) * (size_t)(T * D)) ||
-             write_file(dir, "idx.bin", idx2, sizeof(int32_t) * (size_t)(T * TOPK)) ||
-             write_file(dir, "wts.bin", wtsh, sizeof(float) * (size_t)(T * TOPK)) ||
-             write_file(dir, "experts.bin", experts, sizeof(int32_t) * (size_t)nd) ||
-             write_file(dir, "w1.bin", w1, b13 * nd) || write_file(dir, "s1.bin", sc1, s13 * nd) ||
-             write_file(dir, "w3.bin", w3, b13 * nd) || write_file(dir, "s3.bin", sc3, s13 * nd) ||
-             write_file(dir, "w2.bin", w2, b2 * nd) || write_file(dir, "s2.bin", sc2, s2 * nd) ||
-             write_file(dir, "y.bin", yh, sizeof(uint16_t) * (size_t)(T * TOPK * D));
+    int rc = bench_write_file("bench_moe", dir, "meta.txt", meta, (size_t)len) ||
+             bench_write_file("bench_moe", dir, "x.bin", xh, sizeof(uint16_t) * (size_t)(T * D)) ||
+             bench_write_file("bench_moe", dir, "idx.bin", idx2, sizeof(int32_t) * (size_t)(T * TOPK)) ||
+             bench_write_file("bench_moe", dir, "wts.bin", wtsh, sizeof(float) * (size_t)(T * TOPK)) ||
+             bench_write_file("bench_moe", dir, "experts.bin", experts, sizeof(int32_t) * (size_t)nd) ||
+             bench_write_file("bench_moe", dir, "w1.bin", w1, b13 * nd) || bench_write_file("bench_moe", dir, "s1.bin", sc1, s13 * nd) ||
+             bench_write_file("bench_moe", dir, "w3.bin", w3, b13 * nd) || bench_write_file("bench_moe", dir, "s3.bin", sc3, s13 * nd) ||
+             bench_write_file("bench_moe", dir, "w2.bin", w2, b2 * nd) || bench_write_file("bench_moe", dir, "s2.bin", sc2, s2 * nd) ||
+             bench_write_file("bench_moe", dir, "y.bin", yh, sizeof(uint16_t) * (size_t)(T * TOPK * D));
     free(w1), free(w3), free(w2), free(sc1), free(sc3), free(sc2), free(yh);
     return rc ? 2 : 0;
 }
@@ -176,9 +119,9 @@ int main(int argc, char **argv) {
     int n_toks = 5, iters = 20;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) n_toks = parse_list(argv[++i], toks, 16);
+        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) n_toks = bench_parse_list(argv[++i], toks, 16);
         else if (!strcmp(argv[i], "--dims") && i + 1 < argc) {
-            if (parse_list(argv[++i], dims, 2) != 2) dims[0] = 0;
+            if (bench_parse_list(argv[++i], dims, 2) != 2) dims[0] = 0;
         } else if (!strcmp(argv[i], "--local") && i + 1 < argc) n_local = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--csv") && i + 1 < argc) csv = argv[++i];
@@ -196,37 +139,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     struct backend be;
-    const char *device = "cpu";
-    double copy_bw = 0.0;
-    if (!strcmp(backend, "cpu")) {
-        if (backend_cpu_init(&be)) return 2;
-    } else if (!strcmp(backend, "cuda")) {
-#ifdef DS_HAVE_CUDA
-        if (backend_cuda_init(&be, 0)) {
-            fprintf(stderr, "bench_moe: no usable CUDA device\n");
-            return 2;
-        }
-        static struct cudaDeviceProp prop;
-        device = cudaGetDeviceProperties(&prop, 0) == cudaSuccess ? prop.name : "cuda:0";
-        backend_cuda_set_mma(&be, true); /* as the engine runs (--exact-linears: off) */
-        copy_bw = bench_copy_bandwidth();
-#else
-        fprintf(stderr, "bench_moe: built without CUDA (use --backend cpu)\n");
-        return 2;
-#endif
-    } else {
-        fprintf(stderr, "bench_moe: --backend is cuda or cpu, not '%s'\n", backend);
-        return 2;
-    }
+    const char *device;
+    double copy_bw;
+    if (bench_backend_open("bench_moe", backend, &be, &device, &copy_bw)) return 2;
     const struct backend_ops *ops = be.ops;
-    FILE *f = csv ? fopen(csv, "w") : NULL;
-    if (csv && !f) {
-        perror(csv);
-        return 2;
-    }
-    if (f)
-        fprintf(f, "backend,device,tokens,d,inter,n_local,pairs,experts,path,ms_per_call,bytes,gb_per_s,"
-                   "fraction_of_copy_bw,copy_gb_per_s,tflops\n");
+    FILE *f = bench_csv_open(csv, "backend,device,tokens,d,inter,n_local,pairs,experts,path,ms_per_call,bytes,"
+                                  "gb_per_s,fraction_of_copy_bw,copy_gb_per_s,tflops\n");
 
     /* the experts: host copies kept (the CPU backend reads them; the dump writes them) */
     struct qweight *h1 = calloc((size_t)n_local, sizeof *h1), *h3 = calloc((size_t)n_local, sizeof *h3),
@@ -285,7 +203,8 @@ int main(int argc, char **argv) {
         ops->upload(&be, wts, wtsh, sizeof(float) * (size_t)(ns * T * TOPK));
         struct pass p = {&be, y, x, idx, wts, T, D, n_local, ns, w1, w3, w2};
         double ms[2];
-        for (int eager = 0; eager < 2; eager++) ms[eager] = time_pass(&p, !eager, iters);
+        const uint64_t key[3] = {0x30e0001u, (uint64_t)T, (uint64_t)ns};
+        for (int eager = 0; eager < 2; eager++) ms[eager] = bench_time_pass(&be, run_pass, &p, ns, key, 3, !eager, iters);
         if (dump && T == 8) {
             rc |= dump_case(dump, &be, &p, xh, idxh, wtsh, h1, h3, h2, I);
             dumped = true;

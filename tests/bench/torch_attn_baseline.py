@@ -23,6 +23,8 @@ in float64 from the dumped inputs and checks that bench_attn's output is it with
 them apart). Exit 1 when it does not hold."""
 import sys
 
+from torch_bench_util import bf16_load, open_csv, time_pass
+
 HEADS, HD, WIN, TOPK = 8, 512, 128, 512
 N_IDX = WIN + TOPK
 NSETS, DECODE_MAX_T, PREFILL_CMP, POOL = 16, 256, 1024, 262144
@@ -33,20 +35,15 @@ NSETS, DECODE_MAX_T, PREFILL_CMP, POOL = 16, 256, 1024, 262144
 CHECK_REL = 2.0 ** -7
 
 
-def bf16_to_f64(u16):
-    import numpy as np
-    return (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
 def check(d):
     import numpy as np
     T, H, hd, n, scale = open(f"{d}/meta.txt").read().split()
     T, H, hd, n, scale = int(T), int(H), int(hd), int(n), float(scale)
-    q = bf16_to_f64(np.fromfile(f"{d}/q.bin", np.uint16)).reshape(T, H, hd)
-    k = bf16_to_f64(np.fromfile(f"{d}/k.bin", np.uint16)).reshape(T, n, hd)
+    q = bf16_load(np, f"{d}/q.bin", (T, H, hd))
+    k = bf16_load(np, f"{d}/k.bin", (T, n, hd))
     idx = np.fromfile(f"{d}/idx.bin", np.int32).reshape(T, n)
     sink = np.fromfile(f"{d}/sink.bin", np.float32).astype(np.float64)
-    ours = bf16_to_f64(np.fromfile(f"{d}/o.bin", np.uint16)).reshape(T, H, hd)
+    ours = bf16_load(np, f"{d}/o.bin", (T, H, hd))
 
     def op(with_sink, with_mask):
         s = np.einsum("thd,tnd->thn", q, k) * scale
@@ -119,16 +116,8 @@ def main():
         mask = (idx >= 0)[:, None, None, :]
         return F.scaled_dot_product_attention(q[:, :, None, :], k, k, attn_mask=mask, scale=scale)
 
-    header = ("backend,device,pattern,rows,heads,hd,n_idx,path,ms_per_call,bytes,gb_per_s,fraction_of_copy_bw,"
-              "copy_gb_per_s,tflops\n")
-    try:  # bench_attn's CSV of the same run: our rows first, these after them
-        with open(path) as f:
-            append = f.readline() == header
-    except OSError:
-        append = False
-    out = open(path, "a" if append else "w")
-    if not append:
-        out.write(header)
+    out = open_csv(path, "backend,device,pattern,rows,heads,hd,n_idx,path,ms_per_call,bytes,gb_per_s,"
+                         "fraction_of_copy_bw,copy_gb_per_s,tflops\n")
     for T in rows:
         decode = T <= DECODE_MAX_T
         ns = NSETS if decode else 1
@@ -138,37 +127,10 @@ def main():
         nbytes = valid * HD * 2 + 2 * T * HEADS * HD * 2 + T * N_IDX * 4 if decode else 0
         flops = 4.0 * T * HEADS * N_IDX * HD
         for pname, fn in (("torch_eager", eager_op), ("torch_sdpa", sdpa_op)):
-            for idx, q in sets:                                          # warm: allocator, kernel choice
-                fn(q, idx)
-            torch.cuda.synchronize()
-            iters = 20
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
+            def run(fn=fn):
                 for idx, q in sets:
                     fn(q, idx)
-            e1.record()
-            torch.cuda.synchronize()
-            ms_eager = e0.elapsed_time(e1) / (iters * ns)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for idx, q in sets:
-                    fn(q, idx)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for idx, q in sets:
-                    fn(q, idx)
-            g.replay()
-            torch.cuda.synchronize()
-            e0.record()
-            for _ in range(iters):
-                g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            ms_graph = e0.elapsed_time(e1) / (iters * ns)
-            del g
+            ms_graph, ms_eager = time_pass(torch, run, ns, 20)
             for path, ms in ((pname, ms_graph), (pname + "_nograph", ms_eager)):
                 gbs = nbytes / (ms * 1e-3) / 1e9
                 tf = flops / (ms * 1e-3) / 1e12

@@ -19,6 +19,8 @@ requires bench_moe's output within 2^-6 of its largest magnitude, while the op w
 weight, or without the activation quantization, is outside that bound. Exit 1 otherwise."""
 import sys
 
+from torch_bench_util import bf16_load, open_csv, time_pass
+
 E_TOTAL, TOPK, N_LOCAL, D, INTER, LIMIT = 384, 6, 48, 5120, 2304, 10.0
 NSETS, DECODE_MAX_T = 16, 256
 CHECK_REL = 2.0 ** -6
@@ -30,10 +32,6 @@ def bf16_round(np, v):
     b = np.asarray(v, np.float32).view(np.uint32).astype(np.uint64)
     b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
     return b.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
-def bf16_load(np, path, shape):
-    return (np.fromfile(path, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(shape)
 
 
 def e4m3_rne(np, v):
@@ -125,16 +123,8 @@ def main():
     W1 = torch.stack([fp4_like(INTER, D) for _ in range(N_LOCAL)])
     W3 = torch.stack([fp4_like(INTER, D) for _ in range(N_LOCAL)])
     W2 = torch.stack([fp4_like(D, INTER) for _ in range(N_LOCAL)])
-    header = ("backend,device,tokens,d,inter,n_local,pairs,experts,path,ms_per_call,bytes,gb_per_s,"
-              "fraction_of_copy_bw,copy_gb_per_s,tflops\n")
-    try:
-        with open(path) as f:
-            append = f.readline() == header
-    except OSError:
-        append = False
-    out = open(path, "a" if append else "w")
-    if not append:
-        out.write(header)
+    out = open_csv(path, "backend,device,tokens,d,inter,n_local,pairs,experts,path,ms_per_call,bytes,gb_per_s,"
+                         "fraction_of_copy_bw,copy_gb_per_s,tflops\n")
 
     def moe_op(x, plan, y):
         for e, ti, si, w in plan:
@@ -162,37 +152,10 @@ def main():
         pairs, experts = pairs / ns, experts / ns
         nbytes = experts * 3 * INTER * D * 2 + 2 * T * D + 2 * pairs * D
         flops = pairs * 6.0 * INTER * D
-        for x, plan, y in sets:
-            moe_op(x, plan, y)
-        torch.cuda.synchronize()
-        iters = 10
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(iters):
+        def run():
             for x, plan, y in sets:
                 moe_op(x, plan, y)
-        e1.record()
-        torch.cuda.synchronize()
-        ms_eager = e0.elapsed_time(e1) / (iters * ns)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for x, plan, y in sets:
-                moe_op(x, plan, y)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for x, plan, y in sets:
-                moe_op(x, plan, y)
-        g.replay()
-        torch.cuda.synchronize()
-        e0.record()
-        for _ in range(iters):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ms_graph = e0.elapsed_time(e1) / (iters * ns)
-        del g
+        ms_graph, ms_eager = time_pass(torch, run, ns, 10)
         for p, ms in (("torch_loop", ms_graph), ("torch_loop_nograph", ms_eager)):
             gbs = nbytes / (ms * 1e-3) / 1e9
             tf = flops / (ms * 1e-3) / 1e12
