@@ -664,7 +664,14 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
  * score CTAs and 8 channel slices. (With warp 0 computing the block's 512 exponentials itself, as
  * am_block_p does, a block took ~7 µs: 67-74 µs a call up to 64 rows, 79.5 at 128, 107.1 at 256;
  * a warp's two 16-entry groups loaded at once, one CTA an SM for the registers, 5-8 % faster up to
- * 128 rows and 30-40 % slower from 192.) */
+ * 128 rows and 30-40 % slower from 192.) Where a block's time goes (Nsight Compute on the H100,
+ * clocks locked, bench_attn): at 8 rows (8 CTAs, 2 warps a scheduler) 0.26 instructions issued a
+ * cycle per scheduler, a warp stalled 7.75 cycles an instruction — on global loads (2.1), fixed
+ * latencies (1.9: the MMA chains, the exponentials), barriers (1.1) — so a block is one CTA's
+ * dependent chain of ~10 K cycles; at 256 rows (4 warps a scheduler, 24 % occupancy at 127
+ * registers) DRAM 47 % busy, L1 hits 47 %, the stalls on global loads (4.2), barriers and fixed
+ * latencies (2.0 each). More warps a row (a CTA's registers cap them at 8) or fewer dependent
+ * steps a block would close the rest. */
 #define AM_ONE_MIN_T 80
 
 bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
