@@ -93,6 +93,7 @@ test-cuda: all
 	$(BUILD_DIR)/tests/test_cuda_linear
 	$(BUILD_DIR)/tests/test_cuda_ops
 	$(BUILD_DIR)/tests/test_cuda_ops_misc
+	$(BUILD_DIR)/tests/test_cuda_attn
 	$(BUILD_DIR)/tests/test_cuda_index
 	$(BUILD_DIR)/tests/test_cuda_branch
 	GOLDEN=$(abspath $(GOLDEN)) DSBATCH=$(BUILD_DIR)/dsbatch bash tests/cli/test_cuda_engine.sh
