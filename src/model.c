@@ -1102,8 +1102,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
                 if (draw_full_row(m, p)) full = true;
                 else if (p->temperature > 0 && p->top_k > k) k = p->top_k;
             }
-            const int64_t k_full = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
-            if (full && k < k_full) k = k_full;
+            if (full && k < sampler_full_list_len(V)) k = sampler_full_list_len(V);
             float *tv = k ? ds_malloc(sizeof(float) * (size_t)R) : NULL;
             if (hd->tokens && !k) head_greedy(m, hd->tokens, lg, R, Vl);
             if (k) head_topk(m, hd, lg, R, Vl, k, full, tv);

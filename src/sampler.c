@@ -199,6 +199,8 @@ int sampler_pick_cand(const struct be_topk_entry *top, int64_t k, int64_t V, dou
     return pos < 0 ? -1 : top[pos].i;
 }
 
+int64_t sampler_full_list_len(int64_t V) { return V < BE_TOPK_MAX ? V : BE_TOPK_MAX; }
+
 /* The weight total of a full-row temperature draw from the row's own slices (what the backends'
  * row_lse with the temperature gives). */
 static double row_wsum(const float *logits, int V, float T) {
@@ -217,7 +219,7 @@ int sampler_pick(const float *logits, int V, const struct sample_params *p, uint
      * backend's row_topk gives them and its total Z, and only when those do not decide the draw,
      * every entry sorted (below) */
     const bool topk = p->top_k > 0 && p->top_k < V;
-    const int k = topk ? p->top_k : V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
+    const int k = topk ? p->top_k : (int)sampler_full_list_len(V);
     const double Z = topk ? 0.0 : row_wsum(logits, V, p->temperature);
     {
         int *ids = ds_malloc(sizeof(int) * (size_t)k);

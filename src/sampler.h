@@ -59,6 +59,9 @@ double sampler_wsum_merge(const struct be_lse_part *p, int64_t ns, float temp, f
  * first entries nearly always decide it. */
 int sampler_pick_cand(const struct be_topk_entry *top, int64_t k, int64_t V, double Z, const struct sample_params *p,
                       uint64_t request, uint64_t position);
+/* The k of a full-row temperature draw's list for a row of V entries: BE_TOPK_MAX (1,024), or V
+ * when the row is shorter (then the list holds every number of the row and always decides). */
+int64_t sampler_full_list_len(int64_t V);
 
 /* The greedy draws of R rows whose vocabulary is split in np consecutive slices of Vl ids: parts
  * [np][R][2] int32 holds each slice's best (the backend's argmax op: a float's bits, then its index

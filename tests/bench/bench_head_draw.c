@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
                                  *tkh = malloc(sizeof *tkh * (size_t)(R * TOPK));
             int32_t *k_host = malloc(sizeof(int32_t) * (size_t)R), *k_be = malloc(sizeof(int32_t) * (size_t)R);
             const struct sample_params psp = {.temperature = 0.3f, .top_p = 0.95f, .seed = 3};
-            const int64_t KC = V < BE_TOPK_MAX ? V : BE_TOPK_MAX;
+            const int64_t KC = sampler_full_list_len(V);
             struct be_topk_entry *cd = ops->alloc(&be, sizeof *cd * (size_t)(R * KC)),
                                  *cdh = malloc(sizeof *cdh * (size_t)(R * KC));
             float *tph = malloc(sizeof(float) * (size_t)R), *tpd = ops->alloc(&be, sizeof(float) * (size_t)R),
