@@ -142,10 +142,10 @@ static struct prompt *read_prompts(const char *path, const struct gen_opts *o, c
             int64_t i = 0;
             cJSON *v;
             cJSON_ArrayForEach(v, tk) {
-                if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 ||
-                    v->valuedouble >= vocab)
+                int64_t id;
+                if (prompt_json_int(v, 0, vocab - 1, &id))
                     ds_die("%s:%d: tokens[%lld]: token id outside the vocabulary [0, %d)", path, line, (long long)i, vocab);
-                p->tokens[i++] = (int32_t)v->valuedouble;
+                p->tokens[i++] = (int32_t)id;
             }
         }
         struct prompt_fields pf; /* checked as `dsbatch prompts` and the HDF5 reader check them */

@@ -538,6 +538,13 @@ for kv in "temperature -1" "top_p 1.5" "top_p 0" "top_k -3" 'temperature "x"' "s
   printf '{"tokens": [5, 6, 7]}\n{"tokens": [5, 6], "%s": %s}\n' "$key" "$val" >"$T/badf.jsonl"
   bad "JSONL $key = $val" "badf.jsonl:2: $key: expected" --prompts "$T/badf.jsonl" --out "$T/bad.h5"
 done
+# a JSONL line's token ids: integers below the vocabulary (prompt_json_int, as `dsbatch prompts`)
+for tk in "2.5 1" "512 1" "-1 0" '"a" 0'; do
+  val=${tk% *} at=${tk##* }
+  if [ "$at" = 1 ]; then printf '{"tokens": [5, %s]}\n' "$val"; else printf '{"tokens": [%s, 6]}\n' "$val"; fi >"$T/badt.jsonl"
+  bad "JSONL token id $val" "badt.jsonl:1: tokens\[$at\]: token id outside the vocabulary \[0, 512\)" \
+    --prompts "$T/badt.jsonl" --out "$T/bad.h5"
+done
 bad "--top-p 1.5" "--top-p: '1.5' is not a number in \(0, 1\]" --prompts "$T/good.h5" --out "$T/bad.h5" --top-p 1.5
 bad "--temperature -1" "--temperature: '-1' is not a number" --prompts "$T/good.h5" --out "$T/bad.h5" --temperature -1
 bad "--max-seqs x" "--max-seqs: 'x' is not an integer" --prompts "$T/good.h5" --out "$T/bad.h5" --max-seqs x
