@@ -49,7 +49,8 @@ int dist_flag_parse(int argc, char **argv, int *i, struct dist_opts *o) {
     if (!strcmp(a, "--tp")) o->tp = (int)cli_int(a, v, 1, 4096);
     else if (!strcmp(a, "--pp")) o->pp = (int)cli_int(a, v, 1, 4096);
     else if (!strcmp(a, "--watchdog")) o->deadline_s = cli_real(a, v, 0, 1e9, false);
-    else if (!strcmp(a, "--max-batch-tokens")) o->max_batch_tokens = cli_int(a, v, 1, INT64_MAX / 2); else if (!strcmp(a, "--stop-ids")) {
+    else if (!strcmp(a, "--max-batch-tokens")) o->max_batch_tokens = cli_int(a, v, 1, INT64_MAX / 2);
+    else if (!strcmp(a, "--stop-ids")) {
         o->n_stop_ids = 0;
         for (const char *p = v; *p && o->n_stop_ids < 64;) {
             char *e;
