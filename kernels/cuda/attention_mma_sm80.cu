@@ -33,9 +33,11 @@
 #define AM_HG 8                /* heads per CTA: the mma's n = 8 */
 #define AM_QK_EG 2             /* 16-entry groups per q·k CTA (q fragments reused across them) */
 #define AM_W 4                 /* warps per CTA */
-/* calls of this many rows and more compute the softmax once (attn_softmax_mma_kernel) and P·V
- * without barriers (attn_pv_split_kernel); fewer take attn_pv_mma_kernel, which needs no second
- * launch and spreads a decode step's few rows over the channel slices */
+/* two-pass calls of this many rows and more (the op's where hd > 512, or CUDA_ATTN_TWO_PASS forced:
+ * from AM_ONE_MIN_T rows the op otherwise takes the one pass) compute the softmax once
+ * (attn_softmax_mma_kernel) and P·V without barriers (attn_pv_split_kernel); fewer take
+ * attn_pv_mma_kernel, which needs no second launch and spreads a decode step's few rows over the
+ * channel slices */
 #define AM_SPLIT_MIN_T 128
 
 /* ---------------------------------------------------------------------------------------------
@@ -371,7 +373,7 @@ __global__ void __launch_bounds__(128, 4)
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Prefill-sized calls (AM_SPLIT_MIN_T rows and more): the same arithmetic as attn_pv_mma_kernel in
+ * Two-pass calls of AM_SPLIT_MIN_T rows and more: the same arithmetic as attn_pv_mma_kernel in
  * two launches, so that the softmax is not recomputed for every channel slice (8 times at hd 512)
  * and P·V needs no barrier.
  *
