@@ -35,20 +35,28 @@ void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const v
                      int64_t k, int64_t ld, int64_t s_ld, void *workspace, void *stream);
 
 /* The same with the tiling chosen by the caller (benchmarks): CUDA_MMA_AUTO is cuda_linear_mma's
- * choice (the decode tiling up to 128 rows), CUDA_MMA_DECODE the decode tiling (T <= 256),
- * CUDA_MMA_PREFILL the 128 x 128 tiling at any T; FP8 only, CUDA_MMA_DECODE_MT1 / _MT2 / _MT4 the
- * decode tiling with one, two or four m16 tiles a CTA whatever T (<= 256; at T <= 8 too, instead
- * of the split kernel), for benchmarks that choose the forms' row ranges. Every choice gives a
- * row the same bits. */
+ * choice (BF16 and FP4: the decode tiling up to 128 rows, the 128 x 128 tiling above; FP8: by the
+ * call's shape, the decode tiling or a 128 x 64 or 64 x 64 tile, fp8_tile in the .cu),
+ * CUDA_MMA_DECODE the decode tiling (T <= 256), CUDA_MMA_PREFILL the 128 x 128 tiling at any T;
+ * FP8 only, CUDA_MMA_DECODE_MT1 / _MT2 / _MT4 the decode tiling with one, two or four m16 tiles a
+ * CTA whatever T (<= 256; at T <= 8 too, instead of the split kernel) and CUDA_MMA_PREFILL_128x64
+ * / _64x64 those tiles at any T, for benchmarks that choose the forms' row ranges. Every choice
+ * gives a row the same bits. */
 enum {
     CUDA_MMA_AUTO = 0,
     CUDA_MMA_DECODE = 1,
     CUDA_MMA_PREFILL = 2,
     CUDA_MMA_DECODE_MT1 = 3,
     CUDA_MMA_DECODE_MT2 = 4,
-    CUDA_MMA_DECODE_MT4 = 5
+    CUDA_MMA_DECODE_MT4 = 5,
+    CUDA_MMA_PREFILL_128x64 = 6,
+    CUDA_MMA_PREFILL_64x64 = 7
 };
 #define CUDA_MMA_DECODE_AUTO_T 128 /* CUDA_MMA_AUTO's decode tiling takes calls of up to this many rows */
+/* FP8 calls of up to this many rows (a decode step's batch) take the tile CUDA_MMA_AUTO picks by
+ * their shape, larger ones (prefill chunks) the 128 x 128 tile; the shared expert pairs w1 and w3
+ * up to here (cuda_moe.cu) */
+#define CUDA_MMA_NARROW_MAX_T 512
 /* OR'ed into `tiling` (FP8/FP4 only): x is the quantized form cuda_linear_mma_act_quant made, so
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);
  * the workspace then only holds the k-chunks' partials. The same bits. */
@@ -61,12 +69,13 @@ void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
                             void *stream);
 
-/* Two weights on one x in one launch of the decode tiling (the shared expert's w1 and w3: at a
- * handful of rows each call is one memory latency and a launch, whatever its size): y [T, n1 + n2],
- * row t = (x_t · W1ᵀ, x_t · W2ᵀ), each output with the bits cuda_linear_mma_tiling gives it. W1
- * [n1, k] and W2 [n2, k] of one format, row stride (ld) and scale stride (s_ld); n1 a multiple of
- * 32. `tiling` as above, but it must resolve to the decode tiling (T <= 64 for CUDA_MMA_AUTO);
- * the workspace is cuda_linear_mma_workspace_bytes(T, n1 + n2, k). */
+/* Two weights on one x in one launch (the shared expert's w1 and w3: at a handful of rows each
+ * call is one memory latency and a launch, whatever its size; at more, one grid of twice the
+ * CTAs): y [T, n1 + n2], row t = (x_t · W1ᵀ, x_t · W2ᵀ), each output with the bits
+ * cuda_linear_mma_tiling gives it. W1 [n1, k] and W2 [n2, k] of one format, row stride (ld) and
+ * scale stride (s_ld); n1 a multiple of 32, and of 128 for the tiles of the prefill tiling
+ * (CUDA_MMA_AUTO keeps other seams on the decode tiling, T <= 256); the workspace is
+ * cuda_linear_mma_workspace_bytes(T, n1 + n2, k). */
 void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w1,
                           const uint8_t *s1, int64_t n1, const void *w2, const uint8_t *s2, int64_t n2, int64_t k,
                           int64_t ld, int64_t s_ld, void *workspace, void *stream);

@@ -14,11 +14,13 @@
  *    bits and s_x is a power of two >= 2^-22, so q·s_x is exact in bf16 and carries q and s_x.
  *    Within each 32-group the values are stored k-permuted (position 8c + 2t + e holds k =
  *    8t + 2c + e), so that ldmatrix hands lane (g, t) the k values 8t..8t+7 (see below).
- *  - mma_decode_kernel (T <= 64 by default, up to 256 when asked for): see its own comment below;
+ *  - mma_decode_kernel (the smaller calls: fp8_tile for FP8, T <= 128 for the others; up to 256
+ *    when asked for): see its own comment below;
  *    FP8 calls of up to 8 rows take mma_decode_split_kernel, the same tile and bits with a
  *    chunk's block products spread over four warps per n8 tile;
- *  - mma_linear_kernel (T > 64), one launch for the full k-chunks (grid z) and one for a shorter
- *    last chunk: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
+ *  - mma_linear_kernel (the larger calls; which ones: fp8_tile for FP8, T > 128 for the others),
+ *    one launch for the full k-chunks (grid z) and one for a shorter last chunk, two weights side
+ *    by side for a pair call: CTA tile 128 (T) x 128 (n) x 32 (k = one scale block), 3-stage cp.async
  *    pipeline of the raw operand bytes (activations 64 B per row per block, weights 32 B FP8,
  *    16 B FP4, 64 B BF16 per row per block; zero-filled past T / n), one __syncthreads per block.
  *      BF16: 8 warps as 2 (T) x 4 (n), warp tile 64 x 32 (4 x 4 m16n8 fragments), 48 KB of
@@ -26,6 +28,8 @@
  *      FP8/FP4: 4 warps along n, warp tile 128 x 32 (8 x 4 fragments, 128 accumulators per
  *            thread): every weight is decoded once per CTA and shared by all 128 rows; 36 KB
  *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
+ *      FP8 also 128 x 64 and 64 x 64 (4 warps of 128 x 16 / 64 x 16, 168 / ~115 registers, three /
+ *            four CTAs per SM), for calls whose 128 x 128 grid would leave SMs idle.
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
@@ -79,7 +83,6 @@ __global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 
     mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-constexpr int BM = 128;    /* rows of x (T) per CTA */
 constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
 constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
 
@@ -89,8 +92,9 @@ enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
  * CTAs per SM asked of the register allocator. Shared memory per stage: the activation tile, the
  * raw weight tile (B_ROW bytes per n row per block) and, for FP4, the BN weight scales as fp32
  * (FP8's one scale per warp per block lives in registers). */
-template <int F, int WM_, int WN_, int NJ_, int MINB_> struct cfg {
+template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128> struct cfg {
     static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_;
+    static constexpr int BM = BM_;          /* rows of x (T) per CTA */
     static constexpr int MT = BM / 16 / WM; /* m16 tiles per warp */
     static constexpr int WNC = 8 * NJ;      /* n columns per warp (NJ n8 tiles) */
     static constexpr int BN = WNC * WN;
@@ -105,6 +109,23 @@ template <int F, int WM_, int WN_, int NJ_, int MINB_> struct cfg {
     static_assert(MT * 16 * WM == BM && THREADS >= S_N && 32 % WNC == 0, "tile shape");
 };
 
+/* A call of two weights on one x (cuda_linear_mma_pair): output columns n1 .. n - 1 are the
+ * second weight's rows from 0; n1 is a multiple of the CTA's rows (16 or 32 in the decode
+ * tiling, BN in the prefill tiling: linear_mma_call checks), so no CTA tile or FP8 scale group
+ * straddles the seam. A single weight: n1 = n (w2, s2 unused). */
+struct dpair {
+    const uint8_t *w2, *s2;
+    int64_t n1;
+};
+/* The weight and scale base of the CTA whose first row is n0, and that row within its weight. */
+__device__ __forceinline__ int64_t pair_rows(const dpair &pr, int64_t n0, const uint8_t *w, const uint8_t *s,
+                                             const uint8_t **wm, const uint8_t **sm) {
+    const bool second = n0 >= pr.n1;
+    *wm = second ? pr.w2 : w;
+    *sm = second ? pr.s2 : s;
+    return second ? n0 - pr.n1 : n0;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The GEMM. a: [T, k] bf16 (the k-permuted quantized activations for FP8/FP4, x itself for BF16);
  * w rows ld_b bytes apart; s: e8m0 scales (FP8 [ceil(n/32), s_ld], FP4 [n, s_ld]). Grid: x = n
@@ -113,15 +134,19 @@ template <int F, class C, bool PART>
 __global__ void __launch_bounds__(C::THREADS, C::MINB)
     mma_linear_kernel(__nv_bfloat16 *__restrict__ y, float *__restrict__ part, const __nv_bfloat16 *__restrict__ a,
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
-                      int64_t ld_b, int64_t s_ld, int pair_store, int chunk0, int nb) {
+                      int64_t ld_b, int64_t s_ld, int pair_store, int chunk0, int nb, dpair pr) {
     constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
-                  B_ROW = C::B_ROW;
+                  B_ROW = C::B_ROW, BM = C::BM;
     __shared__ __align__(16) uint8_t smem[C::SMEM];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;      /* mma groupID, thread in group */
     const int wm = warp % WM, wn = warp / WM;   /* warp tile: rows wm*MT*16.., cols wn*WNC.. */
     const int64_t n0 = (int64_t)blockIdx.x * BN, m0 = (int64_t)blockIdx.y * BM;
+    /* the CTA's weight (a pair call's second from column pr.n1 on), its first row there, and the
+     * end of its columns: rows are checked against nlim in the call's columns */
+    const uint8_t *wp, *sp;
+    const int64_t nl0 = pair_rows(pr, n0, w, s, &wp, &sp), nlim = n0 >= pr.n1 ? n : pr.n1;
     /* the CTA's k-chunk chunk0 + blockIdx.z, blocks [b0, b0 + nb): one launch covers the chunks of
      * equal length (the full ones, then a shorter last one), so nb is a kernel parameter, which
      * lives in constant memory — derived in a register it made the FP8 tile (255 registers) spill */
@@ -144,9 +169,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
     const int nvA = m0 + ra >= T ? 0 : (int)min((int64_t)A_CH, (T - 1 - m0 - ra) / A_RS + 1); /* valid chunks */
     const uint32_t oA = (uint32_t)(ra * A_ROW + ((qa ^ ((ra >> 1) & 3)) << 4));
     const int rb = tid / B_PER_ROW, qb = tid % B_PER_ROW;
-    const uint8_t *gB = w + (n0 + rb) * ld_b + qb * 16 + (int64_t)b0 * B_ROW;
+    const uint8_t *gB = wp + (nl0 + rb) * ld_b + qb * 16 + (int64_t)b0 * B_ROW;
     const int64_t strideB = (int64_t)B_RS * ld_b;
-    const int nvB = rb >= BN || n0 + rb >= n ? 0 : (int)min((int64_t)B_CH, (n - 1 - n0 - rb) / B_RS + 1);
+    const int nvB = rb >= BN || n0 + rb >= nlim ? 0 : (int)min((int64_t)B_CH, (nlim - 1 - n0 - rb) / B_RS + 1);
     /* BF16 rows are read with ldmatrix: swizzled like A; FP8/FP4 rows are read whole */
     const uint32_t oB = (uint32_t)(C::A_BYTES + rb * B_ROW + ((F == K_BF16 ? qb ^ ((rb >> 1) & 3) : qb) << 4));
     const uint32_t sbase = smem_addr(smem);
@@ -165,7 +190,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
         for (int c = 0; c < B_CH; c++) {
             const bool v = on && c < nvB;
             if (B_CH > 1 || BN * B_PER_ROW >= THREADS || rb < BN)
-                cp_async16(so + oB + (uint32_t)(c * B_RS * B_ROW), v ? gB + c * strideB : w, v);
+                cp_async16(so + oB + (uint32_t)(c * B_RS * B_ROW), v ? gB + c * strideB : wp, v);
         }
         gB += B_ROW;
     };
@@ -175,14 +200,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
      *       (0 past n), written after the block's math so the load latency is hidden;
      *  FP8: the warp's columns lie in one 32-row scale group, so every lane keeps
      *       the group's scales of blocks i+1 and i+2 in registers (0 past n). */
-    const uint8_t *const sC = s + (F == K_FP8 ? n0 / 32 : n0) * s_ld; /* CTA-uniform */
+    const uint8_t *const sC = sp + (F == K_FP8 ? nl0 / 32 : nl0) * s_ld; /* CTA-uniform */
     uint32_t offS = 0;
     bool okS = false;
     if (F == K_FP4 && tid < BN) {
-        okS = n0 + tid < n;
+        okS = n0 + tid < nlim;
         offS = (uint32_t)(tid * s_ld + b0);
     } else if (F == K_FP8) {
-        okS = (n0 + wn * WNC) / 32 * 32 < n;
+        okS = (n0 + wn * WNC) / 32 * 32 < nlim;
         offS = (uint32_t)(wn * WNC / 32 * s_ld + b0);
     }
     /* the raw scale byte of the next block (blocks are read in order; 0x100 = no scale, i.e. 0),
@@ -327,8 +352,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
 
 template <int F, class C>
 void launch(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 *a, const uint8_t *w, const uint8_t *s,
-            int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair) {
-    const int64_t mt = (T + BM - 1) / BM, nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH;
+            int64_t T, int64_t n, int64_t k, int64_t ld_b, int64_t s_ld, int pair, dpair pr) {
+    const int64_t mt = (T + C::BM - 1) / C::BM, nt = (n + C::BN - 1) / C::BN, nch = (k / 32 + KCH - 1) / KCH;
     if (mt > 65535 || nt > 0x7fffffff || nch > 65535)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "T, n or k too large for the grid");
     /* the full chunks in one launch (their CTAs run side by side: one launch per chunk left a
@@ -340,9 +365,9 @@ void launch(cudaStream_t st, __nv_bfloat16 *y, float *part, const __nv_bfloat16 
         if (!cn) continue;
         const dim3 grid((unsigned)nt, (unsigned)mt, (unsigned)cn);
         if (part)
-            mma_linear_kernel<F, C, true><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb);
+            mma_linear_kernel<F, C, true><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb, pr);
         else
-            mma_linear_kernel<F, C, false><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb);
+            mma_linear_kernel<F, C, false><<<grid, C::THREADS, 0, st>>>(y, part, a, w, s, T, n, k, ld_b, s_ld, pair, c0, nb, pr);
     }
 }
 
@@ -411,8 +436,10 @@ constexpr int DW = 2;       /* warps per CTA, one m16 tile */
  * copies, waits and barriers then paid per block. */
 constexpr int DW_MT = 4;
 /* the decode tiling takes up to MMA_DECODE_MAX_T rows (one or four m16 tiles per CTA, grid z over
- * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it calls of up to
- * CUDA_MMA_DECODE_AUTO_T (linear_mma.h) rows and the 128 x 128 prefill tile the larger ones. Measured on the H200
+ * them: the weights are re-read from L2 per row tile); cuda_linear_mma gives it BF16 and FP4 calls
+ * of up to CUDA_MMA_DECODE_AUTO_T (linear_mma.h) rows and the 128 x 128 prefill tile the larger
+ * ones, FP8 calls by their shape (fp8_tile, after the tile configurations). The history of that
+ * switch, measured on the H200
  * (bench_step, graphs): with the switch at 64 rather than 256, the step at batch 128 29.3 -> 27.0 ms
  * and at batch 256 40.9 -> 34.6 ms (linears 7.4 -> 4.3 ms, shared expert 6.3 -> 3.3 ms), batch 8-64
  * unchanged; at 16, batch 32's linears got slower (2.85 -> 3.12 ms). Once the decode kernel's
@@ -471,22 +498,6 @@ template <int F, int MR, int MT = 1> struct dcfg {
                   "decode tile");
 };
 
-
-/* A decode call of two weights on one x (cuda_linear_mma_pair): output columns n1 .. n - 1 are the
- * second weight's rows from 0; n1 % 32 == 0, so no CTA tile (16 or 32 rows) or FP8 scale group
- * straddles the seam. A single weight: n1 = n (w2, s2 unused). */
-struct dpair {
-    const uint8_t *w2, *s2;
-    int64_t n1;
-};
-/* The weight and scale base of the CTA whose first row is n0, and that row within its weight. */
-__device__ __forceinline__ int64_t pair_rows(const dpair &pr, int64_t n0, const uint8_t *w, const uint8_t *s,
-                                             const uint8_t **wm, const uint8_t **sm) {
-    const bool second = n0 >= pr.n1;
-    *wm = second ? pr.w2 : w;
-    *sm = second ? pr.s2 : s;
-    return second ? n0 - pr.n1 : n0;
-}
 
 /* A decode kernel's outputs (row, col) and (row, col + 1): the k-chunk blockIdx.y's fp32 partials
  * when part is given (mma_chunk_sum_kernel folds them), else bf16 into y; columns past n skipped. */
@@ -908,6 +919,52 @@ __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *f
 typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
+/* FP8 tiles narrower than 128 x 128 (the same kernel and order contract, so the same bits: only
+ * the grid changes), which CUDA_MMA_AUTO takes by the call's shape (fp8_tile below). */
+typedef cfg<K_FP8, 1, 4, 2, 3> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
+typedef cfg<K_FP8, 1, 4, 2, 4, 64> cfg_fp8_m64n64;  /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
+
+/* Which FP8 tiling CUDA_MMA_AUTO gives a call. A CTA's time is one walk over its k-chunk whatever
+ * the tile (a dependent chain at one or two warps a scheduler), so a call's time is the number of
+ * waves its grid takes, and a grid of fewer CTAs than the SMs hold leaves them idle. The 128 x 128
+ * tile gave a rank's linears at 256 rows grids of 40-180 CTAs (the step's second-largest item at
+ * batch 256, 5.7 of 25 ms, ~100 TFLOP/s); the decode tiling's CTAs take 32 weight rows against up
+ * to 64 activation rows, so from a few dozen rows its activation traffic from L2 is a multiple of
+ * the weights'. So, counting a grid's CTAs over one launch's full k-chunks, up to
+ * CUDA_MMA_NARROW_MAX_T rows (a decode step's batch):
+ *  - the 128 x 64 tile above 64 rows where its grid has FT_MIN_CTAS;
+ *  - else the 64 x 64 tile above 128 rows, and from 32 to 128 rows where its grid has FT_MIN_CTAS
+ *    (the shared expert's w1 | w3 pair; the dense [5120, 2304] w2 above 64 rows);
+ *  - else the decode tiling;
+ * and above it (prefill chunks) the 128 x 128 tile, as before.
+ * H100, bench_linear_cuda out.csv T,... --tiles (graph µs a call; 128 x 128 / decode (MT2 or MT4) /
+ * 128 x 64 / 64 x 64):
+ *   T =  64: w1 | w3 38.9 / 38.1 / 31.7 / 24.2, wq_a 23.6 / 14.2 / 17.8 / 16.6, w2 32.8 / 22.8 / 28.0 / 23.6
+ *   T = 128: w1 | w3 43.0 / 65.7 / 35.5 / 41.1, wq_a 27.5 / 21.3 / 19.3 / 18.2, wkv 26.1 / 12.5 / 18.3 / 16.1
+ *   T = 256: w1 | w3 70.1 / 121.5 / 66.6 / 75.6, wq_a 30.7 / 38.7 / 25.7 / 27.7, wkv 27.4 / 19.1 / 19.2 / 17.8,
+ *            wo_b 31.1 / 34.3 / 26.0 / 24.1, wq_b 37.3 / 34.5 / 25.4 / 24.6, w2 56.3 / 62.0 / 46.2 / 47.0
+ *   T = 2,048: wq_a 149.0 / - / 145.7 / 161.0, wkv 76.9 / - / 66.9 / 74.3, w1 240.2 / - / 242.1 / 278.4,
+ *            w2 281.2 / - / 278.3 / 303.1, wo_b 129.0 / - / 128.6 / 141.3, wq_b 134.0 / - / 131.0 / 143.0,
+ *            w1 | w3 459.0 / - / 474.0 / 551.5, Engram wkv [25600, 6144] 2,910 / - / 3,306 / 4,039.
+ * bench_step (binaries alternated twice in one device call, ms at batch 64 / 128 / 256): the 128 x 128
+ * tile above 128 rows 12.74 12.85 / 18.30 18.33 / 23.70 23.78 -> these tiles at every T 12.61 12.53
+ * / 17.34 17.29 / 22.81 22.82; the decode tiling's two m16 tiles a CTA up to 64 rows instead of 32
+ * (MT2 in the table above) as well: 12.51 12.58 / 17.24 17.35 / 22.89 22.86, no better, not kept.
+ * Tried and not kept: these tiles in prefill chunks too, with the 128 x 128 one where its grid has
+ * 1,400 CTAs (the Engram projection, the w1 | w3 pair): faster a call alone (table), but the
+ * 2,048-token prefill 111.3 114.6 -> 116.4 120.1 ms and 8,192 tokens 485 481 -> 507 507 ms (in the
+ * prefill the shared expert runs beside the routed experts' kernels); 64 x 128 (4 warps of 64 x 32)
+ * and 128 x 64 as 2 x 2 warps of 64 x 32, never the fastest. */
+#define FT_MIN_CTAS 200
+enum { FT_DECODE, FT_128x128, FT_128x64, FT_64x64 };
+static int fp8_tile(int64_t T, int64_t n, int64_t k) {
+    const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
+    if (T > CUDA_MMA_NARROW_MAX_T) return FT_128x128;
+    if (T > 64 && (T + 127) / 128 * ((n + 63) / 64) * full >= FT_MIN_CTAS) return FT_128x64;
+    if (T > CUDA_MMA_DECODE_AUTO_T) return FT_64x64;
+    if (T >= 32 && (T + 63) / 64 * ((n + 63) / 64) * full >= FT_MIN_CTAS) return FT_64x64;
+    return FT_DECODE;
+}
 
 /* Workspace: the quantized activations [T, k] bf16 (FP8/FP4), then, when k has more than one
  * chunk, the chunks' fp32 partials [nch][T][n]. */
@@ -938,7 +995,7 @@ extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t
     cuda_linear_mma_tiling(CUDA_MMA_AUTO, fmt, y, x, T, w, s, n, k, ld, s_ld, workspace, stream);
 }
 
-/* One call: a weight of n rows, or (pr.n1 < n) the decode tiling over two weights' rows. */
+/* One call: a weight of n rows, or (pr.n1 < n) two weights' rows side by side. */
 static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
                             void *stream, dpair pr) {
@@ -954,6 +1011,11 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     if (form && fmt != WF_FP8)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "a forced decode form is for FP8 weights");
     if (form) tiling = CUDA_MMA_DECODE;
+    /* the FP8 prefill tile: forced, or fp8_tile's below (CUDA_MMA_PREFILL: 128 x 128) */
+    int ptile = tiling == CUDA_MMA_PREFILL_128x64 ? FT_128x64 : tiling == CUDA_MMA_PREFILL_64x64 ? FT_64x64 : FT_128x128;
+    if (ptile != FT_128x128 && fmt != WF_FP8)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "a forced narrow tile is for FP8 weights");
+    if (ptile != FT_128x128) tiling = CUDA_MMA_PREFILL;
     if (tiling < CUDA_MMA_AUTO || tiling > CUDA_MMA_PREFILL)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "unknown tiling");
     if (prequant && fmt == WF_BF16)
@@ -989,11 +1051,19 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
     /* fp32 out of one chunk: the kernels' partial store is the output itself */
     float *direct = out_f32 && nch == 1 ? (float *)y : NULL;
+    /* a pair call takes the prefill tiling only where its seam falls between CTA tiles (any BN) */
+    const bool seam_ok = pr.n1 == n || pr.n1 % 128 == 0;
+    if (tiling == CUDA_MMA_AUTO && fmt == WF_FP8) {
+        ptile = fp8_tile(T, n, k);
+        if (!seam_ok && T <= MMA_DECODE_MAX_T) ptile = FT_DECODE;
+        tiling = ptile == FT_DECODE ? CUDA_MMA_DECODE : CUDA_MMA_PREFILL;
+    }
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
-    if (pr.n1 < n && !decode)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_pair", "a pair call takes the decode tiling");
+    if (!decode && !seam_ok)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_pair",
+                 "a pair call of the prefill tiling needs the first weight's rows a multiple of 128");
     float *kpart = part ? part : direct;
     if (decode) { /* decode tiling, the same bits per row (see mma_decode_kernel) */
         if (fmt == WF_BF16) {
@@ -1014,9 +1084,13 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         }
     } else {
         switch (fmt) {
-        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
-        case WF_FP8: launch<K_FP8, cfg_fp8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
-        default: launch<K_FP4, cfg_fp4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair); break;
+        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
+        case WF_FP8:
+            if (ptile == FT_128x64) launch<K_FP8, cfg_fp8_n64>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (ptile == FT_64x64) launch<K_FP8, cfg_fp8_m64n64>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch<K_FP8, cfg_fp8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            break;
+        default: launch<K_FP4, cfg_fp4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
         }
     }
     KERNEL_CHECK();

@@ -13,7 +13,11 @@
  * printed and stored (column tflops) as TFLOP/s of 2·T·n·k per call. With `--forms` after the list
  * (`bench_linear_cuda out.csv 33,48,64,96,128 --forms`): at those T the FP8 shapes also on each
  * forced decode form (paths mma_mt1 / mma_mt2 / mma_mt4: one, two or four m16 tiles a CTA,
- * CUDA_MMA_DECODE_MT*) and the 128 x 128 tiling (mma128), to choose the forms' row ranges. */
+ * CUDA_MMA_DECODE_MT*) and the 128 x 128 tiling (mma128), to choose the forms' row ranges. With
+ * `--tiles` instead: every FP8 tiling forced at those T (mma128, the decode forms up to 256 rows,
+ * mma128x64, mma64x64: CUDA_MMA_PREFILL_*), the data behind CUDA_MMA_AUTO's choice. Runs with a T
+ * list also time the shared expert's w1 | w3 as one pair call (sh_w13) and the Engram projection
+ * [25600, 6144] (engram_wkv, whole on the stage that holds it). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,11 +31,22 @@
 
 #define CK(x) BENCH_CK(x)
 
+static int g_pair; /* the shape is two FP8 weights of n / 2 rows each, one pair call */
+
 /* One linear call as the CUDA backend makes it on each path. */
 static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
-    if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T, 3-5: a forced FP8 decode form */
-        const int tiling = mma == 2 ? CUDA_MMA_PREFILL : mma >= 3 ? CUDA_MMA_DECODE_MT1 + (mma - 3) : CUDA_MMA_AUTO;
+    if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T, 3-5: a forced FP8 decode form,
+                * 6-7: the 128 x 64 and 64 x 64 tiles at any T */
+        const int tiling = mma == 2   ? CUDA_MMA_PREFILL
+                           : mma >= 6 ? CUDA_MMA_PREFILL_128x64 + (mma - 6)
+                           : mma >= 3 ? CUDA_MMA_DECODE_MT1 + (mma - 3)
+                                      : CUDA_MMA_AUTO;
+        if (g_pair) {
+            const int64_t h = n / 2;
+            cuda_linear_mma_pair(tiling, WF_FP8, y, x, T, w, s, h, w + h * ld, s + h / 32 * s_ld, h, k, ld, s_ld, ws, st);
+            return;
+        }
         cuda_linear_mma_tiling(tiling, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
         return;
     }
@@ -54,9 +69,9 @@ int main(int argc, char **argv) {
     /* the T list: the decode sizes on all three paths, or the ones given (mma only) */
     int64_t Ts[16] = {1, 8, 16, 64, 256};
     int nT = 5, path0 = 0, path1 = 3;
-    const int forms = argc > 3 && strcmp(argv[3], "--forms") == 0;
-    if (argc > 3 && !forms) {
-        fprintf(stderr, "bench: usage: bench_linear_cuda [out.csv [T,T,... [--forms]]]\n");
+    const int forms = argc > 3 && strcmp(argv[3], "--forms") == 0, tiles = argc > 3 && strcmp(argv[3], "--tiles") == 0;
+    if (argc > 3 && !forms && !tiles) {
+        fprintf(stderr, "bench: usage: bench_linear_cuda [out.csv [T,T,... [--forms | --tiles]]]\n");
         return 2;
     }
     if (argc > 2) {
@@ -72,6 +87,7 @@ int main(int argc, char **argv) {
             p = *end ? end + 1 : end;
         }
         if (forms) path1 = 6; /* mma, mma128, mma_mt1, mma_mt2, mma_mt4 */
+        if (tiles) path0 = 2, path1 = 8; /* mma128, the decode forms, mma128x64, mma64x64 */
     }
     fprintf(f, "device,path,op,n,k,T,us_per_call,bytes,gb_per_s,fraction_of_copy_bw,copy_gb_per_s,graph_us_per_call,"
                "graph_gb_per_s,graph_fraction_of_copy_bw,tflops\n");
@@ -82,18 +98,23 @@ int main(int argc, char **argv) {
         const char *name;
         int fp4;
         int64_t n, k;
-    } shapes[] = {{"wq_a", 0, 1280, 5120},  {"wkv", 0, 512, 5120},   {"wq_b", 0, 4096, 1280},
-                  {"wo_b", 0, 640, 8192},   {"sh_w1", 0, 2304, 5120}, {"sh_w2", 0, 5120, 2304},
-                  {"exp_w1", 1, 2304, 5120}, {"exp_w2", 1, 5120, 2304}};
+        int pair, listed; /* pair: one cuda_linear_mma_pair call of two [n / 2, k]; listed: with a T list only */
+    } shapes[] = {{"sh_w13", 0, 4608, 5120, 1, 1},   {"wq_a", 0, 1280, 5120, 0, 0},   {"wkv", 0, 512, 5120, 0, 0},
+                  {"wq_b", 0, 4096, 1280, 0, 0},     {"wo_b", 0, 640, 8192, 0, 0},    {"sh_w1", 0, 2304, 5120, 0, 0},
+                  {"sh_w2", 0, 5120, 2304, 0, 0},    {"exp_w1", 1, 2304, 5120, 0, 0}, {"exp_w2", 1, 5120, 2304, 0, 0},
+                  {"engram_wkv", 0, 25600, 6144, 0, 1}};
     for (int mma = path0; mma < path1; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (int ti = 0; ti < nT; ti++) {
-            static const char *const pnames[] = {"exact", "mma", "mma128", "mma_mt1", "mma_mt2", "mma_mt4"};
+            static const char *const pnames[] = {"exact", "mma", "mma128", "mma_mt1", "mma_mt2", "mma_mt4", "mma128x64", "mma64x64"};
             const char *pname = pnames[mma];
             int fp4 = shapes[si].fp4;
+            g_pair = shapes[si].pair;
+            if ((g_pair && !mma) || (shapes[si].listed && argc <= 2)) continue;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             if (mma == 2 && T < 16) continue; /* the prefill tiling at decode sizes: T = 16, 64, 256 */
-            if (mma >= 3 && (fp4 || T > 256)) continue; /* the forced forms: FP8, the decode tiling's rows */
+            if (mma >= 3 && mma < 6 && (fp4 || T > 256)) continue; /* the forced forms: FP8, the decode tiling's rows */
+            if (mma >= 6 && fp4) continue;
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
             size_t wb = (size_t)(n * ld), sb = (size_t)(s_rows * s_ld);
             int copies = (int)(4.0 * prop.l2CacheSize / (double)(wb + sb)) + 2;

@@ -10,6 +10,9 @@ cuda_step_profile.csv    -> cuda_step_profile.png: where a decode step's (and a 
 cuda_linear_prefill.csv  -> cuda_linear_prefill.png: each FP8/FP4 linear at prefill token counts
                             (bench_linear_cuda out.csv T,...), TFLOP/s against the cuBLAS bf16 rate
                             of cuda_gemm_ceiling.csv (its best row) and the 40 % prefill target.
+cuda_linear_tiles_h100.csv -> cuda_linear_tiles_h100.png: each FP8 linear (and the shared expert's w1 | w3
+                            pair call) on every tiling forced (bench_linear_cuda out.csv T,... --tiles):
+                            µs a call per T, the data behind CUDA_MMA_AUTO's choice (fp8_tile).
 cuda_step_alternated.csv -> cuda_step_alternated.png: two binaries' bench_step runs alternated in one device
                             call (step_alternated.py): decode % of copy bandwidth and prefill tokens/s per rev.
 cuda_head_draw.csv       -> cuda_head_draw.png: the last stage's head, greedy draw and log-probabilities
@@ -158,6 +161,36 @@ def main():
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(d, "cuda_linear_prefill.png"), dpi=110)
+    til = os.path.join(d, "cuda_linear_tiles_h100.csv")
+    if os.path.exists(til):
+        r = [x for x in rows(til) if not x["op"].startswith("exp_")]
+        ops, paths = [], []
+        for x in r:
+            if x["op"] not in ops:
+                ops.append(x["op"])
+            if x["path"] not in paths:
+                paths.append(x["path"])
+        cols = 4
+        fig, axes = plt.subplots((len(ops) + cols - 1) // cols, cols, figsize=(14, 6.5), squeeze=False)
+        for i, o in enumerate(ops):
+            ax = axes[i // cols][i % cols]
+            for pth in paths:
+                pts = sorted((int(x["T"]), float(x["graph_us_per_call"])) for x in r if x["op"] == o and x["path"] == pth)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, color="C%d" % paths.index(pth),
+                            ls="--" if pth.startswith("tried") else "-", label=pth)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(o, fontsize=9)
+            ax.set_xlabel("T (rows)", fontsize=8)
+            ax.set_ylabel("µs a call (graph)", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for j in range(len(ops), axes.shape[0] * cols):
+            axes[j // cols][j % cols].axis("off")
+        fig.suptitle("FP8 tensor-core linears on each tiling forced (%s)" % r[0]["device"], fontsize=10)
+        fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=len(paths), loc="lower center")
+        fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+        fig.savefig(os.path.join(d, "cuda_linear_tiles_h100.png"), dpi=110)
     alt = os.path.join(d, "cuda_step_alternated.csv")
     if os.path.exists(alt):
         r = rows(alt)

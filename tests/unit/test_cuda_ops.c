@@ -1316,20 +1316,23 @@ static void test_linear_mma_kernels_agree(void **st) {
 
 /* Two weights in one launch (cuda_linear_mma_pair: the shared expert's w1 and w3) against each
  * weight's own call on the same quantized x: the same bits for every output, in every decode form
- * (T = 1, 3, 8 the split kernel; 9, 16 one m16 tile a CTA; 24 two; 64 four), FP8 and FP4, at the
- * real seam (2,304 rows) and at the smallest one (32 rows), with a second weight of another size. */
+ * (T = 1, 3, 8 the split kernel; 9, 16 one m16 tile a CTA; 24 two; 64 four) and, at the real seam
+ * (2,304 rows, a multiple of 128), the FP8 tiles CUDA_MMA_AUTO takes from 32 rows (40, 64: 64 x 64;
+ * 96, 300: 128 x 64; the FP4 pair above 128 rows: 128 x 128), FP8 and FP4, and at the smallest seam
+ * (32 rows, which keeps the decode tiling), with a second weight of another size. */
 static void test_linear_mma_pair(void **st) {
     NEED_GPU(st);
 #ifndef DS_HAVE_CUDA
     skip();
 #else
     if (gpu_state != 1) skip(); /* the tensor-core entry points called directly: no CPU stand-in */
-    const int64_t Ts[] = {1, 3, 8, 9, 16, 24, 64};
+    const int64_t Ts[] = {1, 3, 8, 9, 16, 24, 40, 64, 96, 300};
     const struct {
         bool fp4;
         int64_t n1, n2, k;
         const char *name;
     } cs[] = {{false, MOE_INTER, MOE_INTER, DIM, "FP8 w1 | w3 [2304 | 2304, 5120]"},
+              {true, MOE_INTER, 256, 640, "FP4 [2304 | 256, 640]"},
               {false, 32, 37, 160, "FP8 [32 | 37, 160]"},
               {true, 64, 48, 96, "FP4 [64 | 48, 96]"}};
     seed_tag("mma pair");
@@ -1342,6 +1345,7 @@ static void test_linear_mma_pair(void **st) {
         const int fmt = (int)ga.fmt;
         for (int ti = 0; ti < (int)(sizeof Ts / sizeof Ts[0]); ti++) {
             const int64_t T = Ts[ti];
+            if (T > 256 && n1 % 128) continue; /* past the decode tiling such a seam is refused */
             bf16_t *x = NEW(bf16_t, T * k), *yp = NEW(bf16_t, T * n), *ya = NEW(bf16_t, T * n1), *yb = NEW(bf16_t, T * n2);
             fill_act(x, T * k, 1.0f);
             void *dx = g_in(x, (size_t)(T * k) * 2), *dq = g_out(cuda_linear_mma_act_bytes(T, k), PZ_16);
@@ -1379,18 +1383,22 @@ static void test_linear_mma_pair(void **st) {
 }
 
 /* The forced FP8 decode forms (CUDA_MMA_DECODE_MT1 / _MT2 / _MT4, which bench_linear_cuda --forms
- * times to choose the forms' row ranges) against the call's own choice on the same quantized x:
- * the same bits for every output, at row counts where each form is not the default one (3: the
- * split kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile), a real
- * shape, a weight slice (row stride above k) and odd sizes. */
+ * times to choose the forms' row ranges) and the forced prefill tiles (128 x 128, 128 x 64, 64 x
+ * 64: bench_linear_cuda --tiles) against the call's own choice on the same quantized x: the same
+ * bits for every output, at row counts where each form is not the default one (3: the split
+ * kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile; 300: the tiles
+ * with a part-filled last row tile, the decode forms left out), a real shape, a weight slice (row
+ * stride above k) and odd sizes. */
 static void test_linear_mma_forms(void **st) {
     NEED_GPU(st);
 #ifndef DS_HAVE_CUDA
     skip();
 #else
     if (gpu_state != 1) skip(); /* the tensor-core entry points called directly: no CPU stand-in */
-    const int64_t Ts[] = {3, 24, 40, 64, 130};
-    const int forms[] = {CUDA_MMA_DECODE_MT1, CUDA_MMA_DECODE_MT2, CUDA_MMA_DECODE_MT4};
+    const int64_t Ts[] = {3, 24, 40, 64, 130, 300};
+    const int forms[] = {CUDA_MMA_DECODE_MT1,     CUDA_MMA_DECODE_MT2,     CUDA_MMA_DECODE_MT4,
+                         CUDA_MMA_PREFILL,        CUDA_MMA_PREFILL_128x64, CUDA_MMA_PREFILL_64x64};
+    const char *form_names[] = {"MT1", "MT2", "MT4", "128x128", "128x64", "64x64"};
     const char *names[] = {"wq_a [1280,5120]", "wo_b TP slice [5120,1024]", "odd [37,160]"};
     struct hw hs[3];
     seed_tag("mma forms");
@@ -1412,14 +1420,14 @@ static void test_linear_mma_forms(void **st) {
             assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream (see test_linear_mma_pair) */
             g_get(ya, dya, (size_t)(T * n) * 2);
             for (size_t fi = 0; fi < sizeof forms / sizeof forms[0]; fi++) {
+                if (T > 256 && forms[fi] >= CUDA_MMA_DECODE_MT1 && forms[fi] <= CUDA_MMA_DECODE_MT4) continue; /* decode rows */
                 void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
                 cuda_linear_mma_tiling(forms[fi] | CUDA_MMA_PREQUANT, (int)g.fmt, dyf, dq, T, g.w, g.s, n, k, g.ld,
                                        g.s_ld, ws, NULL);
                 assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
                 g_get(yf, dyf, (size_t)(T * n) * 2);
                 struct cmp c;
-                const int mt = 1 << (forms[fi] - CUDA_MMA_DECODE_MT1);
-                cmp_begin(&c, "linear form", "%s T=%lld MT%d", names[hi], (long long)T, mt);
+                cmp_begin(&c, "linear form", "%s T=%lld %s", names[hi], (long long)T, form_names[fi]);
                 for (int64_t i = 0; i < T * n; i++)
                     cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
                 cmp_end(&c);
