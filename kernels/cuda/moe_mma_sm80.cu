@@ -253,6 +253,8 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         const int wr = warp * 16 + g; /* the lane's rows wr and wr + 8, relative to n0 */
         const int rdB = XA_BYTES + wr * XB_LD + t * 4, swz = (g >> 1) & 3;
         const uint32_t *const srow_s = reinterpret_cast<const uint32_t *>(&s_sm[0][warp * 16 + 2 * g]);
+        constexpr int FRS = XTHREADS / KCH; /* the scale fill's row step (below) */
+        static_assert((FRS & (FRS - 1)) == 0 && XBN % FRS == 0, "scale fill: a power-of-two row step");
 
         /* the lane's partial of its first row and pair in the CTA's first chunk */
         float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
@@ -280,11 +282,18 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
             if ((i * XKB) % KCH == 0) {
                 /* a chunk's first stage: the barrier above saw every fold of the chunk before and the
-                 * chunk's raw scales (this stage's group, or plain stores before the barrier) */
-#pragma unroll 1
-                for (int q = tid; q < KCH * XBN; q += XTHREADS) {
-                    const int r = q / KCH, b = q % KCH;
-                    s_sm[b][xs_col(r)] = e8m0h(r < nrows && cc * KCH + b < nb ? (uint32_t)s_raw[r * KCH + b] : 0x100u);
+                 * chunk's raw scales (this stage's group, or plain stores before the barrier). Thread
+                 * tid decodes block fb of rows fr0 + j·FRS: xs_col permutes the bits of a row index
+                 * and fr0 < FRS, a power of two, so its column is xs_col(fr0) | xs_col(j·FRS), a
+                 * constant offset per j (a loop over q = tid + j·XTHREADS with its divisions and
+                 * xs_col per entry was ~20 % of the kernel's integer instructions) */
+                const int fb = tid % KCH, fr0 = tid / KCH;
+                uint16_t *const s_fill = &s_sm[fb][xs_col(fr0)];
+                const bool bok = cc * KCH + fb < nb;
+#pragma unroll 8
+                for (int j = 0; j < XBN / FRS; j++) {
+                    const int r = fr0 + j * FRS;
+                    s_fill[xs_col(j * FRS)] = e8m0h(bok && r < nrows ? (uint32_t)s_raw[r * KCH + fb] : 0x100u);
                 }
                 __syncthreads();
             }
