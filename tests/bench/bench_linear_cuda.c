@@ -31,10 +31,9 @@
 
 #define CK(x) BENCH_CK(x)
 
-static int g_pair; /* the shape is two FP8 weights of n / 2 rows each, one pair call */
-
-/* One linear call as the CUDA backend makes it on each path. */
-static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
+/* One linear call as the CUDA backend makes it on each path; pair: the shape is two FP8 weights of
+ * n / 2 rows each, one cuda_linear_mma_pair call (mma paths only). */
+static void call_linear(int mma, int fp4, int pair, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
     if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T, 3-5: a forced FP8 decode form,
                 * 6-7: the 128 x 64 and 64 x 64 tiles at any T */
@@ -42,7 +41,7 @@ static void call_linear(int mma, int fp4, uint16_t *y, const uint16_t *x, int64_
                            : mma >= 6 ? CUDA_MMA_PREFILL_128x64 + (mma - 6)
                            : mma >= 3 ? CUDA_MMA_DECODE_MT1 + (mma - 3)
                                       : CUDA_MMA_AUTO;
-        if (g_pair) {
+        if (pair) {
             const int64_t h = n / 2;
             cuda_linear_mma_pair(tiling, WF_FP8, y, x, T, w, s, h, w + h * ld, s + h / 32 * s_ld, h, k, ld, s_ld, ws, st);
             return;
@@ -109,8 +108,8 @@ int main(int argc, char **argv) {
             static const char *const pnames[] = {"exact", "mma", "mma128", "mma_mt1", "mma_mt2", "mma_mt4", "mma128x64", "mma64x64"};
             const char *pname = pnames[mma];
             int fp4 = shapes[si].fp4;
-            g_pair = shapes[si].pair;
-            if ((g_pair && !mma) || (shapes[si].listed && argc <= 2)) continue;
+            const int pair = shapes[si].pair;
+            if ((pair && !mma) || (shapes[si].listed && argc <= 2)) continue;
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             if (mma == 2 && T < 16) continue; /* the prefill tiling at decode sizes: T = 16, 64, 256 */
             if (mma >= 3 && mma < 6 && (fp4 || T > 256)) continue; /* the forced forms: FP8, the decode tiling's rows */
@@ -132,7 +131,7 @@ int main(int argc, char **argv) {
             size_t wsb = mma ? cuda_linear_mma_workspace_bytes(T, n, k)
                              : cuda_linear_workspace_bytes(T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T, k);
             CK(cudaMalloc(&ws, wsb));
-            for (int i = 0; i < copies; i++) call_linear(mma, fp4, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
+            for (int i = 0; i < copies; i++) call_linear(mma, fp4, pair, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
             CK(cudaDeviceSynchronize());
             int reps = copies * ((200 + copies - 1) / copies);
             cudaEvent_t e0, e1;
@@ -141,7 +140,7 @@ int main(int argc, char **argv) {
             CK(cudaEventRecord(e0, 0));
             for (int i = 0; i < reps; i++) {
                 int c = i % copies;
-                call_linear(mma, fp4, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
+                call_linear(mma, fp4, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
             }
             CK(cudaEventRecord(e1, 0));
             CK(cudaEventSynchronize(e1));
@@ -155,7 +154,7 @@ int main(int argc, char **argv) {
             cudaGraphExec_t exec;
             CK(cudaStreamCreate(&st));
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            for (int c = 0; c < copies; c++) call_linear(mma, fp4, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
+            for (int c = 0; c < copies; c++) call_linear(mma, fp4, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
             CK(cudaStreamEndCapture(st, &graph));
             CK(cudaGraphInstantiate(&exec, graph, 0));
             CK(cudaGraphLaunch(exec, st));
