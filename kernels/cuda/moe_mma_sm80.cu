@@ -426,6 +426,9 @@ static_assert(KCH % WKB == 0 && WBN * WKB == WTHREADS && WTHREADS == 2 * WBN && 
                   WP % 32 == 0,
               "prefill expert tile");
 
+/* a compile-time int for the prefill kernel's generic main loop */
+template <int N> struct moe_ic { static constexpr int value = N; };
+
 /* f(mt, nj, h) for each half of a warp's output fragments in the prefill tile: rows mt·16 + g + 8h
  * of the tile, columns nj·8 + 2t and + 1 of the warp's 16 (the epilogues' one walk). */
 template <class F> __device__ __forceinline__ void wide_frag_halves(F &&f) {
@@ -481,14 +484,21 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
         const bool v = row_ok && i * WKB + cb < nbt;
         cp_async16(bdst + (uint32_t)(st * WSTAGE), v ? wsrc + (int64_t)i * WKB * 16 : w, v);
     };
+    /* activation copies: thread tid owns 16-byte chunk ac = tid % (4 WKB) of the stage's rows
+     * tid / (4 WKB) + AQ_RS q (q < na, the rows in the tile), one source pointer per row set once
+     * after srow is known (a loop over the stage's chunks with the row lookups in it was ~25 integer
+     * instructions a copy, a quarter of a stage's instructions at 32 pairs) */
+    constexpr int AQ_RS = WTHREADS / (WKB * 4), AQ_N = WP / AQ_RS;
+    static_assert(WTHREADS % (WKB * 4) == 0 && WP % AQ_RS == 0, "activation copy layout");
+    const int ac = tid % (WKB * 4), ar = tid / (WKB * 4);
+    const int na = ar < np ? (np - 1 - ar) / AQ_RS + 1 : 0;
+    const uint8_t *asrc[AQ_N];
     auto load_a = [&](int st, int i) {
-        const uint32_t so = sbase + (uint32_t)(st * WSTAGE);
-        const int b0 = i * WKB;
-        for (int q = tid; q < np * WKB * 4; q += WTHREADS) {
-            const int r = q / (WKB * 4), c = q % (WKB * 4);
-            const bool v = b0 + c / 4 < nbt;
-            cp_async16(so + (uint32_t)(r * WA_LD + c * 16), v ? abase + srow[r] + (int64_t)b0 * 64 + c * 16 : abase, v);
-        }
+        const uint32_t so = sbase + (uint32_t)(st * WSTAGE + ar * WA_LD + ac * 16);
+        const bool v = i * WKB + ac / 4 < nbt;
+#pragma unroll
+        for (int q = 0; q < AQ_N; q++)
+            if (q < na) cp_async16(so + (uint32_t)(q * AQ_RS * WA_LD), v ? asrc[q] + (int64_t)i * WKB * 64 : abase, v);
     };
     /* the scales: thread tid owns CTA row tid / 2, blocks 16 (tid % 2) .. + 15 of each chunk, read
      * one chunk ahead into registers, four bytes a word (aligned words where the row allows;
@@ -538,6 +548,8 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
     if (nch > 1) load_s(1);
     __syncthreads(); /* srow, sdst, the zeros, chunk 0's scales */
 #pragma unroll
+    for (int q = 0; q < AQ_N; q++) asrc[q] = abase + (q < na ? srow[ar + q * AQ_RS] : 0) + ac * 16;
+#pragma unroll
     for (int st = 0; st < WSTAGES - 1; st++) {
         if (st < nst) load_a(st, st);
         cp_async_commit();
@@ -561,65 +573,85 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
      * instructions, 1.43 -> 1.23 ms (the first layer's, clocks locked by Nsight); per call as the
      * prefill runs (tests/gpu/kernel_times.sh) 1.10 -> 0.93 ms gate/up, 0.53 -> 0.47 ms down */
     constexpr int SPC = KCH / WKB; /* stages a chunk */
-    for (int ci = 0; ci < nch; ci++) {
-        const int i_end = (ci + 1) * SPC < nst ? (ci + 1) * SPC : nst;
-        for (int i = ci * SPC; i < i_end; i++) {
-            cp_async_wait<WSTAGES - 2>();
-            __syncthreads(); /* stage i landed; every warp is past stage i - 1 (and the scale table's reads) */
-            if (ci > 0 && i == ci * SPC) { /* chunk ci starts: its scales replace the last chunk's */
-                store_s(ci);
-                __syncthreads();
-                if (ci + 1 < nch) load_s(ci + 1);
-            }
-            if (i + WSTAGES - 1 < nst) {
-                load_b((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
-                load_a((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
-            }
-            cp_async_commit();
-            const int st = i % WSTAGES;
-            const uint32_t so = sbase + (uint32_t)(st * WSTAGE);
-            const uint8_t *const sb = smem + st * WSTAGE + rdB;
+    auto main_loop = [&](auto nmt_c) {
+        constexpr int NMT = decltype(nmt_c)::value;
+        for (int ci = 0; ci < nch; ci++) {
+            const int i_end = (ci + 1) * SPC < nst ? (ci + 1) * SPC : nst;
+            for (int i = ci * SPC; i < i_end; i++) {
+                cp_async_wait<WSTAGES - 2>();
+                __syncthreads(); /* stage i landed; every warp is past stage i - 1 (and the scale table's reads) */
+                if (ci > 0 && i == ci * SPC) { /* chunk ci starts: its scales replace the last chunk's */
+                    store_s(ci);
+                    __syncthreads();
+                    if (ci + 1 < nch) load_s(ci + 1);
+                }
+                if (i + WSTAGES - 1 < nst) {
+                    load_b((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
+                    load_a((i + WSTAGES - 1) % WSTAGES, i + WSTAGES - 1);
+                }
+                cp_async_commit();
+                const int st = i % WSTAGES;
+                const uint32_t so = sbase + (uint32_t)(st * WSTAGE);
+                const uint8_t *const sb = smem + st * WSTAGE + rdB;
+                /* a full tile's stage one k-block at a time: its four m16 tiles give chains enough,
+                 * and both blocks at once spilled at the 168 registers of 3 CTAs an SM */
+                constexpr int JB_UNROLL = NMT == WMT ? 1 : WKB;
+#pragma unroll JB_UNROLL
+                for (int jb = 0; jb < WKB; jb++) {
+                    uint32_t b[WNJ][4];
 #pragma unroll
-            for (int jb = 0; jb < WKB; jb++) {
-                uint32_t b[WNJ][4];
+                    for (int nj = 0; nj < WNJ; nj++)
+                        e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + nj * 8 * WB_LD + jb * 16), b[nj]);
+                    /* a block past K multiplied zero-filled tiles and its table entry is 0 (store_s
+                     * decodes 0x100 there): acc + 0·0 = acc, as above, with no select */
+                    const float *const sq = &s_sm[(i * WKB + jb) % KCH][scol];
+                    float2 q[WNJ];
 #pragma unroll
-                for (int nj = 0; nj < WNJ; nj++)
-                    e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(sb + nj * 8 * WB_LD + jb * 16), b[nj]);
-                /* a block past K multiplied zero-filled tiles and its table entry is 0 (store_s
-                 * decodes 0x100 there): acc + 0·0 = acc, as above, with no select */
-                const float *const sq = &s_sm[(i * WKB + jb) % KCH][scol];
-                float2 q[WNJ];
+                    for (int nj = 0; nj < WNJ; nj++) q[nj] = *reinterpret_cast<const float2 *>(sq + 8 * nj);
 #pragma unroll
-                for (int nj = 0; nj < WNJ; nj++) q[nj] = *reinterpret_cast<const float2 *>(sq + 8 * nj);
+                    for (int mt = 0; mt < WMT; mt++) {
+                        if (mt >= NMT) continue; /* the tile's m16 tiles in use: known at compile time */
+                        uint32_t a0[4], a1[4];
+                        decode_a_frags<16>(so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64), a0, a1);
 #pragma unroll
-                for (int mt = 0; mt < WMT; mt++) {
-                    if (mt >= nmt) continue; /* warp-uniform: the tile's m16 tiles in use */
-                    uint32_t a0[4], a1[4];
-                    decode_a_frags<16>(so + ldA + (uint32_t)(mt * 16 * WA_LD + jb * 64), a0, a1);
-#pragma unroll
-                    for (int nj = 0; nj < WNJ; nj++) {
-                        float p[4];
-                        mma_bf16(p, a0[0], a0[1], a0[2], a0[3], b[nj][0], b[nj][1], 0.0f, 0.0f, 0.0f, 0.0f);
-                        mma_bf16(p, a1[0], a1[1], a1[2], a1[3], b[nj][2], b[nj][3], p[0], p[1], p[2], p[3]);
-                        float *const c = acc[mt][nj];
-                        c[0] = __fmaf_rn(p[0], q[nj].x, c[0]);
-                        c[1] = __fmaf_rn(p[1], q[nj].y, c[1]);
-                        c[2] = __fmaf_rn(p[2], q[nj].x, c[2]);
-                        c[3] = __fmaf_rn(p[3], q[nj].y, c[3]);
+                        for (int nj = 0; nj < WNJ; nj++) {
+                            float p[4];
+                            mma_bf16(p, a0[0], a0[1], a0[2], a0[3], b[nj][0], b[nj][1], 0.0f, 0.0f, 0.0f, 0.0f);
+                            mma_bf16(p, a1[0], a1[1], a1[2], a1[3], b[nj][2], b[nj][3], p[0], p[1], p[2], p[3]);
+                            float *const c = acc[mt][nj];
+                            c[0] = __fmaf_rn(p[0], q[nj].x, c[0]);
+                            c[1] = __fmaf_rn(p[1], q[nj].y, c[1]);
+                            c[2] = __fmaf_rn(p[2], q[nj].x, c[2]);
+                            c[3] = __fmaf_rn(p[3], q[nj].y, c[3]);
+                        }
                     }
                 }
             }
+            /* chunk ci ends: its sum joins the chunks before, in order */
+#pragma unroll
+            for (int mt = 0; mt < WMT; mt++)
+#pragma unroll
+                for (int nj = 0; nj < WNJ; nj++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        if (mt >= NMT) continue;
+                        sum[mt][nj][e] = ci ? __fadd_rn(sum[mt][nj][e], acc[mt][nj][e]) : acc[mt][nj][e];
+                        acc[mt][nj][e] = 0.0f;
+                    }
         }
-        /* chunk ci ends: its sum joins the chunks before, in order */
-#pragma unroll
-        for (int mt = 0; mt < WMT; mt++)
-#pragma unroll
-            for (int nj = 0; nj < WNJ; nj++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    sum[mt][nj][e] = ci ? __fadd_rn(sum[mt][nj][e], acc[mt][nj][e]) : acc[mt][nj][e];
-                    acc[mt][nj][e] = 0.0f;
-                }
+    };
+    /* The tile's m16 count as a compile-time constant in each copy of the loop: with a run-time
+     * test per m16 tile the body fell into blocks of one m16 tile's two n8 chains (mma, mma, scale
+     * fma), too few independent chains to cover the mma latency (Nsight: top stall a fixed-latency
+     * dependency, 0.5 instructions issued a scheduler); one branch-free body interleaves them all.
+     * With the copy addresses set once (load_a), H100 bench_moe at 2,048 / 8,192 tokens: 1.34 /
+     * 4.46 -> 0.98 / 3.18 ms a call, the copies alone 1.20 / 3.84. */
+    static_assert(WMT == 4, "the cases below cover 1..4 m16 tiles");
+    switch (nmt) {
+    case 1: main_loop(moe_ic<1>{}); break;
+    case 2: main_loop(moe_ic<2>{}); break;
+    case 3: main_loop(moe_ic<3>{}); break;
+    default: main_loop(moe_ic<WMT>{}); break;
     }
     cp_async_wait<0>();
 
