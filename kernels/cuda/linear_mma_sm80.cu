@@ -83,7 +83,12 @@ __global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 
     mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-constexpr int STAGES = 3;  /* cp.async pipeline depth (k-blocks in flight) */
+/* cp.async pipeline depth (k-blocks in flight). Four for the FP8 / FP4 tiles (48 KB at 128 x 128) was
+ * tried after 0d2cb3e: H200, bench_linear_cuda graph µs a call at 2,048 rows within 1 % (wq_a 149.3
+ * -> 148.1, sh_w1 236.2 -> 233.2), bench_step batch 64 / 256 and the 2K prefill unchanged (11.24 /
+ * 20.40 / 102.6 -> 11.16 / 20.37 / 101.6 ms); not kept (the FP8 scales, read two blocks ahead into
+ * sc_cur / sc_nxt, would also need a third register for it). */
+constexpr int STAGES = 3;
 constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
 
 enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };

@@ -43,7 +43,11 @@ static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
 /* Calls of more than MOE_MMA_DECODE_T tokens (prefill chunks) take the prefill path: tiles of up
  * to MOE_WIDE_TILE pairs, each CTA over the whole of k, no partials in memory. It needs
  * I % 32 == 0 (a CTA's 32 columns of h are one quantization group). Same bits either way; at
- * decode sizes it was slower at every batch on the H200 (moe_experts b64 10.1 -> 17.2 ms a step). */
+ * decode sizes it was slower at every batch on the H200 (moe_experts b64 10.1 -> 17.2 ms a step),
+ * and still is with its branch-free main loop (0d2cb3e): H100, bench_moe at 64 / 128 / 256 tokens
+ * 0.343 / 0.442 / 0.535 ms a call here, 0.496 / 0.646 / 0.738 with the threshold at 32; bench_step
+ * batch 64 / 128 / 256 12.9 / 17.7 / 23.1 -> 16.3 / 21.9 / 28.0 ms (a pass's 1-4 pairs an expert
+ * leave one m16 tile a CTA mostly empty, where the decode path's n8 tiles of pairs fit them). */
 #define MOE_MMA_DECODE_T 256
 #define MOE_WIDE_TILE 64
 
