@@ -47,7 +47,10 @@ static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
  * and still is with its branch-free main loop (0d2cb3e): H100, bench_moe at 64 / 128 / 256 tokens
  * 0.343 / 0.442 / 0.535 ms a call here, 0.496 / 0.646 / 0.738 with the threshold at 32; bench_step
  * batch 64 / 128 / 256 12.9 / 17.7 / 23.1 -> 16.3 / 21.9 / 28.0 ms (a pass's 1-4 pairs an expert
- * leave one m16 tile a CTA mostly empty, where the decode path's n8 tiles of pairs fit them). */
+ * leave one m16 tile a CTA mostly empty, where the decode path's n8 tiles of pairs fit them). Above
+ * 256 the prefill path wins: the decode path up to 4,096 tokens took 0.956 / 1.053 / 2.073 / 4.006 ms
+ * a call at 384 / 512 / 1,024 / 2,048 tokens against 0.757 / 0.756 / 0.837 / 0.967 (H100, bench_moe),
+ * and a 2K prompt in 512-token chunks 187.1 187.4 against 165.7 165.4 ms (bench_step --chunk 512). */
 #define MOE_MMA_DECODE_T 256
 #define MOE_WIDE_TILE 64
 
