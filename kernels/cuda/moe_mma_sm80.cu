@@ -645,7 +645,11 @@ __global__ void __launch_bounds__(WTHREADS, WMINB)
      * fma), too few independent chains to cover the mma latency (Nsight: top stall a fixed-latency
      * dependency, 0.5 instructions issued a scheduler); one branch-free body interleaves them all.
      * With the copy addresses set once (load_a), H100 bench_moe at 2,048 / 8,192 tokens: 1.34 /
-     * 4.46 -> 0.98 / 3.18 ms a call, the copies alone 1.20 / 3.84. */
+     * 4.46 -> 0.98 / 3.18 ms a call, the copies alone 1.20 / 3.84. Tried after it and not kept:
+     * stages sized by the tile's m16 count (the NMT·16 activation rows in use, up to 6 stages
+     * in the same pool for one m16 tile): bench_moe at 512 / 2,048 / 8,192 tokens 0.762 / 0.993
+     * / 3.128 -> 0.748 / 0.968 / 3.152 ms, a 2K prompt in 512-token chunks 171.8 165.4 -> 165.3
+     * 165.8 ms (H100): a tile of 8 pairs does not wait on its weight bytes in flight. */
     static_assert(WMT == 4, "the cases below cover 1..4 m16 tiles");
     switch (nmt) {
     case 1: main_loop(moe_ic<1>{}); break;
