@@ -1102,7 +1102,8 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
                 if (draw_full_row(m, p)) full = true;
                 else if (p->temperature > 0 && p->top_k > k) k = p->top_k;
             }
-            if (full && k < sampler_full_list_len(V)) k = sampler_full_list_len(V);
+            const int64_t k_full = sampler_full_list_len(V);
+            if (full && k < k_full) k = k_full;
             float *tv = k ? ds_malloc(sizeof(float) * (size_t)R) : NULL;
             if (hd->tokens && !k) head_greedy(m, hd->tokens, lg, R, Vl);
             if (k) head_topk(m, hd, lg, R, Vl, k, full, tv);

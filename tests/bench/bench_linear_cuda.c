@@ -25,7 +25,7 @@
 #include <string.h>
 
 #include "backend.h"
-#include "bench/bench_copy_bw.h"
+#include "bench/bench_util.h"
 #include "cuda/cuda_linear.h"
 #include "cuda/linear_mma.h"
 
@@ -74,16 +74,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (argc > 2) {
-        nT = 0, path0 = 1, path1 = 2;
-        for (const char *p = argv[2]; *p && nT < 16;) {
-            char *end;
-            long long v = strtoll(p, &end, 10);
-            if (end == p || v < 1 || v > (1 << 20) || (*end && *end != ',')) {
-                fprintf(stderr, "bench: token counts '%s': a comma-separated list of 1 .. 1048576\n", argv[2]);
-                return 2;
-            }
-            Ts[nT++] = v;
-            p = *end ? end + 1 : end;
+        path0 = 1, path1 = 2;
+        nT = bench_parse_list(argv[2], Ts, 16);
+        if (nT < 1) {
+            fprintf(stderr, "bench: token counts '%s': a comma-separated list of up to 16 of 1 .. 1048576\n", argv[2]);
+            return 2;
         }
         if (forms) path1 = 6; /* mma, mma128, mma_mt1, mma_mt2, mma_mt4 */
         if (tiles) path0 = 2, path1 = 8; /* mma128, the decode forms, mma128x64, mma64x64 */
