@@ -56,21 +56,22 @@ static inline int64_t moe_tiles_max(int64_t M, int64_t n_local, int64_t P) {
 
 static inline int moe_mma_is_wide(int64_t T, int64_t I) { return T > MOE_MMA_DECODE_T && I % 32 == 0; }
 
-/* The decode path's k-chunks per CTA: from MOE_MMA_WHOLE_K_T tokens on, a CTA runs every chunk of
- * its tile's rows one after the other (its prologue, ~3 dependent loads before the activations,
- * paid once per row tile instead of once per chunk), below that one chunk per CTA (more CTAs for
- * the few tiles of a small batch). Same bits either way (per-chunk partials). Any scale shape:
- * the kernel fetches a chunk's scales by cp.async where the rows are 4-byte words and by plain
- * loads otherwise. H200, a decode step (ms at batch 1 / 8 / 64 / 256, the same run): one chunk
- * 6.62 / 9.54 / 20.61 / 34.10, all chunks 6.77 / 9.51 / 19.36 / 31.12. */
-#define MOE_MMA_WHOLE_K_T 16
-static inline int moe_mma_chunks_per_cta(int64_t T, int nch) { return T >= MOE_MMA_WHOLE_K_T ? nch : 1; }
-
-/* The decode path's CTA: 8 warps of 16 weight rows each where its CTAs run every k-chunk of their
- * rows (from MOE_MMA_WHOLE_K_T tokens), 4 below, where a CTA runs one chunk and twice the CTAs of
- * half the rows keep more weight loads in flight. Same bits either way (a row's sums do not depend
- * on the CTA that computes them). */
-static inline int moe_mma_warps(int64_t T) { return T >= MOE_MMA_WHOLE_K_T ? 8 : 4; }
+/* The decode path's CTA: MOE_MMA_CTA_WARPS warps of 16 weight rows each over one k-chunk, at every
+ * batch (same bits with any split: per-chunk partials; a row's sums do not depend on the CTA that
+ * computes them). Until now calls of 16 tokens and more took CTAs of 8 warps that ran every chunk
+ * of their rows in turn (each CTA's prologue, ~3 dependent loads before the activations, paid once
+ * per row tile; an older kernel's decode step on the H200 at batch 1 / 8 / 64 / 256: one chunk
+ * 6.62 / 9.54 / 20.61 / 34.10 ms, all chunks 6.77 / 9.51 / 19.36 / 31.12). With today's kernel on
+ * the H100 those CTAs were too few and too long: at batch 64 the gate/up grid has ~32 tiles x 36
+ * row tiles = ~1,150 working CTAs for 528 slots, 2.2 waves of whole-k CTAs, and Nsight showed 54 %
+ * of DRAM bandwidth with ~30 % of the warps' stall samples at the stage barrier and the cp.async
+ * wait. bench_moe (ms a call at 16 / 64 / 128 / 256 tokens, two runs each in one device call,
+ * H100): all chunks, 8 warps 0.140 / 0.342 / 0.438 / 0.535; one chunk, 8 warps 0.113 / 0.284 /
+ * 0.383 / 0.467; one chunk, 4 warps 0.112 / 0.282 / 0.372 / 0.454; two chunks, 8 warps 0.128 /
+ * 0.309 / 0.412 / 0.495; three 0.136 / 0.325 / 0.420 / 0.504. bench_step decode ms at batch 16 /
+ * 64 / 128 / 256: 7.30 7.31 / 12.62 12.61 / 17.36 17.32 / 22.76 22.63 -> (one chunk, 4 warps)
+ * 7.18 7.03 / 11.84 11.69 / 16.03 15.97 / 21.53 21.38. */
+#define MOE_MMA_CTA_WARPS 4
 
 /* Tokens of one prefill-path pass: its quantized x, plan entries and quantized h under
  * MOE_MMA_PASS_BYTES. */

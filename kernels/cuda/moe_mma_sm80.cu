@@ -19,7 +19,7 @@
  *  1. moe_begin_kernel: its CTA 0 buckets the pass's local pairs by expert, tiles of <= 8 pairs
  *     (one n8 mma tile; moe_plan_body), the other CTAs quantize x (mma_act_quant_body);
  *  2. moe_mma_kernel<2, W> (gate/up): CTA = (one tile) x (16 W rows of w1 or of w3) x (one
- *     k-chunk, W = 4; or from MOE_MMA_WHOLE_K_T tokens on all of them in turn, W = 8);
+ *     k-chunk), W = MOE_MMA_CTA_WARPS = 4;
  *     the CTA finds its tile with one load of the plan's tile table (and takes tiles gridDim.z
  *     apart in turn where the grid's tile slots are capped: MOE_MMA_Z_WAVES), the tile's x rows
  *     are gathered by token into shared memory (rows past the tile's pairs are zeros, never
@@ -82,9 +82,8 @@ constexpr int XB_LD = XKB * 16;       /* FP4 weight row of a stage, unpadded: it
 constexpr int XA_LD = XKB * 64 + 16;  /* activation row of a stage, padded: ldmatrix rows on distinct banks */
 constexpr int XA_BYTES = XP * XA_LD;
 
-/* The CTA of W warps, each one m16 tile of weight rows (the A operand): W = 8 (128 rows) for calls
- * whose CTAs run every k-chunk of their rows, W = 4 (64 rows) for the one-chunk CTAs of small
- * calls, where twice the CTAs keep more loads in flight (moe_mma_warps). */
+/* The CTA of W warps, each one m16 tile of weight rows (the A operand); the launches take
+ * W = MOE_MMA_CTA_WARPS (moe_mma.h). */
 template <int W> struct xtile {
     static constexpr int BN = 16 * W;     /* weight rows per CTA */
     static constexpr int THREADS = 32 * W;
@@ -128,9 +127,8 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
 
 /* One CTA: tiles blockIdx.z, blockIdx.z + gridDim.z, ... of the experts [c0, c0 + cn) (past the
  * last: exit), weight rows n0 .. n0 + 16 W - 1 of matrix m (grid x = NM matrices x ceil(N / 16 W)
- * row tiles; gate/up: m = 0 w1, 1 w3), the cpc k-chunks from cpc·blockIdx.y on, one after the other
- * through one cp.async pipeline (each chunk's sum from +0 and its partial stored at its end, as one
- * CTA per chunk would: the same bits). a: k-permuted quantized activations, K values per row; the
+ * row tiles; gate/up: m = 0 w1, 1 w3), k-chunk blockIdx.y through one cp.async pipeline (its sum
+ * from +0, its partial stored at its end). a: k-permuted quantized activations, K values per row; the
  * tile's pair j is a's row list[first + j] / a_div (gate/up: the pair's token) or first + j (down,
  * a_div = 0: h is stored by list position). part [nch][mcap][NM N] fp32, row = list position.
  * Warp w computes rows n0 + 16 w .. + 15 against the tile's pairs as mma(A = the 16 weight rows,
@@ -140,16 +138,16 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
  * the same fold, so the bits are those of the linears (the op test's composition).
  * The prologue is a chain of dependent loads (the chunk's tile range, the tile's entry, the list)
  * before the activations can be fetched, so the weights' first stages, which need only the
- * expert, are issued before the list is read. With cpc > 1 that prologue (and the scale table's
- * first fill) is paid once per cpc chunks, and the pipeline runs on across the chunk boundaries:
- * a chunk's raw scale bytes arrive in s_raw with the loads of its first stage (by cp.async where
- * the scale rows are 4-byte words, else by plain loads) and are decoded into the table at that
- * stage. */
+ * expert, are issued before the list is read. The chunk's raw scale bytes arrive in s_raw with
+ * the loads of the first stage (by cp.async where the scale rows are 4-byte words, else by plain
+ * loads) and are decoded into the table at that stage.
+ * One chunk a CTA at every batch (moe_mma.h, MOE_MMA_CTA_WARPS: measured against CTAs that ran all
+ * of k). */
 template <int NM, int W>
 __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
                    int n_local, const __nv_bfloat16 *__restrict__ a, int64_t a_div, int64_t N, int64_t K, int64_t ld,
-                   int64_t s_ld, float *__restrict__ part, int64_t mcap, int cpc) {
+                   int64_t s_ld, float *__restrict__ part, int64_t mcap) {
     constexpr int XBN = xtile<W>::BN, XTHREADS = xtile<W>::THREADS, XSTAGE = xtile<W>::STAGE;
     constexpr int XSTAGES = xtile<W>::STAGES, XS_LD = xtile<W>::S_LD, XR_BYTES = xtile<W>::R_BYTES;
     __shared__ __align__(128) uint8_t smem[XSTAGES * XSTAGE];
@@ -174,8 +172,8 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         const int m = (int)(blockIdx.x / ntm);
         const int64_t n0 = (int64_t)(blockIdx.x % ntm) * XBN;
         const uint8_t *const w = tab.w[le - c0][m], *const s = tab.s[le - c0][m];
-        const int ci0 = (int)blockIdx.y * cpc, kb0 = ci0 * KCH, nbt = (int)(K / 32);
-        const int nb = nbt - kb0 < cpc * KCH ? nbt - kb0 : cpc * KCH, nst = (nb + XKB - 1) / XKB; /* blocks, stages */
+        const int ci0 = (int)blockIdx.y, kb0 = ci0 * KCH, nbt = (int)(K / 32);
+        const int nb = nbt - kb0 < KCH ? nbt - kb0 : KCH, nst = (nb + XKB - 1) / XKB; /* blocks, stages */
         const uint8_t *const abase = reinterpret_cast<const uint8_t *>(a);
         const uint32_t sbase = smem_addr(smem);
 
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             cp_async16(bdst + (uint32_t)(st * XSTAGE), v && ok0 ? wsrc0 + i * XKB * 16 : w, v && ok0);
             cp_async16(bdst + (uint32_t)(st * XSTAGE + XBN / 2 * XB_LD), v && ok1 ? wsrc1 + i * XKB * 16 : w, v && ok1);
         };
-        /* chunk cc's raw scale bytes, 4 per copy: thread tid takes word tid % 8 of rows
+        /* the chunk's raw scale bytes, 4 per copy: thread tid takes word tid % 8 of rows
          * tid / 8 + q XTHREADS / 8, q = 0..3 (smem bytes 4 tid + 4 q XTHREADS); words past the CTA's
          * blocks or rows past N are not fetched (their scales decode as 0 below). The CTA's scale
          * base is read from shared memory when needed (kept in registers through the main loop it
@@ -205,11 +203,11 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
          * stores are ordered before the decode by the stage's barrier). Either way the chunk's
          * first stage decodes s_raw into the table. */
         const bool s_cp = (s_ld & 3) == 0 && (reinterpret_cast<uintptr_t>(s) & 3u) == 0;
-        auto load_s = [&](int cc) {
+        auto load_s = [&]() {
             if (s_cp) {
-                const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw + cc * KCH;
+                const uint8_t *const s_src = s_cta + (tid / 8) * s_ld + sw;
                 const uint32_t s_dst = smem_addr(s_raw) + 4 * threadIdx.x;
-                const bool vb = cc * KCH + sw < nb;
+                const bool vb = sw < nb;
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const bool v = vb && tid / 8 + q * (XTHREADS / 8) < nrows;
@@ -219,7 +217,7 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
 #pragma unroll 1
                 for (int q = tid; q < KCH * XBN; q += XTHREADS) {
                     const int r = q / KCH, b = q % KCH;
-                    if (r < nrows && cc * KCH + b < nb) s_raw[q] = __ldg(s_cta + r * s_ld + cc * KCH + b);
+                    if (r < nrows && b < nb) s_raw[q] = __ldg(s_cta + r * s_ld + b);
                 }
             }
         };
@@ -256,19 +254,19 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
         constexpr int FRS = XTHREADS / KCH; /* the scale fill's row step (below) */
         static_assert((FRS & (FRS - 1)) == 0 && XBN % FRS == 0, "scale fill: a power-of-two row step");
 
-        /* the lane's partial of its first row and pair in the CTA's first chunk */
+        /* the lane's partial of its first row and pair in the CTA's chunk */
         float *const pbase = part + ((int64_t)ci0 * mcap + first + 2 * t) * (NM * N) + (int64_t)m * N + n0 + wr;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (wr, 2t), (wr, 2t + 1), (wr + 8, 2t), (wr + 8, 2t + 1) */
-        /* the first chunk's raw scales come with the first group, as a later chunk's do, and decode
-         * at its first stage; plain loads after the table were 16 dependent memory latencies in
-         * front of every CTA's first stage (b3c985d) */
-        if (s_cp) load_s(0);
+        /* the chunk's raw scales come with the first group and decode at the first stage; plain
+         * loads after the table were 16 dependent memory latencies in front of every CTA's first
+         * stage (b3c985d) */
+        if (s_cp) load_s();
 #pragma unroll
         for (int st = 0; st < XSTAGES - 1; st++) {
             if (st < nst) load_a(st, st);
             cp_async_commit();
         }
-        if (!s_cp) load_s(0); /* while the first stages are in flight */
+        if (!s_cp) load_s(); /* while the first stages are in flight */
         for (int i = 0; i < nst; i++) {
             cp_async_wait<XSTAGES - 2>();
             __syncthreads();
@@ -276,20 +274,18 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
                 const int in = i + XSTAGES - 1;
                 load_b(in % XSTAGES, in);
                 load_a(in % XSTAGES, in);
-                if ((in * XKB) % KCH == 0) load_s(in * XKB / KCH); /* a later chunk's first stage (in > 0) */
             }
             cp_async_commit();
-            const int cc = i * XKB / KCH; /* the stage's chunk, relative to ci0 */
-            if ((i * XKB) % KCH == 0) {
-                /* a chunk's first stage: the barrier above saw every fold of the chunk before and the
-                 * chunk's raw scales (this stage's group, or plain stores before the barrier). Thread
+            if (i == 0) {
+                /* the first stage: the barrier above saw the chunk's raw scales (this stage's group,
+                 * or plain stores before the barrier). Thread
                  * tid decodes block fb of rows fr0 + j·FRS: xs_col permutes the bits of a row index
                  * and fr0 < FRS, a power of two, so its column is xs_col(fr0) | xs_col(j·FRS), a
                  * constant offset per j (a loop over q = tid + j·XTHREADS with its divisions and
                  * xs_col per entry was ~20 % of the kernel's integer instructions) */
                 const int fb = tid % KCH, fr0 = tid / KCH;
                 uint16_t *const s_fill = &s_sm[fb][xs_col(fr0)];
-                const bool bok = cc * KCH + fb < nb;
+                const bool bok = fb < nb;
 #pragma unroll 8
                 for (int j = 0; j < XBN / FRS; j++) {
                     const int r = fr0 + j * FRS;
@@ -324,17 +320,13 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
                 acc[2] = __fmaf_rn(p[jb][2], s1, acc[2]);
                 acc[3] = __fmaf_rn(p[jb][3], s1, acc[3]);
             }
-            if (((i + 1) * XKB) % KCH == 0 || i == nst - 1) { /* the chunk's last stage: its partial */
+        }
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (2 * t + h >= np) continue;
-                    float *pr = pbase + (int64_t)cc * mcap * (NM * N) + (int64_t)h * (NM * N);
-                    if (wr < nrows) pr[0] = acc[h];
-                    if (wr + 8 < nrows) pr[8] = acc[2 + h];
-                }
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[e] = 0.0f;
-            }
+        for (int h = 0; h < 2; h++) { /* the chunk's partial */
+            if (2 * t + h >= np) continue;
+            float *pr = pbase + (int64_t)h * (NM * N);
+            if (wr < nrows) pr[0] = acc[h];
+            if (wr + 8 < nrows) pr[8] = acc[2 + h];
         }
         cp_async_wait<0>();
     }
@@ -793,12 +785,12 @@ template <int NM, int W> static int moe_mma_ctas_per_sm() {
 template <int NM, int W>
 static void moe_mma_launch(dim3 grid, int64_t nt, int sms, cudaStream_t st, const moe_wtab &tab, int c0, int cn,
                            const moe_scr &r, int n_local, const __nv_bfloat16 *a, int64_t a_div, int64_t N, int64_t K,
-                           int64_t ld, int64_t s_ld, int64_t mcap, int cpc) {
+                           int64_t ld, int64_t s_ld, int64_t mcap) {
     const int64_t per_tile = (int64_t)grid.x * grid.y;
     const int64_t zcap = (MOE_MMA_Z_WAVES * (int64_t)sms * moe_mma_ctas_per_sm<NM, W>() + per_tile - 1) / per_tile;
     grid.z = (unsigned)(nt < zcap ? nt : zcap); /* zcap >= 1: sms and the occupancy are >= 1 */
     moe_mma_kernel<NM, W><<<grid, xtile<W>::THREADS, 0, st>>>(tab, c0, cn, r.plan, r.tiles, n_local, a, a_div, N, K, ld,
-                                                              s_ld, r.part, mcap, cpc);
+                                                              s_ld, r.part, mcap);
 }
 
 /* Calls of at most MOE_MMA_DECODE_T tokens: k-chunks spread over CTAs, partials in memory. */
@@ -812,8 +804,8 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
     cudaStream_t st = cuda_be_stream(be);
     const moe_scr r = moe_scr_take(be, T, tp, k, n_local, D, I, Dout, XP);
 
-    const int W = moe_mma_warps(T), sms = cuda_be_sms(be);
-    const int64_t rows = 16 * W, ntg = (I + rows - 1) / rows, ntd = (Dout + rows - 1) / rows;
+    const int sms = cuda_be_sms(be);
+    const int64_t rows = 16 * MOE_MMA_CTA_WARPS, ntg = (I + rows - 1) / rows, ntd = (Dout + rows - 1) / rows;
     if (2 * ntg > 0x7fffffff || ntd > 0x7fffffff || nchD > 65535 || nchI > 65535) MOE_MMA_FAIL("expert too large for the grid");
     for (int64_t t0 = 0; t0 < T; t0 += tp) {
         const int64_t tn = T - t0 < tp ? T - t0 : tp, mn = tn * k;
@@ -824,14 +816,12 @@ static void moe_mma_chunked(struct backend *be, bf16_t *y, const bf16_t *x, cons
                 const int64_t nt = moe_tiles_max(mn, cn, XP); /* the grid's tile slots */
                 if (nt > 65535) MOE_MMA_FAIL("too many tiles");
                 const moe_wtab tab = moe_mma_tab(w1, w3, w2, pass, c0, cn);
-                const int nch = pass ? nchI : nchD, cpc = moe_mma_chunks_per_cta(T, nch);
-                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)((nch + cpc - 1) / cpc), 1);
+                const dim3 grid((unsigned)(pass ? ntd : 2 * ntg), (unsigned)(pass ? nchI : nchD), 1);
                 const __nv_bfloat16 *const act = pass ? r.qh : r.qx;
                 const int64_t a_div = pass ? 0 : k, N = pass ? Dout : I, K = pass ? I : D;
                 const int64_t ld = pass ? ldd : ldg, s_ld = pass ? sd : sg;
-                const auto launch = pass ? (W == 8 ? moe_mma_launch<1, 8> : moe_mma_launch<1, 4>)
-                                         : (W == 8 ? moe_mma_launch<2, 8> : moe_mma_launch<2, 4>);
-                launch(grid, nt, sms, st, tab, (int)c0, cn, r, (int)n_local, act, a_div, N, K, ld, s_ld, mcap, cpc);
+                const auto launch = pass ? moe_mma_launch<1, MOE_MMA_CTA_WARPS> : moe_mma_launch<2, MOE_MMA_CTA_WARPS>;
+                launch(grid, nt, sms, st, tab, (int)c0, cn, r, (int)n_local, act, a_div, N, K, ld, s_ld, mcap);
                 KERNEL_CHECK();
             }
             if (pass == 0) {
