@@ -70,7 +70,7 @@ def main():
             r.update(device=a.device, rev=rev, run=seen[(a.device, rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps))
             rows.append(r)
     with open(a.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
+        w = csv.DictWriter(f, fieldnames=cols, lineterminator="\n")  # the file in git has Unix line ends
         w.writeheader()
         for r in rows:
             w.writerow({c: r[c] for c in cols})
