@@ -920,7 +920,11 @@ __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *f
  * 125.7 / 237.9 / 268.5; 8 warps of 64 x 16 (2 x 4, 114 registers) 177.0 / 78.2 / 149.4 / 150.5 /
  * 293.4 / 329.4; the 2K prefill (bench_step, one run each in one device call; this tile 129.2 and
  * 134.5 ms in two runs) 134.8, 132.8 and 140.3 ms, and 138.9 ms for 8 warps of 32 x 32 (4 x 2,
- * 106 registers). The smaller tiles win only on the few-tile wkv and lose on the rest. */
+ * 106 registers). The smaller tiles win only on the few-tile wkv and lose on the rest. And this
+ * CTA tile as 8 warps of 64 x 32 (2 x 4, 128 registers, each weight decoded by two warps; 16 warps
+ * an SM to hide the mma latency), H100, two runs each alternated in one device call: 149.7 / 76.8 /
+ * 134.2 / 130.3 / 242.8 / 283.9 -> 175.2 / 90.6 / 159.9 / 151.2 / 288.9 / 337.1 µs, the 2K prefill
+ * (bench_step, three runs) 109.5 108.1 109.2 -> 114.9 111.2 114.2 ms. */
 typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
