@@ -64,13 +64,13 @@ static inline int moe_mma_is_wide(int64_t T, int64_t I) { return T > MOE_MMA_DEC
  * 6.62 / 9.54 / 20.61 / 34.10 ms, all chunks 6.77 / 9.51 / 19.36 / 31.12). With today's kernel on
  * the H100 those CTAs were too few and too long: at batch 64 the gate/up grid has ~32 tiles x 36
  * row tiles = ~1,150 working CTAs for 528 slots, 2.2 waves of whole-k CTAs, and Nsight showed 54 %
- * of DRAM bandwidth with ~30 % of the warps' stall samples at the stage barrier and the cp.async
- * wait. bench_moe (ms a call at 16 / 64 / 128 / 256 tokens, two runs each in one device call,
- * H100): all chunks, 8 warps 0.140 / 0.342 / 0.438 / 0.535; one chunk, 8 warps 0.113 / 0.284 /
- * 0.383 / 0.467; one chunk, 4 warps 0.112 / 0.282 / 0.372 / 0.454; two chunks, 8 warps 0.128 /
- * 0.309 / 0.412 / 0.495; three 0.136 / 0.325 / 0.420 / 0.504. bench_step decode ms at batch 16 /
- * 64 / 128 / 256: 7.30 7.31 / 12.62 12.61 / 17.36 17.32 / 22.76 22.63 -> (one chunk, 4 warps)
- * 7.18 7.03 / 11.84 11.69 / 16.03 15.97 / 21.53 21.38. */
+ * of DRAM bandwidth with 26 % of the warps' stall samples at the stage's cp.async wait (long
+ * scoreboard) and barrier. bench_moe (ms a call at 16 / 64 / 128 / 256 tokens, two runs each in
+ * one device call, H100): all chunks, 8 warps 0.140 / 0.342 / 0.438 / 0.535; one chunk, 8 warps
+ * 0.113 / 0.284 / 0.383 / 0.467; one chunk, 4 warps 0.112 / 0.282 / 0.372 / 0.454; two chunks, 8
+ * warps 0.128 / 0.309 / 0.412 / 0.495; three 0.136 / 0.325 / 0.420 / 0.504. bench_step decode ms
+ * at batch 16 / 64 / 128 / 256: 7.30 7.31 / 12.62 12.61 / 17.36 17.32 / 22.76 22.63 -> (one chunk,
+ * 4 warps) 7.18 7.03 / 11.84 11.69 / 16.03 15.97 / 21.53 21.38. */
 #define MOE_MMA_CTA_WARPS 4
 
 /* Tokens of one prefill-path pass: its quantized x, plan entries and quantized h under

@@ -17,6 +17,12 @@ if [ -n "${STALLS:-}" ]; then
   done
   SECTIONS="$SECTIONS --metrics $m"
 fi
+# SOURCE=1 (with KERNEL) also keeps each report's per-instruction view: the SASS as the driver
+# compiled it for this GPU, with each instruction's execution count and stall samples by reason
+# ($OUT/ncu_source_<i>.csv.gz; tests/bench/sass_hotspots.py summarizes one: opcode mix, stall
+# reasons, the hottest instructions). Where a kernel's instructions go, which the section totals
+# do not say (f8803ea's diagnosis of the experts' decode kernel came from it).
+if [ -n "${SOURCE:-}" ]; then SECTIONS="$SECTIONS --section SourceCounters"; fi
 # KERNEL="REGEX ...": for each REGEX, the first ${COUNT:-3} kernels matching it inside one timed
 # decode step of batch ${BATCH:-1} (bench_step --profiler-range, eager so kernels map to ops), or
 # with PREFILL=N inside the timed prefill of one N-token prompt (one report each,
@@ -27,8 +33,16 @@ if [ -n "${KERNEL:-}" ]; then
   if [ -n "${PREFILL:-}" ]; then shape=(--ctx 0 --batch "" --prefill "$PREFILL"); else shape=(--ctx 64 --batch "${BATCH:-1}" --steps 1 --prefill "" --eager); fi
   i=0
   for re in $KERNEL; do
+    rep=()
+    [ -n "${SOURCE:-}" ] && rep=(-o "$OUT/ncu_rep_$i" -f)
     timeout ${T_NCU:-200} $NCU --profile-from-start off --kernel-name-base demangled --kernel-name "regex:$re" --launch-count ${COUNT:-3} $SECTIONS \
-      carry/gpu/bench/bench_step --backend cuda "${shape[@]}" --profiler-range > "$OUT/ncu_kernel_$i.txt" 2>&1
+      "${rep[@]}" carry/gpu/bench/bench_step --backend cuda "${shape[@]}" --profiler-range > "$OUT/ncu_kernel_$i.txt" 2>&1
+    if [ -n "${SOURCE:-}" ]; then # the report itself is large: only its text views come back
+      $NCU -i "$OUT/ncu_rep_$i.ncu-rep" >> "$OUT/ncu_kernel_$i.txt" 2>&1
+      $NCU -i "$OUT/ncu_rep_$i.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_source_$i.csv.gz"
+      rm -f "$OUT/ncu_rep_$i.ncu-rep"
+      python3 tests/bench/sass_hotspots.py "$OUT/ncu_source_$i.csv.gz" --top 12
+    fi
     grep -E "^  (void )?[a-z_]|stalled|pipe|Duration|Throughput|Achieved Occupancy|Registers|Stall|Issued Warp|No Eligible|Warp Cycles|L2 Hit|Pipe" "$OUT/ncu_kernel_$i.txt" | head -${LINES_EACH:-60}
     i=$((i + 1))
   done
