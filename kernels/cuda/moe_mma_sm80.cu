@@ -127,10 +127,10 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
 
 /* One CTA: tiles blockIdx.z, blockIdx.z + gridDim.z, ... of the experts [c0, c0 + cn) (past the
  * last: exit), weight rows n0 .. n0 + 16 W - 1 of matrix m (grid x = NM matrices x ceil(N / 16 W)
- * row tiles; gate/up: m = 0 w1, 1 w3), k-chunk blockIdx.y through one cp.async pipeline (its sum
- * from +0, its partial stored at its end). a: k-permuted quantized activations, K values per row; the
- * tile's pair j is a's row list[first + j] / a_div (gate/up: the pair's token) or first + j (down,
- * a_div = 0: h is stored by list position). part [nch][mcap][NM N] fp32, row = list position.
+ * row tiles; gate/up: m = 0 w1, 1 w3), k-chunk blockIdx.y through one cp.async pipeline (its
+ * sum from +0, its partial stored at its end). a: k-permuted quantized activations, K values per
+ * row; the tile's pair j is a's row list[first + j] / a_div (gate/up: the pair's token) or
+ * first + j (down, a_div = 0: h is stored by list position). part [nch][mcap][NM N] fp32, row = list position.
  * Warp w computes rows n0 + 16 w .. + 15 against the tile's pairs as mma(A = the 16 weight rows,
  * B = the 8 pair columns): a lane decodes 4 bytes (8 weights) of each of its rows g and g + 8 a
  * k-block, each FP4 weight once per tile, and one ldmatrix.x4 gives both mma their B fragments.
@@ -141,8 +141,8 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t *smem, int r0, int r1, in
  * expert, are issued before the list is read. The chunk's raw scale bytes arrive in s_raw with
  * the loads of the first stage (by cp.async where the scale rows are 4-byte words, else by plain
  * loads) and are decoded into the table at that stage.
- * One chunk a CTA at every batch (moe_mma.h, MOE_MMA_CTA_WARPS: measured against CTAs that ran all
- * of k). */
+ * One chunk a CTA at every batch (moe_mma.h, MOE_MMA_CTA_WARPS: measured against CTAs that ran
+ * all of k). */
 template <int NM, int W>
 __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
     moe_mma_kernel(moe_wtab tab, int c0, int cn, const int32_t *__restrict__ plan, const int2 *__restrict__ tiles,
@@ -278,11 +278,11 @@ __global__ void __launch_bounds__(xtile<W>::THREADS, xtile<W>::MINB)
             cp_async_commit();
             if (i == 0) {
                 /* the first stage: the barrier above saw the chunk's raw scales (this stage's group,
-                 * or plain stores before the barrier). Thread
-                 * tid decodes block fb of rows fr0 + j·FRS: xs_col permutes the bits of a row index
-                 * and fr0 < FRS, a power of two, so its column is xs_col(fr0) | xs_col(j·FRS), a
-                 * constant offset per j (a loop over q = tid + j·XTHREADS with its divisions and
-                 * xs_col per entry was ~20 % of the kernel's integer instructions) */
+                 * or plain stores before the barrier). Thread tid decodes block fb of rows fr0 + j·FRS:
+                 * xs_col permutes the bits of a row index and fr0 < FRS, a power of two, so its column
+                 * is xs_col(fr0) | xs_col(j·FRS), a constant offset per j (a loop over q = tid +
+                 * j·XTHREADS with its divisions and xs_col per entry was ~20 % of the kernel's integer
+                 * instructions) */
                 const int fb = tid % KCH, fr0 = tid / KCH;
                 uint16_t *const s_fill = &s_sm[fb][xs_col(fr0)];
                 const bool bok = fb < nb;
