@@ -850,8 +850,8 @@ static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
 
 /* Tensor-core shared expert: x quantized once for w1 and w3, SwiGLU fused with w2's act quant —
  * two launches fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. Up to
- * CUDA_MMA_DECODE_AUTO_T rows, and up to CUDA_MMA_NARROW_MAX_T where I % 128 == 0 (the seam the
- * prefill tiles need; V4.1's I = 2,304), w1 and w3 go in one launch (cuda_linear_mma_pair: g and u
+ * CUDA_MMA_DECODE_AUTO_T rows, and up to CUDA_MMA_NARROW_MAX_T where I % CUDA_MMA_PAIR_SEAM == 0
+ * (the seam the prefill tiles need; V4.1's I = 2,304), w1 and w3 go in one launch (cuda_linear_mma_pair: g and u
  * side by side in a [T, 2I] row, one chunk fold; from 32 rows one grid of 64 x 64 or 128 x 64
  * tiles; in prefill chunks, two calls measured faster: linear_mma_sm80.cu's fp8_tile), where at a
  * handful of rows each was a memory latency and a launch of its own on the step's branch beside
@@ -875,7 +875,7 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
     /* (I % 32 == 0, which the pair's seam needs, is this path's own condition) */
-    const bool pair = (T <= CUDA_MMA_DECODE_AUTO_T || (T <= CUDA_MMA_NARROW_MAX_T && I % 128 == 0)) &&
+    const bool pair = (T <= CUDA_MMA_DECODE_AUTO_T || (T <= CUDA_MMA_NARROW_MAX_T && I % CUDA_MMA_PAIR_SEAM == 0)) &&
                       w1->fmt == w3->fmt && w1->ld == w3->ld && w1->s_ld == w3->s_ld;
     int64_t ld2 = I / 2; /* g and u rows, in 32-bit words */
     if (pair) { /* g [T, 2I] with u the second half of each row */

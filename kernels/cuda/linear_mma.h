@@ -57,6 +57,10 @@ enum {
  * their shape, larger ones (prefill chunks) the 128 x 128 tile; the shared expert pairs w1 and w3
  * up to here (cuda_moe.cu) */
 #define CUDA_MMA_NARROW_MAX_T 512
+/* A pair call (below) whose first weight's rows are a multiple of this has its seam between the
+ * CTA tiles of every prefill tile (128 x 128, 128 x 64, 64 x 64), so it may take them; any other
+ * seam keeps the decode tiling (T <= 256) and is refused above. */
+#define CUDA_MMA_PAIR_SEAM 128
 /* OR'ed into `tiling` (FP8/FP4 only): x is the quantized form cuda_linear_mma_act_quant made, so
  * the call skips its own act quant (callers that feed one x to several weights quantize it once);
  * the workspace then only holds the k-chunks' partials. The same bits. */
@@ -73,7 +77,7 @@ void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x,
  * call is one memory latency and a launch, whatever its size; at more, one grid of twice the
  * CTAs): y [T, n1 + n2], row t = (x_t · W1ᵀ, x_t · W2ᵀ), each output with the bits
  * cuda_linear_mma_tiling gives it. W1 [n1, k] and W2 [n2, k] of one format, row stride (ld) and
- * scale stride (s_ld); n1 a multiple of 32, and of 128 for the tiles of the prefill tiling
+ * scale stride (s_ld); n1 a multiple of 32, and of CUDA_MMA_PAIR_SEAM for the prefill tiling
  * (CUDA_MMA_AUTO keeps other seams on the decode tiling, T <= 256); the workspace is
  * cuda_linear_mma_workspace_bytes(T, n1 + n2, k). */
 void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w1,

@@ -1061,7 +1061,7 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     /* fp32 out of one chunk: the kernels' partial store is the output itself */
     float *direct = out_f32 && nch == 1 ? (float *)y : NULL;
     /* a pair call takes the prefill tiling only where its seam falls between CTA tiles (any BN) */
-    const bool seam_ok = pr.n1 == n || pr.n1 % 128 == 0;
+    const bool seam_ok = pr.n1 == n || pr.n1 % CUDA_MMA_PAIR_SEAM == 0;
     if (tiling == CUDA_MMA_AUTO && fmt == WF_FP8) {
         ptile = fp8_tile(T, n, k);
         if (!seam_ok && T <= MMA_DECODE_MAX_T) ptile = FT_DECODE;

@@ -1345,7 +1345,7 @@ static void test_linear_mma_pair(void **st) {
         const int fmt = (int)ga.fmt;
         for (int ti = 0; ti < (int)(sizeof Ts / sizeof Ts[0]); ti++) {
             const int64_t T = Ts[ti];
-            if (T > 256 && n1 % 128) continue; /* past the decode tiling such a seam is refused */
+            if (T > 256 && n1 % CUDA_MMA_PAIR_SEAM) continue; /* past the decode tiling such a seam is refused */
             bf16_t *x = NEW(bf16_t, T * k), *yp = NEW(bf16_t, T * n), *ya = NEW(bf16_t, T * n1), *yb = NEW(bf16_t, T * n2);
             fill_act(x, T * k, 1.0f);
             void *dx = g_in(x, (size_t)(T * k) * 2), *dq = g_out(cuda_linear_mma_act_bytes(T, k), PZ_16);
