@@ -913,6 +913,13 @@ __global__ void mma_decode_check_kernel(unsigned long long *bad, unsigned int *f
  * (b) over the whole 1,024-k chunk in this tile: 150.2 µs (tensor 43 %), the prefill unchanged
  * (127.7 132.6 -> 128.8 127.9 ms), for a new order contract that would make every FP8/FP4 kernel
  * (the decode ones too: no 4-warp spread of a chunk's blocks) sum a chunk as one serial MMA chain.
+ * Again at 5319c9e with every FP8 kernel on that contract (the decode tilings too, up to 8 rows the
+ * MR = 8 form instead of the split kernel), H100, bench_linear_cuda graph µs a call: 2,048 rows
+ * within -5 / +9 % (wq_a 148.8 -> 148.2, sh_w1|w3 464 -> 442, wq_b 134 -> 145), up to 8 rows 15-30 %
+ * slower (wq_a T = 1 8.9 -> 10.5, the chain), 64-256 rows within 3 %; bench_step decode ms at batch
+ * 1 / 8 / 64 / 256 and the 2K prefill, two runs alternated: 4.20 4.14 / 5.72 5.63 / 11.68 11.67 /
+ * 21.43 21.32 / 105.1 104.5 -> 4.35 4.37 / 5.78 5.77 / 11.63 11.62 / 21.35 21.27 / 104.3 103.6
+ * (results/cuda_linear_fp8_foldfree_h100.csv, cuda_step_alternated.csv; test_cuda_ops 23/23 on it).
  * Also tried, other FP8 tiles at T = 2,048 (bench_linear_cuda out.csv 2048, graph µs a call for
  * wq_a / wkv / wq_b / wo_b / sh_w1 / sh_w2; this one 147.9 / 74.6 / 127.8 / 124.3 / 234.4 / 264.7,
  * 144–206 TFLOP/s): 4 warps of 64 x 32 (2 x 2, 168 registers, 3 CTAs an SM) 158.9 / 71.4 / 143.3 /
