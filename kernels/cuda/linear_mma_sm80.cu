@@ -38,8 +38,9 @@
  *    places the e4m3/e2m1 subnormals exactly). So for FP8 /
  *    FP4 the block's first mma sums k = 8t + {0..3} over t, the second k = 8t + {4..7}: a fixed
  *    set of 16 products each, the same for A and B. Weight scales: FP8's one per warp per block
- *    is read by every lane two blocks ahead into registers; FP4's (one per n row) are read two
- *    blocks ahead by one thread per row and staged as fp32 in shared memory;
+ *    sits in lane b's register for block b of the CTA's k-chunk (one load per lane before the
+ *    loop) and is shuffled out per block; FP4's (one per n row) are read two blocks ahead by one
+ *    thread per row and staged as fp32 in shared memory;
  *  - mma_chunk_sum_kernel, when k has more than one chunk: the chunks' fp32 partials folded in
  *    order into y (4 outputs a thread where T·n % 4 == 0).
  *
@@ -83,11 +84,11 @@ __global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 
     mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-/* cp.async pipeline depth (k-blocks in flight). Four for the FP8 / FP4 tiles (48 KB at 128 x 128) was
- * tried after 0d2cb3e: H200, bench_linear_cuda graph µs a call at 2,048 rows within 1 % (wq_a 149.3
- * -> 148.1, sh_w1 236.2 -> 233.2), bench_step batch 64 / 256 and the 2K prefill unchanged (11.24 /
- * 20.40 / 102.6 -> 11.16 / 20.37 / 101.6 ms); not kept (the FP8 scales, read two blocks ahead into
- * sc_cur / sc_nxt, would also need a third register for it). */
+/* cp.async pipeline depth (k-blocks in flight) of the tiles that do not set their own (cfg's
+ * STAGES_: the narrow FP8 tiles take 4, below). Four for the FP8 / FP4 tiles (48 KB at 128 x 128)
+ * was tried after 0d2cb3e: H200, bench_linear_cuda graph µs a call at 2,048 rows within 1 % (wq_a
+ * 149.3 -> 148.1, sh_w1 236.2 -> 233.2), bench_step batch 64 / 256 and the 2K prefill unchanged
+ * (11.24 / 20.40 / 102.6 -> 11.16 / 20.37 / 101.6 ms); not kept. */
 constexpr int STAGES = 3;
 constexpr int A_ROW = 64;  /* bytes of one activation row per k-block (32 bf16) */
 
@@ -97,8 +98,8 @@ enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
  * CTAs per SM asked of the register allocator. Shared memory per stage: the activation tile, the
  * raw weight tile (B_ROW bytes per n row per block) and, for FP4, the BN weight scales as fp32
  * (FP8's one scale per warp per block lives in registers). */
-template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128> struct cfg {
-    static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_;
+template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128, int STAGES_ = STAGES> struct cfg {
+    static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_, NST = STAGES_;
     static constexpr int BM = BM_;          /* rows of x (T) per CTA */
     static constexpr int MT = BM / 16 / WM; /* m16 tiles per warp */
     static constexpr int WNC = 8 * NJ;      /* n columns per warp (NJ n8 tiles) */
@@ -109,7 +110,7 @@ template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128> struct cfg
     static constexpr int A_BYTES = BM * A_ROW;
     static constexpr int B_BYTES = BN * B_ROW;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_N * 4;
-    static constexpr int SMEM = STAGES * STAGE_BYTES;
+    static constexpr int SMEM = NST * STAGE_BYTES;
     static_assert(SMEM <= 48 * 1024, "tile exceeds 48 KB of shared memory (SM86)");
     static_assert(MT * 16 * WM == BM && THREADS >= S_N && 32 % WNC == 0, "tile shape");
 };
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store, int chunk0, int nb, dpair pr) {
     constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
-                  B_ROW = C::B_ROW, BM = C::BM;
+                  B_ROW = C::B_ROW, BM = C::BM, STAGES = C::NST;
     __shared__ __align__(16) uint8_t smem[C::SMEM];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -200,11 +201,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
         gB += B_ROW;
     };
 
-    /* Weight scales, both read two blocks ahead of their use with plain loads:
+    /* Weight scales:
      *  FP4: thread tid < BN stages row n0 + tid's byte of each block in shared memory as fp32
-     *       (0 past n), written after the block's math so the load latency is hidden;
-     *  FP8: the warp's columns lie in one 32-row scale group, so every lane keeps
-     *       the group's scales of blocks i+1 and i+2 in registers (0 past n). */
+     *       (0 past n), read two blocks ahead with plain loads and written after the block's math
+     *       so the load latency is hidden;
+     *  FP8: the warp's columns lie in one 32-row scale group and the CTA walks one k-chunk (at
+     *       most 32 blocks), so lane b loads the group's raw scale of block b once, before the
+     *       loop, and block i takes lane i's by a shuffle (0x100, i.e. 0, past n or nb). */
     const uint8_t *const sC = sp + (F == K_FP8 ? nl0 / 32 : nl0) * s_ld; /* CTA-uniform */
     uint32_t offS = 0;
     bool okS = false;
@@ -223,6 +226,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
         offS++;
         return v;
     };
+    static_assert(KCH == 32, "one FP8 scale per lane");
+    const uint32_t s_lane = F == K_FP8 && okS && lane < nb ? (uint32_t)__ldg(sC + offS + lane) : 0x100u;
     auto sS = [&](int st) -> float * { return reinterpret_cast<float *>(smem + st * C::STAGE_BYTES + C::A_BYTES + C::B_BYTES); };
 
     /* Fragment read addresses (stage-relative). A: ldmatrix.x4 per m16 tile and half block, lane L
@@ -246,12 +251,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
 #pragma unroll
             for (int r = 0; r < 4; r++) acc[mi][j][r] = 0.0f;
 
-    uint32_t sc_cur = 0x100u, sc_nxt = 0x100u; /* FP8: raw scales of blocks i and i+1 */
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         load_stage(st, st < nb);
         if (F == K_FP4 && tid < BN) sS(st)[tid] = e8m0f(scale_next(st < nb));
-        if (F == K_FP8) (st == 0 ? sc_cur : sc_nxt) = scale_next(st < nb);
         cp_async_commit();
     }
 
@@ -260,10 +263,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
         cp_async_wait<STAGES - 2>(); /* this thread's copies of block i have landed */
         __syncthreads();             /* everyone's have, and block i-1's readers are done */
         const bool do_pf = i + STAGES - 1 < nb;
-        uint32_t sv = 0x100u; /* raw scale of block i+2 */
+        uint32_t sv = 0x100u; /* FP4: raw scale of block i + STAGES - 1 */
         if (do_pf) {
             load_stage(st_pf, true);
-            if ((F == K_FP4 && tid < BN) || F == K_FP8) sv = scale_next(true);
+            if (F == K_FP4 && tid < BN) sv = scale_next(true);
         }
         cp_async_commit();
 
@@ -283,7 +286,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
                 e2m1x8_to_bf16x2(*reinterpret_cast<const uint32_t *>(raw), b[j]);
             }
         }
-        const float sw8 = e8m0f(sc_cur); /* FP8: the warp's weight scale of block i */
+        const float sw8 = F == K_FP8 ? e8m0f(__shfl_sync(0xffffffffu, s_lane, i)) : 0.0f; /* FP8: block i's */
 
 #pragma unroll
         for (int mi = 0; mi < MT; mi++) {
@@ -321,7 +324,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
 
         /* past the last block this fills a stage nobody reads again */
         if (F == K_FP4 && tid < BN) sS(st_pf)[tid] = e8m0f(sv);
-        if (F == K_FP8) sc_cur = sc_nxt, sc_nxt = sv;
         st = st == STAGES - 1 ? 0 : st + 1;
         st_pf = st_pf == STAGES - 1 ? 0 : st_pf + 1;
     }
@@ -936,9 +938,21 @@ typedef cfg<K_BF16, 2, 4, 4, 2> cfg_bf16;
 typedef cfg<K_FP8, 1, 4, 4, 2> cfg_fp8;
 typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
 /* FP8 tiles narrower than 128 x 128 (the same kernel and order contract, so the same bits: only
- * the grid changes), which CUDA_MMA_AUTO takes by the call's shape (fp8_tile below). */
-typedef cfg<K_FP8, 1, 4, 2, 3> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
-typedef cfg<K_FP8, 1, 4, 2, 4, 64> cfg_fp8_m64n64;  /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
+ * the grid changes), which CUDA_MMA_AUTO takes by the call's shape (fp8_tile below). Four stages
+ * each (40 and 24 KB): their grids of a decode step's 64-512 rows hold one or two CTAs an SM,
+ * whose block's math is too short to hide a memory latency behind two blocks in flight. Measured
+ * with the FP8 scales moved from a per-block load two blocks ahead (sc_cur / sc_nxt, which tied
+ * the depth to 3) to one load per lane and a shuffle a block: H100, bench_linear_cuda out.csv
+ * 64,128,256,512,2048, graph µs a call, 5319c9e -> the shuffle -> the shuffle and 4 stages here:
+ * the Engram projection [25600, 6144] at 64 rows 148.3 -> 145.6 -> 136.3, 256 rows 425.1 -> 424.4
+ * -> 415.8; shared w1 | w3 at 64 rows 24.5 -> 24.1 -> 23.2; the other shapes at 64-512 rows
+ * within 2 % either way (6 stages for the 64 x 64 tile: no better); at 2,048 rows (128 x 128, 3
+ * stages) the shuffle alone: sh_w1 243.0 -> 232.7, sh_w1 | w3 460.2 -> 438.7, wq_a 149.7 -> 145.0,
+ * the Engram projection 2,907 -> 2,793 (results/cuda_linear_stages_h100.csv). bench_step --ctx
+ * 64 --batch 64,128,256 --steps 5 --prefill 2048, two runs alternated: 11.83 11.87 / 16.05 16.02
+ * / 21.51 21.45 / 104.9 104.2 -> 11.78 11.60 / 15.97 15.95 / 21.32 21.43 / 103.7 104.0 ms. */
+typedef cfg<K_FP8, 1, 4, 2, 3, 128, 4> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
+typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
 
 /* Which FP8 tiling CUDA_MMA_AUTO gives a call. A CTA's time is one walk over its k-chunk whatever
  * the tile (a dependent chain at one or two warps a scheduler), so a call's time is the number of
