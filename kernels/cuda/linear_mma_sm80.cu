@@ -99,7 +99,7 @@ enum { K_BF16 = 0, K_FP8 = 1, K_FP4 = 2 };
  * raw weight tile (B_ROW bytes per n row per block) and, for FP4, the BN weight scales as fp32
  * (FP8's one scale per warp per block lives in registers). */
 template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128, int STAGES_ = STAGES> struct cfg {
-    static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_, NST = STAGES_;
+    static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MINB = MINB_, STAGES = STAGES_;
     static constexpr int BM = BM_;          /* rows of x (T) per CTA */
     static constexpr int MT = BM / 16 / WM; /* m16 tiles per warp */
     static constexpr int WNC = 8 * NJ;      /* n columns per warp (NJ n8 tiles) */
@@ -110,7 +110,7 @@ template <int F, int WM_, int WN_, int NJ_, int MINB_, int BM_ = 128, int STAGES
     static constexpr int A_BYTES = BM * A_ROW;
     static constexpr int B_BYTES = BN * B_ROW;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_N * 4;
-    static constexpr int SMEM = NST * STAGE_BYTES;
+    static constexpr int SMEM = STAGES * STAGE_BYTES;
     static_assert(SMEM <= 48 * 1024, "tile exceeds 48 KB of shared memory (SM86)");
     static_assert(MT * 16 * WM == BM && THREADS >= S_N && 32 % WNC == 0, "tile shape");
 };
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB)
                       const uint8_t *__restrict__ w, const uint8_t *__restrict__ s, int64_t T, int64_t n, int64_t k,
                       int64_t ld_b, int64_t s_ld, int pair_store, int chunk0, int nb, dpair pr) {
     constexpr int MT = C::MT, NJ = C::NJ, WNC = C::WNC, BN = C::BN, THREADS = C::THREADS, WM = C::WM,
-                  B_ROW = C::B_ROW, BM = C::BM, STAGES = C::NST;
+                  B_ROW = C::B_ROW, BM = C::BM, STAGES = C::STAGES;
     __shared__ __align__(16) uint8_t smem[C::SMEM];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
