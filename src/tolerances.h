@@ -109,17 +109,20 @@
  *     |gpu − cpu| <= TOL_GPU_LINEAR_RTOL_SUM · k · Σ|x̂·ŵ| + TOL_GPU_LINEAR_OUT_ULPS · ulp_bf16(out) */
 #define TOL_GPU_LINEAR_RTOL_SUM TOL_GPU_SUM_RTOL_PER_TERM
 #define TOL_GPU_LINEAR_OUT_ULPS 1
-/* linear_f32 and head, fp32 out (the dense kernels of cuda_linear_ops.cu): the CPU's own order,
+/* linear_f32 and head, fp32 out, on the exact dense kernels of cuda_linear_ops.cu (--exact-linears,
+ * F32 weights, shapes the tensor-core tiles cannot take): the CPU's own order,
  * segments of BE_DOT_SEG in k order then the segment sums in order, one rounded product and one
  * rounded add per term (no FMA), so the outputs are the CPU's bits. (Any other order would need
  * the sum bound k · u · Σ|x·w|; the test also checks the CPU against that bound of the exact sum.) */
 #define TOL_GPU_DENSE_F32_EXACT 0
-/* head under the tensor-core switch (the engine's default; cuda_op_head): the BF16 mma tilings with
- * fp32 outputs, each k-chunk of 1,024 summed by the mma accumulator in its own order, the chunks
- * added in order. Every product of two bf16 is exact in fp32, so both backends are within their
- * fp32 sum bounds of the exact sum (the GPU's, TOL_GPU_SUM_U_PER_TERM, holds for any order):
- *     |gpu − cpu| <= TOL_GPU_HEAD_MMA_U_PER_TERM · k · u · Σ|x·w| (+ the underflow term) */
-#define TOL_GPU_HEAD_MMA_U_PER_TERM (TOL_GPU_SUM_U_PER_TERM + TOL_CPU_SUM_U_PER_TERM)
+/* linear_f32 and head on BF16 weights under the tensor-core switch (the engine's default;
+ * dense_mma in cuda_linear_ops.cu): the BF16 mma tilings with fp32 outputs, each k-chunk of 1,024
+ * summed by the mma accumulator in its own order, the chunks added in order. Every product of two
+ * bf16 is exact in fp32, so both backends are within their fp32 sum bounds of the exact sum (the
+ * GPU's, TOL_GPU_SUM_U_PER_TERM, holds for any order):
+ *     |gpu − cpu| <= TOL_GPU_DENSE_MMA_U_PER_TERM · k · u · Σ|x·w| (+ the underflow term)
+ * (linear on BF16 weights, bf16 out, takes the same tilings under the linear bound above.) */
+#define TOL_GPU_DENSE_MMA_U_PER_TERM (TOL_GPU_SUM_U_PER_TERM + TOL_CPU_SUM_U_PER_TERM)
 
 /* rmsnorm: the mean of squares is an fp32 sum of n non-negative terms (Σ|t| = the sum itself), so
  * the two sums differ by at most δ = 3·n·u relatively; r ∝ (sum)^-1/2 moves by at most

@@ -4,10 +4,11 @@
  * draws (row_topk, in kernels/draw_order.h's order). FP8/FP4 weights go to the tensor-core kernels of linear_mma_sm80.cu (the
  * backend's mma switch, on in the engine) or, with --exact-linears, to the block-scaled kernels of
  * linear_sm80.cu in the CPU's order (through their C interface, in chunks of CUDA_LINEAR_MAX_T
- * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow.
- * The other BF16 (and F32) weights run here.
+ * rows); so do grouped_linear's BF16 groups (wo_a) under the mma switch, where the shapes allow,
+ * and the other BF16 weights (linear, linear_f32, head: dense_mma). F32 weights, and BF16 ones with
+ * the switch off or shapes the tiles cannot take, run on the exact kernels here.
  *
- * Numerics of the kernels here: every output is the segmented fp32 sum of backend.h (segments of
+ * Numerics of the exact kernels here: every output is the segmented fp32 sum of backend.h (segments of
  * BE_DOT_SEG consecutive k, each a sequential sum in k order from +0, the segment sums added in
  * order from +0), with a round-to-nearest product and a round-to-nearest add per term
  * (__fmul_rn/__fadd_rn, or one FMA where it rounds the same value: lo_madd), then one rounding
@@ -571,6 +572,43 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
 /* ---------------------------------------------------------------------------------------------
  * Ops */
 
+/* The dense BF16 sums under the tensor-core switch (the engine's default): linear on BF16 weights
+ * (bf16 out), linear_f32 (the router gate, the compressor's kv and gate; fp32 out) and the head run
+ * on the BF16 mma tilings of linear_mma_sm80.cu. An output's k-chunks of 1,024 are summed by the mma
+ * accumulator in its own order and added in chunk order (CUDA_MMA_OUT_F32: without a final
+ * rounding), at every T, so the rows stay batch invariant. Every product of two bf16 is exact in
+ * fp32, so both backends are within their sum bounds of the exact sum (tolerances.h,
+ * TOL_GPU_DENSE_MMA_U_PER_TERM; the router's selection may then differ from the CPU's only in near
+ * ties, TOL_GPU_ROUTER_NEAR_TIE_SWAPS). Rows go in blocks whose chunk partials fit DENSE_MMA_WS
+ * bytes (rows are independent: the blocks change no bit). The exact kernels (the CPU's order,
+ * dense_launch) were compute bound from a few dozen rows: H100, bench_head_draw, ms for [16160,
+ * 5120] at 1 / 8 / 64 / 256 rows exact 0.102 / 0.134 / 0.435 / 1.665, here 0.073 / 0.092 / 0.159 /
+ * 0.239 ([129280, 5120] at 256 rows 12.7 -> 5.6); the router gates and compressors took 10.1 ms of a
+ * 2K-token prefill's 97 (Nsight, 0d2cb3e). --exact-linears (the switch off) and shapes the tiles
+ * cannot take (F32 weights, k % 32, unaligned rows) keep the exact kernels; that choice depends on
+ * the weight and the buffers, never on T. Returns whether it ran. */
+#define DENSE_MMA_WS ((size_t)128 << 20)
+
+static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x, int64_t T, const struct qweight *W) {
+    const int64_t n = W->n, k = W->k;
+    if (!cuda_be_mma(be) || W->fmt != WF_BF16 || k % 32 || (W->ld * 2) % 16 || ((uintptr_t)W->w & 15) ||
+        ((uintptr_t)x & 15) || k > ((int64_t)1 << 21))
+        return false;
+    const size_t per_row = cuda_linear_mma_workspace_bytes(1, n, k);
+    int64_t rb = (int64_t)(DENSE_MMA_WS / (per_row ? per_row : 1));
+    rb = rb < 1 ? 1 : rb > T ? T : rb;
+    void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(rb, n, k));
+    const size_t esz = out_f32 ? 4 : 2;
+    for (int64_t t0 = 0; t0 < T; t0 += rb) {
+        const int64_t nt = T - t0 < rb ? T - t0 : rb;
+        cuda_linear_mma_tiling(CUDA_MMA_AUTO | (out_f32 ? CUDA_MMA_OUT_F32 : 0), WF_BF16,
+                               (uint16_t *)((char *)y + (size_t)(t0 * n) * esz), x + t0 * k, nt, W->w, NULL, n, k,
+                               W->ld, 0, ws, (void *)cuda_be_stream(be));
+    }
+    cuda_be_scratch_free(be, ws);
+    return true;
+}
+
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     if (T <= 0 || W->n <= 0) return;
     switch (W->fmt) {
@@ -602,7 +640,10 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
         cuda_be_scratch_free(be, ws);
         break;
     }
-    case WF_BF16: dense_launch(be, y, false, W->n, 0, x, W->k, 0, W->w, WF_BF16, W->ld, 0, T, W->n, W->k, 1); break;
+    case WF_BF16:
+        if (!dense_mma(be, y, false, x, T, W))
+            dense_launch(be, y, false, W->n, 0, x, W->k, 0, W->w, WF_BF16, W->ld, 0, T, W->n, W->k, 1);
+        break;
     default:
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda linear",
                  "weight format not allowed (F32 goes through linear_f32)");
@@ -613,6 +654,7 @@ void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T
     if (T <= 0 || W->n <= 0) return;
     if (W->fmt != WF_BF16 && W->fmt != WF_F32)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda linear_f32", "weight format is not BF16 or F32");
+    if (dense_mma(be, y, true, x, T, W)) return;
     dense_launch(be, y, true, W->n, 0, x, W->k, 0, W->w, W->fmt, W->ld, 0, T, W->n, W->k, 1);
 }
 
@@ -658,35 +700,9 @@ void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int6
     dense_launch(be, y, false, G * r, r, x, G * kg, kg, W->w, W->fmt, W->ld, r * W->ld, T, r, kg, G);
 }
 
-/* The head: logits fp32 = x · Wᵀ. Under the tensor-core switch (the engine's default) a BF16 head
- * runs on the BF16 mma tilings with fp32 outputs (CUDA_MMA_OUT_F32: an output's k-chunks summed by
- * the mma accumulator, the chunks added in order, no rounding), at every T, so the logits stay
- * batch invariant; its rows go in blocks whose chunk partials fit HEAD_MMA_WS bytes (rows are
- * independent: the blocks change no bit). The exact kernel (linear_f32's, the CPU's order) was
- * compute bound from a few dozen rows. H100, bench_head_draw, ms for [16160, 5120] at 1 / 8 / 64 /
- * 256 rows: exact 0.102 / 0.134 / 0.435 / 1.665, here 0.073 / 0.092 / 0.159 / 0.239 (and [129280,
- * 5120] at 256 rows 12.7 -> 5.6). Otherwise (--exact-linears, shapes the tiles cannot take) the
- * exact kernel. */
-#define HEAD_MMA_WS ((size_t)128 << 20)
-
+/* The head: logits fp32 = x · Wᵀ, linear_f32's sum (dense_mma under the switch, above). */
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W) {
-    const int64_t n = W->n, k = W->k;
-    if (T <= 0 || n <= 0) return;
-    if (!cuda_be_mma(be) || W->fmt != WF_BF16 || k % 32 || (W->ld * 2) % 16 || ((uintptr_t)W->w & 15) ||
-        ((uintptr_t)x & 15) || k > ((int64_t)1 << 21)) {
-        cuda_op_linear_f32(be, logits, x, T, W);
-        return;
-    }
-    const size_t per_row = cuda_linear_mma_workspace_bytes(1, n, k);
-    int64_t rb = (int64_t)(HEAD_MMA_WS / (per_row ? per_row : 1));
-    rb = rb < 1 ? 1 : rb > T ? T : rb;
-    void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(rb, n, k));
-    for (int64_t t0 = 0; t0 < T; t0 += rb) {
-        const int64_t nt = T - t0 < rb ? T - t0 : rb;
-        cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_F32, WF_BF16, (uint16_t *)(logits + t0 * n), x + t0 * k, nt,
-                               W->w, NULL, n, k, W->ld, 0, ws, (void *)cuda_be_stream(be));
-    }
-    cuda_be_scratch_free(be, ws);
+    cuda_op_linear_f32(be, logits, x, T, W);
 }
 
 /* ---------------------------------------------------------------------------------------------

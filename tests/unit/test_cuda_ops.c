@@ -486,9 +486,15 @@ static void cmp_linear_bf16(struct cmp *c, long long i, double G, double C, doub
     cmp_self(c, i, C, S, r + ulp_bf16(fmax(fabs(C), fabs(S) + r)));
 }
 
-/* the head under the tensor-core switch: fp32 outputs within TOL_GPU_HEAD_MMA_U_PER_TERM of the
- * CPU instead of its bits (test_head_mma sets it around its cases) */
-static bool g_head_mma;
+/* the dense BF16 sums under the tensor-core switch (dense_mma of cuda_linear_ops.cu): fp32 outputs
+ * of linear_f32 and head within TOL_GPU_DENSE_MMA_U_PER_TERM of the CPU instead of its bits where
+ * the tiles take the shape (test_dense_mma sets it around its cases); the shapes they cannot take
+ * (F32 weights, k % 32) keep the exact kernels and so the CPU's bits */
+static bool g_dense_mma;
+
+static bool dense_mma_shape(const struct qweight *W) {
+    return W->fmt == WF_BF16 && W->k % 32 == 0 && (W->ld * 2) % 16 == 0;
+}
 
 static void check_dense(enum dense_op op, const char *name, const struct qweight *Wh, const struct qweight *Wg, int64_t T,
                         float xrms) {
@@ -521,8 +527,8 @@ static void check_dense(enum dense_op op, const char *name, const struct qweight
     for (int64_t i = 0; i < T * n; i++) {
         if (f32) {
             double G = ((float *)yg)[i], C = ((float *)yc)[i];
-            if (op == OP_HEAD && g_head_mma)
-                cmp_tol(&c, i, G, C, TOL_GPU_HEAD_MMA_U_PER_TERM * (double)k * U * A[i] + (double)(2 * k + 2) * TOL_FP32_UNDERFLOW_ABS);
+            if (g_dense_mma && dense_mma_shape(Wh))
+                cmp_tol(&c, i, G, C, TOL_GPU_DENSE_MMA_U_PER_TERM * (double)k * U * A[i] + (double)(2 * k + 2) * TOL_FP32_UNDERFLOW_ABS);
             else
                 cmp_tol(&c, i, G, C, TOL_GPU_DENSE_F32_EXACT); /* within the sum bound a fortiori */
             /* + the underflow term of the 2k + 2 roundings (k products, k + 2 adds) */
@@ -932,6 +938,12 @@ static void test_router(void **st) {
     NEED_GPU(st);
     const int64_t Ts[] = {1, 8, 17, 64};
     for (int i = 0; i < 4; i++) router_case("384 experts top-6 (+bias, norm, x1.5)", Ts[i], N_EXPERTS, DIM, TOPK, 1.0f, true, 1.5f);
+    /* the gate on the tensor cores (dense_mma): its sums within the order-free bound the model
+     * already allows, so the same checks; at 300 rows the 128 x 128 tiling */
+    mma_switch(true);
+    const int64_t Tm[] = {1, 64, 300};
+    for (int i = 0; i < 3; i++) router_case("mma 384 experts top-6 (+bias, norm, x1.5)", Tm[i], N_EXPERTS, DIM, TOPK, 1.0f, true, 1.5f);
+    mma_switch(false);
     router_case("DSpark 128 experts top-3", 8, 128, DIM, 3, 1.0f, true, 1.5f);
     router_case("odd 37 experts top-1 temp 2", 17, 37, 100, 1, 2.0f, true, 1.0f);
     router_case("odd 33 experts top-4 no norm", 3, 33, 129, 4, 1.0f, false, 1.0f);
@@ -1442,14 +1454,17 @@ static void test_linear_mma_forms(void **st) {
 #endif
 }
 
-/* The head on the tensor cores (the engine's default): a TP8 rank's vocabulary slice at decode and
- * prefill row counts (the decode tiling, the 128 x 128 tiling, several row blocks), one rank's
- * whole vocabulary, and odd extents (one k-chunk: the accumulator stored as the output; n8 tiles
- * cut short); the same rows at T = 8, 64 and 300 give the same bits (batch invariance). */
-static void test_head_mma(void **st) {
+/* The dense BF16 sums on the tensor cores (the engine's default, dense_mma): the head at a TP8
+ * rank's vocabulary slice at decode and prefill row counts (the decode tiling, the 128 x 128
+ * tiling, several row blocks), one rank's whole vocabulary, and odd extents (one k-chunk: the
+ * accumulator stored as the output; n8 tiles cut short); linear_f32 at the router gate's and the
+ * compressor's shapes, and the F32 weight and k % 32 != 0 shapes, which keep the exact kernels (the
+ * CPU's bits); linear on BF16 weights (bf16 out) at the compressor's, the indexer's wk and
+ * weights_proj shapes; the same rows at T = 8, 64 and 300 give the same bits (batch invariance). */
+static void test_dense_mma(void **st) {
     NEED_GPU(st);
     mma_switch(true);
-    g_head_mma = true;
+    g_dense_mma = true;
     struct hw h;
     seed_tag("head mma weights");
     const int64_t Ts[] = {1, 8, 64, 300};
@@ -1468,7 +1483,33 @@ static void test_head_mma(void **st) {
     h = hw_bf16(VOCAB_LOCAL, DIM, 0.02f), lin_invariance(OP_HEAD, "mma vocab slice [16160,5120]", &h, BI_T, 2, BI_PROBES, 4);
     const int64_t Tb[] = {8, 64, 300}, probes[] = {0, 5, 7, 63, 150, 299};
     h = hw_bf16(333, 1056, 0.05f), lin_invariance(OP_HEAD, "mma odd [333,1056]", &h, Tb, 3, probes, 6);
-    g_head_mma = false;
+
+    seed_tag("linear_f32 mma weights");
+    const int64_t Tg[] = {1, 8, 17, 64, 130, 256, 600};
+    h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "mma gate [384,5120]", &h, Tg, 7, 1.0f);
+    h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "mma compressor wkv/wgate [512,5120]", &h, Ts, 4, 1.0f);
+    h = hw_bf16(100, DIM + 96, 0.02f), dense_cases(OP_LINEAR_F32, "mma [100,5216] (a short last chunk)", &h, Ts, 4, 1.0f);
+    /* the exact kernels: F32 weights, k not a multiple of 32 */
+    h = hw_f32(1, DIM + 256, 0.02f), dense_cases(OP_LINEAR_F32, "F32 confidence proj [1,5376] (exact)", &h, T_ODD, NT_ODD, 1.0f);
+    for (int i = 0; i < 5; i++) {
+        char nm[64];
+        h = (i & 1) ? hw_f32(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f)
+                    : hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
+        dense_cases(OP_LINEAR_F32, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
+    }
+    h = hw_bf16(N_EXPERTS, DIM, 0.02f), lin_invariance(OP_LINEAR_F32, "mma gate [384,5120]", &h, Tb, 3, probes, 6);
+
+    seed_tag("bf16 linear mma weights");
+    h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR, "mma compressor wkv (ratio 1) [512,5120]", &h, Ts, 4, 1.0f);
+    h = hw_bf16(IDX_HD, HD, 0.05f), dense_cases(OP_LINEAR, "mma indexer wk [128,512]", &h, Ts, 4, 1.0f);
+    h = hw_bf16(IDX_H_LOCAL, DIM, 0.02f), dense_cases(OP_LINEAR, "mma weights_proj slice [4,5120]", &h, Ts, 4, 1.0f);
+    for (int i = 0; i < 5; i++) {
+        char nm[64];
+        h = hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
+        dense_cases(OP_LINEAR, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
+    }
+    h = hw_bf16(IDX_H_LOCAL, DIM, 0.02f), lin_invariance(OP_LINEAR, "mma BF16 weights_proj [4,5120]", &h, Tb, 3, probes, 6);
+    g_dense_mma = false;
     mma_switch(false);
 }
 
@@ -1541,7 +1582,7 @@ int main(void) {
         cmocka_unit_test(test_grouped_linear),
         cmocka_unit_test(test_grouped_linear_mma),
         cmocka_unit_test(test_head),
-        cmocka_unit_test(test_head_mma),
+        cmocka_unit_test(test_dense_mma),
         cmocka_unit_test(test_moe_combine),
         cmocka_unit_test(test_router),
         cmocka_unit_test(test_moe_experts),
