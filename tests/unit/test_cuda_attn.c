@@ -504,6 +504,13 @@ static void test_index_scores(void **st) {
         snprintf(nm, sizeof nm, "odd 1 head, %lld keys", (long long)odd_nk[i]);
         index_scores_case(nm, 3, 1, IDX_HD, odd_nk[i], IDX_HD, odd_nk[i]);
     }
+    /* head counts that leave a round part-empty (8, 12) or need two (64), prefill-sized rows, and an
+     * unaligned head dim */
+    index_scores_case("8 heads x 128, 300 keys", 9, 8, IDX_HD, 300, 8 * IDX_HD, 300);
+    index_scores_case("12 heads x 128, 300 keys", 9, 12, IDX_HD, 300, 12 * IDX_HD, 301);
+    index_scores_case("64 heads x 128, 200 keys", 5, 64, IDX_HD, 200, 64 * IDX_HD, 200);
+    index_scores_case("4 heads x 128, 512 keys, 96 rows", 96, IDX_H_LOCAL, IDX_HD, 512, IDX_H_LOCAL * IDX_HD, 512);
+    index_scores_case("odd 4 heads x 37, 150 keys", 6, 4, 37, 150, 4 * 37 + 3, 150);
 }
 
 /* Rows of several sequences in one call (K_rows / nk_rows, what the model does for a batch): every
