@@ -45,6 +45,13 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 #define HC_FN_LD (HC_KT + 4)
 #define HC_X_LD (HC_KT + 8)
 #define HC_SMEM_MAX (46 * 1024)
+/* hc_mix_part's ring: two stages (one tile in flight beside the one being summed) rather than four
+ * leave a CTA 17.7 KB instead of 35 KB at hc 4, so twice the CTAs share an SM (12 rather than 6 on
+ * an H100, 9 rather than 4 on an A100), and their barriers hide each other. H100, bench_step
+ * --ctx 64 --batch 1,64,256 --steps 5 --prefill 2048, two runs alternated: 4 stages 4.18 4.17 /
+ * 11.27 11.27 / 20.54 20.57 / 100.1 100.7 ms, 3 stages 4.17 4.20 / 11.23 11.34 / 20.68 20.61 / 99.8
+ * 99.9, 2 stages 4.15 4.19 / 11.08 11.24 / 20.52 20.60 / 99.1 99.5. */
+#define HC_STAGES_MAX 2
 /* hc_mix_finish's CTA: 640 threads (20 warps: the row statistic's 20 level-0 runs at hc 4, D 5120
  * in one round) for calls of up to ROW_WIDE_T rows, 256 above (a prefill chunk's rows fill the GPU
  * anyway, and there the wide CTA cost more: 1.57 -> 2.51 ms a 2K-token prefill, kernel_times.sh) */
@@ -72,7 +79,7 @@ struct hc_cfg {
     static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
     static constexpr int THREADS = CHAIN_WARPS * 32;
     static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + R * HC_X_LD * 2;
-    static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > 4 ? 4 : HC_SMEM_MAX / STAGE_BYTES;
+    static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > HC_STAGES_MAX ? HC_STAGES_MAX : HC_SMEM_MAX / STAGE_BYTES;
     static_assert(STAGES >= 2, "hc too large for the shared-memory ring");
     static_assert(STAGE_BYTES % 16 == 0, "stages must stay 16-byte aligned");
     static_assert(THREADS <= 1024, "one CTA's chains");
