@@ -615,6 +615,16 @@ static void test_linear_bf16(void **st) {
     }
 }
 
+/* linear_f32 at the odd extents, F32 and BF16 weights in turn */
+static void linear_f32_odd_cases(void) {
+    for (int i = 0; i < 5; i++) {
+        char nm[64];
+        struct hw h = (i & 1) ? hw_f32(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f)
+                              : hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
+        dense_cases(OP_LINEAR_F32, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
+    }
+}
+
 static void test_linear_f32(void **st) {
     NEED_GPU(st);
     struct hw h;
@@ -626,12 +636,7 @@ static void test_linear_f32(void **st) {
     }
     h = hw_bf16(HD, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "compressor wkv/wgate [512,5120]", &h, T_REAL, NT_REAL, 1.0f);
     h = hw_f32(1, DIM + 256, 0.02f), dense_cases(OP_LINEAR_F32, "F32 confidence proj [1,5376]", &h, T_REAL, NT_REAL, 1.0f);
-    for (int i = 0; i < 5; i++) {
-        char nm[64];
-        h = (i & 1) ? hw_f32(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f)
-                    : hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
-        dense_cases(OP_LINEAR_F32, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
-    }
+    linear_f32_odd_cases();
     /* prefill-sized calls (T > 256): the tiled kernel, its token, row and k tails */
     const int64_t Tp[] = {300, 600};
     h = hw_bf16(N_EXPERTS, DIM, 0.02f), dense_cases(OP_LINEAR_F32, "gate [384,5120] prefill", &h, Tp, 2, 1.0f);
@@ -1491,12 +1496,7 @@ static void test_dense_mma(void **st) {
     h = hw_bf16(100, DIM + 96, 0.02f), dense_cases(OP_LINEAR_F32, "mma [100,5216] (a short last chunk)", &h, Ts, 4, 1.0f);
     /* the exact kernels: F32 weights, k not a multiple of 32 */
     h = hw_f32(1, DIM + 256, 0.02f), dense_cases(OP_LINEAR_F32, "F32 confidence proj [1,5376] (exact)", &h, T_ODD, NT_ODD, 1.0f);
-    for (int i = 0; i < 5; i++) {
-        char nm[64];
-        h = (i & 1) ? hw_f32(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f)
-                    : hw_bf16(ODD_NK_DENSE[i][0], ODD_NK_DENSE[i][1], 0.05f);
-        dense_cases(OP_LINEAR_F32, odd_name(nm, sizeof nm, ODD_NK_DENSE[i]), &h, T_ODD, NT_ODD, 1.0f);
-    }
+    linear_f32_odd_cases();
     h = hw_bf16(N_EXPERTS, DIM, 0.02f), lin_invariance(OP_LINEAR_F32, "mma gate [384,5120]", &h, Tb, 3, probes, 6);
 
     seed_tag("bf16 linear mma weights");
