@@ -52,6 +52,9 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
  * 11.27 11.27 / 20.54 20.57 / 100.1 100.7 ms, 3 stages 4.17 4.20 / 11.23 11.34 / 20.68 20.61 / 99.8
  * 99.9, 2 stages 4.15 4.19 / 11.08 11.24 / 20.52 20.60 / 99.1 99.5. */
 #define HC_STAGES_MAX 2
+/* the unaligned fallback's ring (scalar copies): four stages, as before (with two, hc 3 at 16 rows
+ * spilled under ptxas) */
+#define HC_STAGES_MAX_SCALAR 4
 /* hc_mix_finish's CTA: 640 threads (20 warps: the row statistic's 20 level-0 runs at hc 4, D 5120
  * in one round) for calls of up to ROW_WIDE_T rows, 256 above (a prefill chunk's rows fill the GPU
  * anyway, and there the wide CTA cost more: 1.57 -> 2.51 ms a 2K-token prefill, kernel_times.sh) */
@@ -69,7 +72,7 @@ template <int HC, bool VEC, int R> struct hc_jb {
     static constexpr int NM = (2 + HC) * HC;
     static constexpr int JB = !VEC || R == HC_R ? 1 : (NM % 4 == 0 ? 4 : (NM % 3 == 0 ? 3 : 1));
 };
-template <int HC, int R = HC_R, int JB_ = 1>
+template <int HC, int R = HC_R, int JB_ = 1, int STAGES_MAX = HC_STAGES_MAX>
 struct hc_cfg {
     static constexpr int NM = (2 + HC) * HC;
     static constexpr int JB = JB_;
@@ -79,7 +82,7 @@ struct hc_cfg {
     static constexpr int CHAIN_WARPS = (CHAIN + 31) / 32;
     static constexpr int THREADS = CHAIN_WARPS * 32;
     static constexpr int STAGE_BYTES = NM * HC_FN_LD * 4 + R * HC_X_LD * 2;
-    static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > HC_STAGES_MAX ? HC_STAGES_MAX : HC_SMEM_MAX / STAGE_BYTES;
+    static constexpr int STAGES = HC_SMEM_MAX / STAGE_BYTES > STAGES_MAX ? STAGES_MAX : HC_SMEM_MAX / STAGE_BYTES;
     static_assert(STAGES >= 2, "hc too large for the shared-memory ring");
     static_assert(STAGE_BYTES % 16 == 0, "stages must stay 16-byte aligned");
     static_assert(THREADS <= 1024, "one CTA's chains");
@@ -198,10 +201,13 @@ __device__ void hc_split_sinkhorn_warp(const float *m, const float *__restrict__
  * (tests/gpu/kernel_times.sh, 2K-token prefill and batch 1): 219.7 -> 163.0 µs a call at 16 rows,
  * and 6.31 -> 5.44 µs at batch 1 (the copy strides alone). */
 template <int HC, bool VEC, int R>
-__global__ void __launch_bounds__(hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>::THREADS)
+using hc_part_cfg = hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB, VEC ? HC_STAGES_MAX : HC_STAGES_MAX_SCALAR>;
+
+template <int HC, bool VEC, int R>
+__global__ void __launch_bounds__(hc_part_cfg<HC, VEC, R>::THREADS)
     hc_mix_part_kernel(float *__restrict__ part, const uint16_t *__restrict__ X, int64_t T, int64_t D,
                        const float *__restrict__ fn, int nseg) {
-    using cfg = hc_cfg<HC, R, hc_jb<HC, VEC, R>::JB>;
+    using cfg = hc_part_cfg<HC, VEC, R>;
     constexpr int NM = cfg::NM, JB = cfg::JB, STAGES = cfg::STAGES, SEG_TILES = BE_HC_MIX_SEG / HC_KT;
     extern __shared__ __align__(16) unsigned char hc_smem[]; /* STAGES × { fn [NM][68] f32, x [R][72] bf16 } */
 
@@ -362,14 +368,15 @@ __global__ void __launch_bounds__(THREADS)
 template <int HC, int R>
 static void hc_mix_part_launch(struct backend *be, float *part, const bf16_t *X, int64_t T, int64_t D, const float *fn,
                                int nseg) {
-    using cv = hc_cfg<HC, R, hc_jb<HC, true, R>::JB>;
-    using cs = hc_cfg<HC, R, hc_jb<HC, false, R>::JB>; /* the same stage layout, more threads */
+    using cv = hc_part_cfg<HC, true, R>;
+    using cs = hc_part_cfg<HC, false, R>; /* the same stage size, more threads (and stages) */
     const dim3 grid(ew_blocks(T, R), (unsigned)nseg);
-    const size_t smem = (size_t)cv::STAGES * cv::STAGE_BYTES;
     if ((HC * D) % 8 == 0 && al16(X) && al16(fn))
-        hc_mix_part_kernel<HC, true, R><<<grid, cv::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+        hc_mix_part_kernel<HC, true, R><<<grid, cv::THREADS, (size_t)cv::STAGES * cv::STAGE_BYTES, cuda_be_stream(be)>>>(
+            part, X, T, D, fn, nseg);
     else
-        hc_mix_part_kernel<HC, false, R><<<grid, cs::THREADS, smem, cuda_be_stream(be)>>>(part, X, T, D, fn, nseg);
+        hc_mix_part_kernel<HC, false, R><<<grid, cs::THREADS, (size_t)cs::STAGES * cs::STAGE_BYTES, cuda_be_stream(be)>>>(
+            part, X, T, D, fn, nseg);
     KERNEL_CHECK();
 }
 
