@@ -8,7 +8,8 @@ STDOUT is what one `bench_step` run printed; REV names the binary (a commit); th
 are numbered in the order given, decode and prefill separately. Columns: device (the GPU the call
 ran on, as nvidia-smi names it: the device tool lends H200s and H100s, whose bandwidths differ), rev, run, kind,
 batch_or_tokens, ctx, ms, weight_mb, gbps, fraction_of_copy (gbps / GBPS, the device-to-device copy bandwidth measured on the same machine),
-tokens_per_s and tflops (prefill rows: bench_step's own figures). plot_results.py draws
+tokens_per_s and tflops (prefill rows: bench_step's own figures); --copy-gbps 0 (a call that measured no
+copy bandwidth) leaves fraction_of_copy empty. plot_results.py draws
 cuda_step_alternated.png from it. --append keeps the rows already in --out (an earlier device call's
 pair of binaries, with its own GBPS) and adds these after them.
 """
@@ -67,7 +68,7 @@ def main():
         for kind in sorted({r["kind"] for r in got}):
             seen[(a.device, rev, kind)] = seen.get((a.device, rev, kind), 0) + 1
         for r in got:
-            r.update(device=a.device, rev=rev, run=seen[(a.device, rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps))
+            r.update(device=a.device, rev=rev, run=seen[(a.device, rev, r["kind"])], fraction_of_copy="%.4f" % (r["gbps"] / a.copy_gbps) if a.copy_gbps > 0 else "")
             rows.append(r)
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, lineterminator="\n")  # the file in git has Unix line ends
