@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Pack the step benchmark of several revisions for one A/B call on the GPU machine (the device
+# tool; carry ["carry/ab.tgz"]; tests/gpu/ab_run.sh is the other half). Each LABEL=REV (a commit,
+# a branch, or "." for the working tree as it is) is built in its own git worktree under tmp/ab/
+# (the working tree in place), and its bench_step, stripped, goes to carry/ab/LABEL/; the first
+# one's bench_linear_cuda, which measures the card's copy bandwidth, goes along. The binaries then
+# alternate in one call, on one card: the device tool lends different cards from call to call, so
+# only numbers from the same call compare (PERFORMANCE_HISTORY.md).
+#   bash tests/gpu/ab_pack.sh main=HEAD new=.
+#   then, on the device: bash tests/gpu/ab_run.sh   (see there for REPS and BENCH_ARGS)
+# Each worktree's build is kept in tmp/ab/LABEL (make is incremental on the next pack of that
+# label); `git worktree prune` after removing tmp/ab forgets them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ $# -lt 2 ]; then
+  echo "usage: ab_pack.sh LABEL=REV LABEL=REV [...]   (REV: a commit or branch, or . for the working tree)" >&2
+  exit 2
+fi
+C=carry
+rm -rf $C/ab $C/ab.tgz
+mkdir -p $C/ab $C/lib tmp/ab
+labels=()
+for spec in "$@"; do
+  label=${spec%%=*}
+  rev=${spec#*=}
+  if [ "$label" = "$spec" ] || [ -z "$label" ] || [ -n "${label//[A-Za-z0-9._+-]/}" ]; then
+    echo "ab_pack.sh: '$spec' is not LABEL=REV with a label of letters, digits and . _ + -" >&2
+    exit 2
+  fi
+  if [ "$rev" = . ]; then
+    dir=$PWD
+  else
+    dir=$PWD/tmp/ab/$label
+    sha=$(git rev-parse --verify "$rev^{commit}") || { echo "ab_pack.sh: $label: no revision '$rev'" >&2; exit 2; }
+    if [ -d "$dir" ]; then
+      git -C "$dir" checkout -q --detach "$sha"
+    else
+      git worktree add -q --detach "$dir" "$sha"
+    fi
+  fi
+  echo "ab_pack.sh: $label = $rev ($(git -C "$dir" rev-parse --short HEAD)$( [ "$rev" = . ] && ! git diff --quiet HEAD && echo ", with uncommitted changes"))"
+  make -C "$dir" -j"$(nproc)" build/bench/bench_step build/bench/bench_linear_cuda > "tmp/ab/$label.build.log" 2>&1 ||
+    { echo "ab_pack.sh: $label: the build failed, see tmp/ab/$label.build.log" >&2; exit 1; }
+  mkdir -p "$C/ab/$label"
+  cp "$dir/build/bench/bench_step" "$C/ab/$label/"
+  [ ${#labels[@]} -eq 0 ] && cp "$dir/build/bench/bench_linear_cuda" $C/ab/
+  labels+=("$label")
+done
+strip $C/ab/*/bench_step $C/ab/bench_linear_cuda
+printf '%s\n' "${labels[@]}" > $C/ab/LABELS
+# the libraries the binaries load that the GPU machine may lack (pack.sh's rule)
+ldd $C/ab/*/bench_step | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+  case "${lib##*/}" in
+    libc.so*|libm.so*|ld-linux*|libmpi.so*|libopen-rte*|libopen-pal*|libstdc++*|libgcc_s*|libpthread*|libdl.so*|librt.so*|libcuda.so*|libnccl.so*|libcudart.so*|libresolv.so*) ;;
+    *) cp -L "$lib" $C/lib/ ;;
+  esac
+done
+tar -C $C -czf $C/ab.tgz ab lib
+du -sh $C/ab.tgz
+if [ "$(stat -c %s $C/ab.tgz)" -gt $((64 << 20)) ]; then
+  echo "ab_pack.sh: $C/ab.tgz is larger than the device tool's 64 MiB: fewer revisions a call" >&2
+  exit 1
+fi

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carry ["carry/ab.tgz"] from tests/gpu/ab_pack.sh): the card's
+# copy bandwidth (bench_linear_cuda, the first revision's), then bench_step of every packed
+# revision in turn, REPS rounds (default 2), with the same BENCH_ARGS (default: context 64, batch
+# 1, 8, 64, 256, 5 timed steps, a 2,048-token prefill). Everything comes back in $OUT/ab.tgz: each
+# run's output, copy.csv, and alternated.csv (tests/bench/step_alternated.py's rows, each run
+# labelled by its revision's LABEL); stdout has one line per run. To keep the rows:
+#   python3 tests/bench/step_alternated.py --copy-gbps G --device NAME --out results/cuda_step_alternated.csv \
+#       --append LABEL=run.txt ...   (or append alternated.csv's rows as they are)
+set -u
+cd "$(dirname "$0")/../.." || exit 2
+[ -f carry/ab.tgz ] || { echo "ab_run.sh: no carry/ab.tgz (tests/gpu/ab_pack.sh, and carry it)" >&2; exit 2; }
+rm -rf carry/ab && tar -C carry -xzf carry/ab.tgz
+. tests/gpu/carry_env.sh
+REPS=${REPS:-2}
+BENCH_ARGS=${BENCH_ARGS:---ctx 64 --batch 1,8,64,256 --steps 5 --prefill 2048}
+W=$(mktemp -d)
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "device: $device"
+timeout 120 carry/ab/bench_linear_cuda "$W/copy.csv" 1 > "$W/copy.txt" 2>&1
+gbps=$(awk -F, 'NR == 2 {print $11}' "$W/copy.csv" 2>/dev/null)
+echo "copy: ${gbps:+$gbps GB/s}${gbps:-not measured}"
+mapfile -t labels < carry/ab/LABELS
+specs=()
+for rep in $(seq 1 "$REPS"); do
+  for label in "${labels[@]}"; do
+    out="$W/${label}_$rep.txt"
+    # shellcheck disable=SC2086
+    timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda $BENCH_ARGS > "$out" 2>&1
+    echo "$label run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
+    specs+=("$label=$out")
+  done
+done
+python3 tests/bench/step_alternated.py --copy-gbps "${gbps:-0}" --device "$device" --out "$W/alternated.csv" "${specs[@]}" ||
+  echo "ab_run.sh: step_alternated.py failed (see the runs' outputs)"
+tar -C "$W" -czf "$OUT/ab.tgz" . && rm -rf "$W"
