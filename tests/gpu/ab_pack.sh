@@ -48,13 +48,9 @@ for spec in "$@"; do
 done
 strip $C/ab/*/bench_step $C/ab/bench_linear_cuda
 printf '%s\n' "${labels[@]}" > $C/ab/LABELS
-# the libraries the binaries load that the GPU machine may lack (pack.sh's rule)
-ldd $C/ab/*/bench_step | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
-  case "${lib##*/}" in
-    libc.so*|libm.so*|ld-linux*|libmpi.so*|libopen-rte*|libopen-pal*|libstdc++*|libgcc_s*|libpthread*|libdl.so*|librt.so*|libcuda.so*|libnccl.so*|libcudart.so*|libresolv.so*) ;;
-    *) cp -L "$lib" $C/lib/ ;;
-  esac
-done
+# the libraries the binaries load that the GPU machine may lack
+. tests/gpu/carry_libs.sh
+carry_libs $C/lib $C/ab/*/bench_step
 tar -C $C -czf $C/ab.tgz ab lib
 du -sh $C/ab.tgz
 if [ "$(stat -c %s $C/ab.tgz)" -gt $((64 << 20)) ]; then

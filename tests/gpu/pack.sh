@@ -19,12 +19,8 @@ strip $C/gpu/dsbatch $C/gpu/tests/* $C/gpu/bench/* $C/gpu/mpitests/* 2>/dev/null
 # nccl_comm_check" for `device_run.sh test engine bench`; multi and nccl need them).
 for b in ${PACK_LEAVE:-}; do rm -f $C/gpu/tests/$b $C/gpu/bench/$b $C/gpu/mpitests/$b; done
 # every library the binaries load except the C runtime and MPI (the GPU machine's own 4.1 is used)
-ldd $C/gpu/dsbatch $C/gpu/tests/* | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
-  case "${lib##*/}" in
-    libc.so*|libm.so*|ld-linux*|libmpi.so*|libopen-rte*|libopen-pal*|libstdc++*|libgcc_s*|libpthread*|libdl.so*|librt.so*|libcuda.so*|libnccl.so*|libcudart.so*|libresolv.so*) ;;
-    *) cp -L "$lib" $C/lib/ ;;
-  esac
-done
+. tests/gpu/carry_libs.sh
+carry_libs $C/lib $C/gpu/dsbatch $C/gpu/tests/*
 for g in small6 tp8pp2; do cp -r "$GOLDEN/$g" $C/golden/; done
 rm -f $C/golden/*/run.log
 # one compressed archive travels (the device tool carries 64 MiB in all); device_run.sh unpacks it
