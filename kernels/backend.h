@@ -204,6 +204,11 @@ struct backend_ops {
     void (*hc_mixes)(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                      int64_t hc, int64_t D, const float *fn, const float *scale, const float *base,
                      int iters, float norm_eps, float hc_eps);
+    /* Optional (NULL: none): fn [(2+hc)·hc, hc·D] f32, a pointer tensor_prepare returned, will be
+     * hc_mixes' fn; the backend may keep a form of it prepared once (the CUDA backend's three bf16
+     * pieces for the tensor cores), released with fn by tensor_release. hc_mixes gives the same
+     * bits with or without it. */
+    void (*hc_prepare)(struct backend *be, const float *fn, int64_t hc, int64_t D);
     /* y[t,:] = bf16( ((p0·X0 + p1·X1) + p2·X2) + ... ) in fp32, X [T, hc, D], p [T, hc]; then, with
      * norm_w [D] given, y = rmsnorm(y, norm_w, eps) with the rmsnorm op's bits (the collapse's bf16
      * y is what the norm reads): the block input's collapse and norm as one op, which a backend may

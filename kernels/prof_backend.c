@@ -226,6 +226,9 @@ static void prof_hc_mixes(struct backend *be, float *pre, float *post, float *co
     PR(be)->inner->ops->hc_mixes(PR(be)->inner, pre, post, comb, X, T, hc, D, fn, scale, base, iters, norm_eps, hc_eps);
     prof_end(be, PROF_HC_MIXES, t0);
 }
+static void prof_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t D) {
+    if (PR(be)->inner->ops->hc_prepare) PR(be)->inner->ops->hc_prepare(PR(be)->inner, fn, hc, D);
+}
 static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D, norm_w, eps);
@@ -340,6 +343,7 @@ static const struct backend_ops prof_ops = {
     .qdq_fp4_32 = prof_qdq_fp4_32,
     .qdq_fp4_16 = prof_qdq_fp4_16,
     .hc_mixes = prof_hc_mixes,
+    .hc_prepare = prof_hc_prepare,
     .hc_collapse = prof_hc_collapse,
     .hc_expand = prof_hc_expand,
     .hc_init = prof_hc_init,

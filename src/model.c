@@ -130,6 +130,10 @@ static void prep_layer_tensors(struct model *m, int l) {
     prep_tensor(m, &lw->ffn_norm, 2 * (size_t)D, false);
     prep_tensor(m, &lw->hc_attn_fn, 4 * (size_t)(nmix * hc * D), false);
     prep_tensor(m, &lw->hc_ffn_fn, 4 * (size_t)(nmix * hc * D), false);
+    if (OPS->hc_prepare) {
+        OPS->hc_prepare(m->be, lw->hc_attn_fn, hc, D);
+        OPS->hc_prepare(m->be, lw->hc_ffn_fn, hc, D);
+    }
     prep_tensor(m, &lw->hc_attn_base, 4 * (size_t)nmix, false);
     prep_tensor(m, &lw->hc_ffn_base, 4 * (size_t)nmix, false);
     prep_tensor(m, &lw->hc_attn_scale, 4 * 3, false);

@@ -100,14 +100,18 @@ static void kv_of_stage(const struct model_config *c, int b, int e, bool first, 
 static uint64_t u64max(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
 /* What model_new adds to the mapped weights: wo_a dequantized to bf16 as the reference holds it
- * (MODEL.md §3.5), the fp32 RoPE table of every layer, and q_weight * k_weight in fp32 per Engram
- * layer. */
-static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp) {
+ * (MODEL.md §3.5), the fp32 RoPE table of every layer, q_weight * k_weight in fp32 per Engram
+ * layer, and on the GPU's tensor cores (--backend cuda without --exact-linears) the two mHC mixes'
+ * fn of each layer as three bf16 pieces (hc_prepare; where hc·D is a multiple of 32). */
+static uint64_t prepared_of(const struct model_config *c, int b, int e, int tp, const struct engine_flags *f) {
     uint64_t bytes = (uint64_t)config_total_layers(c) * (uint64_t)(c->rope_dim / 2) * 4;
+    const int64_t L = (int64_t)c->hc_mult * c->dim, nmix = (int64_t)(2 + c->hc_mult) * c->hc_mult;
+    const bool pieces = f->backend == ENGINE_BACKEND_CUDA && !f->exact_linears && L % 32 == 0;
     for (int l = b; l < e; l++) {
         bytes += (uint64_t)(c->o_groups / tp) * (uint64_t)c->o_lora_rank *
                  (uint64_t)((int64_t)c->n_heads * c->head_dim / c->o_groups) * 2;
         if (c->role[l].engram_idx >= 0) bytes += (uint64_t)c->hc_mult * (uint64_t)c->dim * 4;
+        if (pieces) bytes += (uint64_t)(2 * 3 * nmix * L * 2);
     }
     return bytes;
 }
@@ -297,7 +301,7 @@ static void print_text(const struct loaded_model *lm, const struct plan_opts *o,
                s == o->pp - 1 ? (c->n_mtp ? " + norm, head, DSpark" : " + norm, head") : "");
     printf("weights  bytes each rank maps (weights_bind, as inspect --tp --pp) without the Engram tables;\n"
            "         prepared: what the backend adds at load (wo_a in bf16 as the reference holds it, RoPE tables,\n"
-           "         fp32 Engram gate weights)\n");
+           "         fp32 Engram gate weights; with --backend cuda the mHC mixes' weights as three bf16 pieces)\n");
     printf("engram   tables held once per node in host memory by the Engram service, not per rank:\n");
     for (int k = 0; k < n_nodes; k++) {
         layer_ids(c, np[k].mask, ids, sizeof ids);
@@ -458,7 +462,7 @@ int cmd_plan(int argc, char **argv) {
                                     .experts = mw.bytes_experts, .capacity = -1};
             weights_free(&mw);
             kv_of_stage(c, begin[s], end[s], s == 0, !o.eng.no_stale_keys, &o, r);
-            r->prepared = prepared_of(c, begin[s], end[s], o.tp);
+            r->prepared = prepared_of(c, begin[s], end[s], o.tp, &o.eng);
             r->workspace = workspace_of(c, begin[s], end[s], s == 0, s == o.pp - 1, o.tp, &o);
             np[r->node].mask |= engram_service_layer_mask(c, begin[s], end[s]);
         }

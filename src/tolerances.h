@@ -151,6 +151,12 @@
  * end by the Jacobian of the remaining steps, and Δz by the Jacobian of the whole map (Jacobians of
  * the double-precision map, by central differences; first order). Per element:
  *     |gpu − cpu| <= Σ_steps |∂out/∂C_s|·|C_s|·ρ_s + |∂out/∂z|·Δz   (ρ_s in units below) */
+/* hc_mixes under the tensor-core switch (cuda_mhc.cu, hc_mixes_mma; hc·D a multiple of 32): the
+ * dot products as three any-order fp32 sums of exact products over the bf16 pieces of fn (hi + mid +
+ * lo = fn, Σ|piece| <= (1 + 2^-6)·|fn|), added in order, so the GPU's m is within
+ * (1 + 2^-6)·(2·n + 2)·u·Σ|x·fn| of the exact sum, at most 2.1·n·u·Σ|x·fn| for n >= 32: the model
+ * above with this per-term factor in place of TOL_GPU_SUM_U_PER_TERM (the CPU's own stays). */
+#define TOL_GPU_HC_MIX_MMA_U_PER_TERM 2.1
 /* per normalization step, both backends together: the +eps add (1u each) and the divide (1u on the
  * CPU, TOL_GPU_DIV_ROUNDINGS on the GPU) */
 #define TOL_GPU_HC_SINKHORN_STEP_EXTRA_U (2.0 + 1.0 + TOL_GPU_DIV_ROUNDINGS)

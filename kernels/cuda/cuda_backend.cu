@@ -39,7 +39,9 @@ struct prep {
     const void *dptr;  /* what the ops see */
     void *base;        /* device allocation, registered host range, or pinned copy */
     enum prep_kind kind;
+    void *derived;     /* a device form an op prepared from it once (cuda_be_prep_set_derived), or NULL */
     struct prep *next;
+    struct prep *next_derived; /* the preps with a derived form, apart: ops look theirs up every call */
 };
 
 /* the upload ring (stage_upload): RING_CHUNKS chunks of RING_CHUNK bytes, pinned */
@@ -77,6 +79,7 @@ struct cuda_be {
     struct deferred_free *deferred;
     int n_deferred, cap_deferred;
     struct prep *preps;
+    struct prep *derived; /* the preps with a derived form (next_derived), tens where preps are thousands */
     struct scratch_class *cls; /* [n_cls] */
     int n_cls;
     struct scratch_live *live; /* open-addressing table [cap_live], power of two */
@@ -628,12 +631,31 @@ static const void *cu_tensor_prepare(struct backend *be, const void *host, size_
 }
 
 static void prep_undo(struct prep *p) {
+    if (p->derived) CUDA_CHECK(cudaFree(p->derived));
     switch (p->kind) {
     case PREP_DEVICE: CUDA_CHECK(cudaFree(p->base)); break;
     case PREP_REGISTERED: CUDA_CHECK(cudaHostUnregister(p->base)); break;
     case PREP_PINNED_COPY: CUDA_CHECK(cudaFreeHost(p->base)); break;
     }
     free(p);
+}
+
+bool cuda_be_prep_set_derived(struct backend *be, const void *dptr, void *derived) {
+    struct cuda_be *c = cb(be);
+    for (struct prep *p = c->preps; p; p = p->next)
+        if (p->dptr == dptr && !p->derived) {
+            p->derived = derived;
+            p->next_derived = c->derived;
+            c->derived = p;
+            return true;
+        }
+    return false;
+}
+
+const void *cuda_be_prep_derived(struct backend *be, const void *dptr) {
+    for (struct prep *p = cb(be)->derived; p; p = p->next_derived)
+        if (p->dptr == dptr) return p->derived;
+    return NULL;
 }
 
 static void cu_tensor_release(struct backend *be, const void *dptr) {
@@ -644,6 +666,12 @@ static void cu_tensor_release(struct backend *be, const void *dptr) {
         if ((*pp)->dptr == dptr) {
             struct prep *p = *pp;
             *pp = p->next;
+            if (p->derived)
+                for (struct prep **dp = &c->derived; *dp; dp = &(*dp)->next_derived)
+                    if (*dp == p) {
+                        *dp = p->next_derived;
+                        break;
+                    }
             prep_undo(p);
             return;
         }
@@ -678,6 +706,7 @@ static const struct backend_ops cuda_ops = {
     .qdq_fp4_32 = cuda_op_qdq_fp4_32,
     .qdq_fp4_16 = cuda_op_qdq_fp4_16,
     .hc_mixes = cuda_op_hc_mixes,
+    .hc_prepare = cuda_op_hc_prepare,
     .hc_collapse = cuda_op_hc_collapse,
     .hc_expand = cuda_op_hc_expand,
     .hc_init = cuda_op_hc_init,
@@ -755,6 +784,7 @@ extern "C" void backend_cuda_free(struct backend *be) {
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     for (int i = 0; i < RING_CHUNKS; i++) CUDA_CHECK(cudaEventDestroy(c->ring_ev[i]));
     if (c->ring) CUDA_CHECK(cudaFreeHost(c->ring));
+    c->derived = NULL;
     while (c->preps) {
         struct prep *p = c->preps;
         c->preps = p->next;

@@ -38,6 +38,12 @@ int cuda_be_sms(struct backend *be);
 /* Whether FP8/FP4 linears and sparse attention's q·k and P·V take the tensor-core path
  * (backend_cuda_set_mma; on unless --exact-linears). */
 bool cuda_be_mma(struct backend *be);
+/* A device form an op derived once from a tensor_prepare'd pointer (cudaMalloc'ed; freed with it by
+ * tensor_release): set_derived stores it (false when dptr is not a prepared pointer or already has
+ * one: the caller keeps and frees it), prep_derived finds it (NULL: none; a short list, walked on
+ * every call of the op). */
+bool cuda_be_prep_set_derived(struct backend *be, const void *dptr, void *derived);
+const void *cuda_be_prep_derived(struct backend *be, const void *dptr);
 
 /* ---- cuda_graph.cu: graph segments (backend.h's graph_begin / graph_end) ---- */
 struct cuda_graphs;
@@ -81,6 +87,7 @@ void cuda_op_interleave(struct backend *be, void *dst, const void *src, int64_t 
 void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                       int64_t hc, int64_t D, const float *fn, const float *scale, const float *base, int iters,
                       float norm_eps, float hc_eps);
+void cuda_op_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t D);
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                          int64_t D, const bf16_t *norm_w, float eps);
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,

@@ -594,10 +594,11 @@ static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x
     if (!cuda_be_mma(be) || W->fmt != WF_BF16 || k % 32 || (W->ld * 2) % 16 || ((uintptr_t)W->w & 15) ||
         ((uintptr_t)x & 15) || k > ((int64_t)1 << 21))
         return false;
-    const size_t per_row = cuda_linear_mma_workspace_bytes(1, n, k);
-    int64_t rb = (int64_t)(DENSE_MMA_WS / (per_row ? per_row : 1));
+    const size_t per_row = cuda_linear_mma_bf16_workspace_bytes(1, n, k);
+    int64_t rb = per_row ? (int64_t)(DENSE_MMA_WS / per_row) : T;
     rb = rb < 1 ? 1 : rb > T ? T : rb;
-    void *ws = cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(rb, n, k));
+    const size_t wsb = cuda_linear_mma_bf16_workspace_bytes(rb, n, k);
+    void *ws = wsb ? cuda_be_scratch_raw(be, wsb) : NULL;
     const size_t esz = out_f32 ? 4 : 2;
     for (int64_t t0 = 0; t0 < T; t0 += rb) {
         const int64_t nt = T - t0 < rb ? T - t0 : rb;
@@ -605,7 +606,7 @@ static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x
                                (uint16_t *)((char *)y + (size_t)(t0 * n) * esz), x + t0 * k, nt, W->w, NULL, n, k,
                                W->ld, 0, ws, (void *)cuda_be_stream(be));
     }
-    cuda_be_scratch_free(be, ws);
+    if (ws) cuda_be_scratch_free(be, ws);
     return true;
 }
 

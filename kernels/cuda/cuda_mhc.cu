@@ -1,10 +1,12 @@
 /* The mHC ops of the SM80 backend (MODEL.md §3.2): the mixes (segment dot products, the row
  * statistic and the Sinkhorn split), the collapse with the block norm, the expand and the init.
  * Row-local and bit-identical to the CPU oracle (kernels/cpu/cpu_elementwise.c) under the rules
- * at the top of cuda_elementwise.cu; the shared row sums and launch shapes are in cuda_rows.cuh. */
+ * at the top of cuda_elementwise.cu, but for the mixes' dot products under the tensor-core switch
+ * (hc_mixes_mma below); the shared row sums and launch shapes are in cuda_rows.cuh. */
 #include <stdint.h>
 
 #include "cuda_rows.cuh"
+#include "linear_mma.h"
 
 
 /* ---------------------------------------------------------------------------------------------
@@ -319,35 +321,55 @@ template <int HC, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
                          const float *__restrict__ part, const uint16_t *__restrict__ X, int64_t D, int nseg,
-                         const float *__restrict__ scale, const float *__restrict__ base, int iters,
-                         float norm_eps, float hc_eps, bool staged) {
+                         int nch, int64_t cs, const float *__restrict__ scale, const float *__restrict__ base,
+                         int iters, float norm_eps, float hc_eps, bool staged) {
     constexpr int NM = hc_cfg<HC>::NM;
     static_assert(3 + NM <= THREADS, "one thread per mix (and per Sinkhorn parameter)");
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float m_s[NM];
     __shared__ float prm_s[3 + NM]; /* scale [3], base [NM]: fetched first, so their latency hides under the row's */
     __shared__ float rn_s;
-    __shared__ __align__(16) float ps[HC_PS_MAX]; /* the row's segment sums [NM][nseg + 4] (staged form) */
+    __shared__ __align__(16) float ps[HC_PS_MAX]; /* the row's sums, staged: [nch][NM][nseg + pad] */
     const int64_t t = blockIdx.x, L = HC * D;
     const int tid = threadIdx.x;
-    const int pld = nseg + 4; /* padded: the NM folding threads' reads spread over the banks */
+    /* padded where nseg is a multiple of 4 (the NM folding threads' reads spread over the banks);
+     * nseg = 3 (the tensor-core form) reads at stride 3, conflict-free as it is */
+    const int pld = nseg % 4 == 0 ? nseg + 4 : nseg;
     if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
-        const float *pr = part + t * NM * nseg; /* [NM][nseg] */
-        const int nc = nseg / 4;
-        for (int q = tid; q < NM * nc; q += THREADS) ds_cp16(ps + (q / nc) * pld + (q % nc) * 4, pr + q * 4);
+        const int nc = NM * nseg / 4, rc = nseg % 4 == 0 ? nseg / 4 : nc; /* 16-byte pieces a chunk, a row */
+        for (int q = tid; q < nch * nc; q += THREADS) {
+            const int c = q / nc, r = q % nc;
+            ds_cp16(ps + c * NM * pld + (r / rc) * pld + (r % rc) * 4, part + c * cs + t * NM * nseg + r * 4);
+        }
         ds_cp_commit();
     }
     if (tid < 3 + NM) prm_s[tid] = tid < 3 ? scale[tid] : base[tid - 3];
+    /* each sum's chunks in chunk order, then a mix's nseg sums in order: the tilings' own chunk fold
+     * (mma_chunk_sum_kernel) and the segment fold, one launch fewer */
     if (!staged && tid < NM) {
-        const float *pr = part + (t * NM + tid) * nseg; /* [nseg] */
+        const float *pr = part + (t * NM + tid) * nseg; /* [nseg], in each of the nch chunks */
         float acc = 0.0f;
-        for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, pr[sg]);
+        for (int sg = 0; sg < nseg; sg++) {
+            float v = pr[sg];
+            for (int c = 1; c < nch; c++) v = __fadd_rn(v, pr[c * cs + sg]);
+            acc = __fadd_rn(acc, v);
+        }
         m_s[tid] = acc;
     }
     const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */
     if (staged) {
         ds_cp_wait<0>();
         __syncthreads();
+        if (nch > 1) { /* NM·nseg threads fold a sum's chunks each, into chunk 0's slot (their own) */
+            for (int q = tid; q < NM * nseg; q += THREADS) {
+                float *p0 = ps + (q / nseg) * pld + q % nseg;
+                float v = *p0;
+#pragma unroll 4
+                for (int c = 1; c < nch; c++) v = __fadd_rn(v, p0[c * NM * pld]);
+                *p0 = v;
+            }
+            __syncthreads();
+        }
         if (tid < NM) {
             float acc = 0.0f;
             for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, ps[tid * pld + sg]);
@@ -380,28 +402,102 @@ static void hc_mix_part_launch(struct backend *be, float *part, const bf16_t *X,
     KERNEL_CHECK();
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The mixes' dot products on the tensor cores (the backend's mma switch, the engine's default):
+ * fn's fp32 rows split into three bf16 pieces, fn = hi + mid + lo (hi = bf16(fn), mid =
+ * bf16(fn − hi), lo = fn − hi − mid: each difference exact in fp32, and lo, at most 8 significant
+ * bits, exact in bf16 for |fn| >= 2^-100), stored as the rows j·3 + s of one BF16 weight [3·NM, L],
+ * so that the BF16 mma tilings of linear_mma_sm80.cu give each row t the three sums Σ x·piece_s
+ * side by side, per k-chunk of 1,024 (CUDA_MMA_OUT_PARTS: [nch, T, NM, nseg = 3] fp32, unfolded),
+ * and hc_mix_finish folds them as the tilings' chunk fold would (each sum's chunks in order), one
+ * launch fewer a call, then m = ((P_hi + P_mid) + P_lo)·r. Every product of a bf16 x and a bf16
+ * piece is exact in fp32, so m is within the fp32 sum bound of the exact Σ x·fn (tolerances.h,
+ * TOL_GPU_HC_MIX_MMA_U_PER_TERM) rather than the CPU's bits, and every row has the same bits at
+ * any T (the tilings' order contract): batch invariant. The CUDA-core chains above run at one
+ * multiply and one add per term in the CPU's order: H100, Nsight, a 2K-token prefill's 40 calls
+ * 6.6 ms (165 µs each, 41 % of the fp32 issue rate). hc·D a multiple of 32 (the tilings' k) and 16-byte rows;
+ * other shapes, and --exact-linears, keep the chains. */
+__global__ void __launch_bounds__(EW_THREADS)
+    hc_fn_split_kernel(uint16_t *__restrict__ w3, const float *__restrict__ fn, int64_t NM, int64_t L) {
+    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= NM * L) return;
+    const int64_t j = g / L, i = g - j * L;
+    const float f = fn[g];
+    const uint16_t hi = ds_bf16_rne(f);
+    const float r1 = __fsub_rn(f, ds_bf16f(hi));
+    const uint16_t mid = ds_bf16_rne(r1);
+    const uint16_t lo = ds_bf16_rne(__fsub_rn(r1, ds_bf16f(mid)));
+    uint16_t *o = w3 + j * 3 * L + i; /* w3 [NM, 3, L] bf16 = [3·NM, L] */
+    o[0] = hi;
+    o[L] = mid;
+    o[2 * L] = lo;
+}
+
+static bool hc_mixes_mma_ok(struct backend *be, const bf16_t *X, int64_t L) {
+    return cuda_be_mma(be) && L % 32 == 0 && L <= ((int64_t)1 << 21) && al16(X);
+}
+
+/* part [nch, T, NM, 3] f32, each k-chunk's three sums unfolded (hc_mix_finish folds them); the
+ * pieces hc_prepare made for fn, or split here (the same values) */
+static void hc_mixes_mma(struct backend *be, float *part, const bf16_t *X, int64_t T, int64_t L, int64_t NM,
+                         const float *fn) {
+    cudaStream_t st = cuda_be_stream(be);
+    const uint16_t *w3 = (const uint16_t *)cuda_be_prep_derived(be, fn); /* [3·NM, L] bf16 */
+    uint16_t *own = NULL;
+    if (!w3) {
+        own = (uint16_t *)cuda_be_scratch_raw(be, (size_t)(3 * NM * L) * 2);
+        hc_fn_split_kernel<<<ew_blocks(NM * L, EW_THREADS), EW_THREADS, 0, st>>>(own, fn, NM, L);
+        KERNEL_CHECK();
+        w3 = own;
+    }
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS, WF_BF16, (uint16_t *)part, (const uint16_t *)X, T, w3,
+                           NULL, 3 * NM, L, L, 0, NULL, (void *)st);
+    if (own) cuda_be_scratch_free(be, own);
+}
+
+/* hc_prepare: fn's three pieces once, beside fn's own device copy (under the mma switch and where
+ * hc_mixes_mma takes the shape; 1.5x fn's bytes: 118 MB for V4.1-Flash's 40 mixes of a PP stage).
+ * Splitting on every call cost ~3 µs a call, 40 calls a step (H100: batch 1 4.21 -> 4.31 ms). */
+void cuda_op_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t D) {
+    const int64_t L = hc * D, NM = (2 + hc) * hc;
+    if (!fn || !cuda_be_mma(be) || L % 32 || L > ((int64_t)1 << 21) || cuda_be_prep_derived(be, fn)) return;
+    void *w3 = NULL;
+    CUDA_CHECK(cudaMalloc(&w3, (size_t)(3 * NM * L) * 2));
+    cudaStream_t st = cuda_be_stream(be);
+    hc_fn_split_kernel<<<ew_blocks(NM * L, EW_THREADS), EW_THREADS, 0, st>>>((uint16_t *)w3, fn, NM, L);
+    KERNEL_CHECK();
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    if (!cuda_be_prep_set_derived(be, fn, w3)) CUDA_CHECK(cudaFree(w3)); /* fn not a prepared pointer */
+}
+
 template <int HC>
 static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *comb, const bf16_t *X, int64_t T,
                             int64_t D, const float *fn, const float *scale, const float *base, int iters,
                             float norm_eps, float hc_eps) {
-    const int64_t L = HC * D;
-    const int nseg = (int)((L + BE_HC_MIX_SEG - 1) / BE_HC_MIX_SEG);
-    float *part = (float *)cuda_be_scratch_raw(be, (size_t)(T * hc_cfg<HC>::NM * nseg) * sizeof(float)); /* [T, NM, nseg] */
-    if (T >= HC_R_BIG_T)
+    const int64_t L = HC * D, NM = hc_cfg<HC>::NM;
+    int nseg = (int)((L + BE_HC_MIX_SEG - 1) / BE_HC_MIX_SEG), nch = 1;
+    const bool mma = hc_mixes_mma_ok(be, X, L);
+    if (mma) nseg = 3, nch = (int)cuda_linear_mma_chunks(L);
+    const int64_t cs = nch > 1 ? T * NM * nseg : 0; /* floats between a row's chunks */
+    float *part = (float *)cuda_be_scratch_raw(be, (size_t)(nch * T * NM * nseg) * sizeof(float)); /* [nch, T, NM, nseg] */
+    if (mma)
+        hc_mixes_mma(be, part, X, T, L, NM, fn);
+    else if (T >= HC_R_BIG_T)
         hc_mix_part_launch<HC, hc_r_big<HC>::R>(be, part, X, T, D, fn, nseg);
     else
         hc_mix_part_launch<HC, HC_R>(be, part, X, T, D, fn, nseg);
-    /* the segment sums staged in shared memory by 16-byte copies where they fit and align */
-    const bool staged = nseg % 4 == 0 && hc_cfg<HC>::NM * (nseg + 4) <= HC_PS_MAX && al16(part);
+    /* the sums staged in shared memory by 16-byte copies where they fit and align (as the kernel pads them) */
+    const int pld = nseg % 4 == 0 ? nseg + 4 : nseg;
+    const bool staged = (NM * nseg) % 4 == 0 && nch * NM * pld <= HC_PS_MAX && al16(part);
     /* the wide CTA where the Sinkhorn runs on a warp (hc² <= 32); thread 0's C in registers (hc 6, 8)
      * spills under the wide CTA's register cap */
     constexpr int WIDE = HC * HC <= 32 ? HC_FIN_THREADS : HC_FIN_THREADS_NARROW;
     if (T <= ROW_WIDE_T)
         hc_mix_finish_kernel<HC, WIDE><<<(unsigned)T, WIDE, 0, cuda_be_stream(be)>>>(
-            pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
+            pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
     else
         hc_mix_finish_kernel<HC, HC_FIN_THREADS_NARROW><<<(unsigned)T, HC_FIN_THREADS_NARROW, 0, cuda_be_stream(be)>>>(
-            pre, post, comb, part, X, D, nseg, scale, base, iters, norm_eps, hc_eps, staged);
+            pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, part);
 }

@@ -21,6 +21,9 @@ extern "C" {
 /* Device workspace cuda_linear_mma needs for T rows of k: the quantized activations, T*k bf16
  * (FP8/FP4; BF16 needs none but the size is the same for every format). */
 size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k);
+/* The same for a BF16 weight alone: the k-chunks' fp32 partials (0 for a single chunk; the
+ * workspace pointer may then be NULL). */
+size_t cuda_linear_mma_bf16_workspace_bytes(int64_t T, int64_t n, int64_t k);
 
 /* fmt: enum wfmt of kernels/backend.h (WF_BF16, WF_FP8, WF_FP4; WF_F32 is refused).
  *  WF_FP8: w = e4m3 [n, ld bytes], s = e8m0 [ceil(n/32), s_ld] (one per 32x32 tile);
@@ -69,6 +72,12 @@ enum {
  * (the head's logits): one chunk's accumulator is stored as it is, more are folded in chunk order
  * as for bf16 outputs, without the final rounding to bf16. */
 #define CUDA_MMA_OUT_F32 0x200
+/* OR'ed into `tiling` (BF16 only, not the pair call): y is fp32 [nch][T][n], each k-chunk's
+ * accumulator as it is, unfolded (nch = cuda_linear_mma_chunks(k)), for a caller that folds them
+ * into its own sums (the mHC mixes: one launch fewer); no workspace is needed. */
+#define CUDA_MMA_OUT_PARTS 0x400
+/* the number of k-chunks (1,024 values each, the last one shorter) a call of this k sums */
+int64_t cuda_linear_mma_chunks(int64_t k);
 void cuda_linear_mma_tiling(int tiling, int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w,
                             const uint8_t *s, int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *workspace,
                             void *stream);

@@ -1016,8 +1016,15 @@ extern "C" void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64
 
 extern "C" size_t cuda_linear_mma_workspace_bytes(int64_t T, int64_t n, int64_t k) {
     if (T <= 0 || n <= 0 || k <= 0) return 0;
+    return act_bytes(T, k) + cuda_linear_mma_bf16_workspace_bytes(T, n, k);
+}
+
+extern "C" int64_t cuda_linear_mma_chunks(int64_t k) { return n_chunks(k); }
+
+extern "C" size_t cuda_linear_mma_bf16_workspace_bytes(int64_t T, int64_t n, int64_t k) {
+    if (T <= 0 || n <= 0 || k <= 0) return 0;
     const int64_t nch = n_chunks(k);
-    return act_bytes(T, k) + (nch > 1 ? (size_t)nch * (size_t)T * (size_t)n * sizeof(float) : 0);
+    return nch > 1 ? (size_t)nch * (size_t)T * (size_t)n * sizeof(float) : 0;
 }
 
 extern "C" void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const void *w, const uint8_t *s,
@@ -1031,10 +1038,12 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
                             void *stream, dpair pr) {
     if (fmt != WF_BF16 && fmt != WF_FP8 && fmt != WF_FP4)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "weight format is not BF16, FP8 or FP4");
-    const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0, out_f32 = (tiling & CUDA_MMA_OUT_F32) != 0;
-    tiling &= ~(CUDA_MMA_PREQUANT | CUDA_MMA_OUT_F32);
+    const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0, parts = (tiling & CUDA_MMA_OUT_PARTS) != 0;
+    const bool out_f32 = parts || (tiling & CUDA_MMA_OUT_F32) != 0;
+    tiling &= ~(CUDA_MMA_PREQUANT | CUDA_MMA_OUT_F32 | CUDA_MMA_OUT_PARTS);
     if (out_f32 && (fmt != WF_BF16 || pr.n1 < n))
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "CUDA_MMA_OUT_F32 is for one BF16 weight");
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
+                 "CUDA_MMA_OUT_F32 and CUDA_MMA_OUT_PARTS are for one BF16 weight");
     /* a forced FP8 decode form: 1, 2 or 4 m16 tiles a CTA (0: the call's own choice) */
     const int form =
         tiling >= CUDA_MMA_DECODE_MT1 && tiling <= CUDA_MMA_DECODE_MT4 ? 1 << (tiling - CUDA_MMA_DECODE_MT1) : 0;
@@ -1063,7 +1072,7 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     const int64_t nch = n_chunks(k);
     if (quant && !s)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "FP8/FP4 need scales");
-    if (((quant && !prequant) || nch > 1) && !workspace)
+    if (((quant && !prequant) || (nch > 1 && !parts)) && !workspace)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
                  "a workspace of cuda_linear_mma_workspace_bytes is needed (quantized activations, chunk partials)");
     if (nch > 1 && (size_t)nch * (size_t)T * (size_t)n > ((size_t)1 << 40))
@@ -1077,10 +1086,12 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     const int pair = (n % 2 == 0) && (((uintptr_t)y & 3) == 0);
     __nv_bfloat16 *yb = (__nv_bfloat16 *)y;
     const uint8_t *wb = (const uint8_t *)w;
-    /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them */
-    float *part = nch > 1 ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
-    /* fp32 out of one chunk: the kernels' partial store is the output itself */
-    float *direct = out_f32 && nch == 1 ? (float *)y : NULL;
+    /* more than one k-chunk: the kernels store each chunk's fp32 partial, then one pass folds them
+     * (CUDA_MMA_OUT_PARTS: the caller does) */
+    float *part =
+        nch > 1 && !parts ? (float *)((uint8_t *)workspace + (quant && !prequant ? act_bytes(T, k) : 0)) : NULL;
+    /* fp32 out of one chunk, or the partials wanted as they are: the kernels' partial store is the output */
+    float *direct = out_f32 && (nch == 1 || parts) ? (float *)y : NULL;
     /* a pair call takes the prefill tiling only where its seam falls between CTA tiles (any BN) */
     const bool seam_ok = pr.n1 == n || pr.n1 % CUDA_MMA_PAIR_SEAM == 0;
     if (tiling == CUDA_MMA_AUTO && fmt == WF_FP8) {

@@ -1476,9 +1476,13 @@ static void test_dense_mma(void **st) {
     h = hw_bf16(VOCAB_LOCAL, DIM, 0.02f), dense_cases(OP_HEAD, "mma vocab slice [16160,5120]", &h, Ts, 4, 1.0f);
     const int64_t Tv[] = {2, 9};
     h = hw_bf16(VOCAB, DIM, 0.02f), dense_cases(OP_HEAD, "mma whole vocabulary [129280,5120]", &h, Tv, 2, 1.0f);
-    /* 1.2 MB of fp32 a row: 111 rows a block of the 128 MiB workspace, so 250 rows are 3 blocks */
+    /* 300,000 outputs a row of one k-chunk (the accumulator stored as the output, no workspace) */
     const int64_t Tw[] = {250};
-    h = hw_bf16(300000, 32, 0.05f), dense_cases(OP_HEAD, "mma [300000,32] in row blocks", &h, Tw, 1, 1.0f);
+    h = hw_bf16(300000, 32, 0.05f), dense_cases(OP_HEAD, "mma [300000,32] wide rows", &h, Tw, 1, 1.0f);
+    /* two k-chunks' partials, 525 KB a row: 249 rows a block of the 128 MiB workspace, so 260 rows
+     * are two blocks (the prefill's head takes this path: [16160, 5120] at 2,048 rows is five) */
+    const int64_t Tr[] = {260};
+    h = hw_bf16(67200, 1056, 0.05f), dense_cases(OP_HEAD, "mma [67200,1056] in row blocks", &h, Tr, 1, 1.0f);
     static const int64_t odd[][2] = {{37, 96}, {1, 32}, {129, 1056}, {100, 2080}};
     for (int i = 0; i < 4; i++) {
         char nm[64];

@@ -74,6 +74,10 @@ struct hc_bound {
     double pre_c[HCMAX], pre_r[HCMAX], post_c[HCMAX], post_r[HCMAX], comb_c[HC2MAX], comb_r[HC2MAX];
 };
 
+/* hc_mixes on the tensor cores (the mma switch, test_hc_mixes_mma): m's sum bound with
+ * TOL_GPU_HC_MIX_MMA_U_PER_TERM for the GPU where hc·D is a multiple of 32 */
+static bool g_hc_mma;
+
 /* hc_mixes for one token: centers (double) and radii of |gpu − cpu| (tolerances.h, hc_mixes). */
 static void hc_model(const bf16_t *X, int64_t hc, int64_t D, const float *fn, const float *scale, const float *base,
                      int iters, float norm_eps, float hc_eps, struct hc_bound *b) {
@@ -94,7 +98,9 @@ static void hc_model(const bf16_t *X, int64_t hc, int64_t D, const float *fn, co
             A += fabs(p);
         }
         m[j] = acc * r;
-        dm[j] = TOL_GPU_SUM_RTOL_PER_TERM * (double)L * A * r * (1.0 + rho_r) + fabs(m[j]) * (rho_r + 2.0 * U);
+        const double rtol = g_hc_mma && L % 32 == 0 ? (TOL_CPU_SUM_U_PER_TERM + TOL_GPU_HC_MIX_MMA_U_PER_TERM) * U
+                                                    : TOL_GPU_SUM_RTOL_PER_TERM;
+        dm[j] = rtol * (double)L * A * r * (1.0 + rho_r) + fabs(m[j]) * (rho_r + 2.0 * U);
     }
     const double el = (TOL_GPU_LIBM_ULP + TOL_CPU_LIBM_ULP) * 2.0 * U; /* expf, both backends */
     for (int64_t j = 0; j < hc; j++) {
@@ -628,6 +634,77 @@ static void hc_mixes_case(int64_t T, int64_t D, int iters) {
     free(cg);
 }
 
+/* The mixes' dot products on the tensor cores (cuda_mhc.cu, hc_mixes_mma): decode and prefill row
+ * counts (the decode tiling, the 128 x 128 tiling), the same model with the mma sum bound; hc·D not
+ * a multiple of 32 keeps the CUDA-core chains (the CPU's bits, inside the same model) */
+/* hc_prepare's pieces (made once at load) against the split hc_mixes makes itself on every call:
+ * the same pre, post and comb, bit for bit */
+static void hc_prepare_case(int64_t T, int64_t D) {
+    const int64_t hc = HC, L = hc * D, nm = (2 + hc) * hc;
+    char tag[128];
+    snprintf(tag, sizeof tag, "hc_prepare D=%lld T=%lld", (long long)D, (long long)T);
+    seed_tag(tag);
+    bf16_t *X = NEW(bf16_t, T * L);
+    fill_stream(X, T, hc, D);
+    float *fn = NEW(float, nm * L), scale[3] = {0.9f, 0.7f, 1.4f}, base[(2 + HC) * HC];
+    fill_f32(fn, nm * L, 0.0f, (float)(1.0 / sqrt((double)L)) * 2.0f);
+    fill_f32(base, nm, 0.0f, 0.5f);
+    void *dX = g_in(X, (size_t)(T * L) * 2);
+    const float *dsc = g_tensor(scale, sizeof scale, false), *dba = g_tensor(base, (size_t)nm * 4, false);
+    size_t nb[3] = {(size_t)(T * hc) * 4, (size_t)(T * hc) * 4, (size_t)(T * hc * hc) * 4};
+    float *out[2][3];
+    for (int prep = 0; prep < 2; prep++) {
+        const float *dfn = g_tensor(fn, (size_t)(nm * L) * 4, false);
+        if (prep) {
+            if (gpu_state == 1) assert_non_null(GPU->hc_prepare); /* the CPU stand-in has none */
+            if (GPU->hc_prepare) GPU->hc_prepare(&gpu_be, dfn, hc, D);
+        }
+        float *d[3];
+        for (int i = 0; i < 3; i++) d[i] = g_out(nb[i], PZ_32F);
+        GPU->hc_mixes(&gpu_be, d[0], d[1], d[2], dX, T, hc, D, dfn, dsc, dba, 20, 1e-20f, 1e-6f);
+        for (int i = 0; i < 3; i++) {
+            out[prep][i] = xmalloc(nb[i]);
+            g_get(out[prep][i], d[i], nb[i]);
+            g_free(d[i]);
+        }
+        GPU->tensor_release(&gpu_be, dfn);
+    }
+    struct cmp c;
+    cmp_begin(&c, "hc_mixes", "prepared fn = per-call split D=%lld T=%lld", (long long)D, (long long)T);
+    for (int i = 0; i < 3; i++)
+        for (size_t e = 0; e < nb[i] / 4; e++) {
+            uint32_t a, b;
+            memcpy(&a, out[1][i] + e, 4);
+            memcpy(&b, out[0][i] + e, 4);
+            cmp_bits(&c, (long long)e, a, b, out[1][i][e], out[0][i][e]);
+        }
+    cmp_end(&c);
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < 3; i++) free(out[p][i]);
+    g_free(dX);
+    GPU->tensor_release(&gpu_be, dsc);
+    GPU->tensor_release(&gpu_be, dba);
+    free(X);
+    free(fn);
+}
+
+static void test_hc_mixes_mma(void **st) {
+    NEED_GPU(st);
+    mma_switch(true);
+    g_hc_mma = true;
+    const int64_t Ts[] = {1, 8, 17, 100, 300};
+    for (int i = 0; i < 5; i++) hc_mixes_case(Ts[i], DIM, 20);
+    hc_mixes_case(9, 40, 3);  /* L = 160: one short k-chunk */
+    hc_mixes_case(3, 33, 20); /* L = 132: the chains */
+    /* L = 32,768: 32 k-chunks' sums, more than the finish stages in shared memory: it walks them in
+     * global memory */
+    hc_mixes_case(2, 8192, 3);
+    hc_prepare_case(17, DIM);
+    hc_prepare_case(300, DIM);
+    g_hc_mma = false;
+    mma_switch(false);
+}
+
 static void test_hc_mixes(void **st) {
     NEED_GPU(st);
     for (int i = 0; i < NT_REAL; i++) hc_mixes_case(T_REAL[i], DIM, 20);
@@ -930,6 +1007,7 @@ int main(void) {
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant), cmocka_unit_test(test_mma_weight_decode),
         cmocka_unit_test(test_hc_mixes),
+        cmocka_unit_test(test_hc_mixes_mma),
         cmocka_unit_test(test_hc_collapse_expand_init),
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_engram_gather),
