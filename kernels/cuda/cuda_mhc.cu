@@ -317,6 +317,11 @@ __global__ void __launch_bounds__(hc_part_cfg<HC, VEC, R>::THREADS)
         for (int jj = 0; jj < JB; jj++) part[((t0 + r) * NM + jg * JB + jj) * nseg + seg] = acc[jj];
 }
 
+/* hc_mix_finish's staged row stride in shared memory (floats): padded where nseg is a multiple of 4
+ * (the NM folding threads' reads spread over the banks); nseg = 3 (the tensor-core form) reads at
+ * stride 3, conflict-free as it is. The host sizes the staging with it. */
+__host__ __device__ __forceinline__ int hc_ps_ld(int nseg) { return nseg % 4 == 0 ? nseg + 4 : nseg; }
+
 template <int HC, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
@@ -332,9 +337,7 @@ __global__ void __launch_bounds__(THREADS)
     __shared__ __align__(16) float ps[HC_PS_MAX]; /* the row's sums, staged: [nch][NM][nseg + pad] */
     const int64_t t = blockIdx.x, L = HC * D;
     const int tid = threadIdx.x;
-    /* padded where nseg is a multiple of 4 (the NM folding threads' reads spread over the banks);
-     * nseg = 3 (the tensor-core form) reads at stride 3, conflict-free as it is */
-    const int pld = nseg % 4 == 0 ? nseg + 4 : nseg;
+    const int pld = hc_ps_ld(nseg);
     if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
         const int nc = NM * nseg / 4, rc = nseg % 4 == 0 ? nseg / 4 : nc; /* 16-byte pieces a chunk, a row */
         for (int q = tid; q < nch * nc; q += THREADS) {
@@ -433,8 +436,15 @@ __global__ void __launch_bounds__(EW_THREADS)
     o[2 * L] = lo;
 }
 
-static bool hc_mixes_mma_ok(struct backend *be, const bf16_t *X, int64_t L) {
-    return cuda_be_mma(be) && L % 32 == 0 && L <= ((int64_t)1 << 21) && al16(X);
+/* whether the mixes of rows of L = hc·D values take the tensor cores: the mma switch, and a k the
+ * tilings take (hc_prepare splits fn for the same shapes) */
+static bool hc_mma_shape(struct backend *be, int64_t L) {
+    return cuda_be_mma(be) && L % 32 == 0 && L <= ((int64_t)1 << 21);
+}
+
+static void hc_fn_split(cudaStream_t st, uint16_t *w3, const float *fn, int64_t NM, int64_t L) {
+    hc_fn_split_kernel<<<ew_blocks(NM * L, EW_THREADS), EW_THREADS, 0, st>>>(w3, fn, NM, L);
+    KERNEL_CHECK();
 }
 
 /* part [nch, T, NM, 3] f32, each k-chunk's three sums unfolded (hc_mix_finish folds them); the
@@ -446,8 +456,7 @@ static void hc_mixes_mma(struct backend *be, float *part, const bf16_t *X, int64
     uint16_t *own = NULL;
     if (!w3) {
         own = (uint16_t *)cuda_be_scratch_raw(be, (size_t)(3 * NM * L) * 2);
-        hc_fn_split_kernel<<<ew_blocks(NM * L, EW_THREADS), EW_THREADS, 0, st>>>(own, fn, NM, L);
-        KERNEL_CHECK();
+        hc_fn_split(st, own, fn, NM, L);
         w3 = own;
     }
     cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS, WF_BF16, (uint16_t *)part, (const uint16_t *)X, T, w3,
@@ -460,12 +469,11 @@ static void hc_mixes_mma(struct backend *be, float *part, const bf16_t *X, int64
  * Splitting on every call cost ~3 µs a call, 40 calls a step (H100: batch 1 4.21 -> 4.31 ms). */
 void cuda_op_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t D) {
     const int64_t L = hc * D, NM = (2 + hc) * hc;
-    if (!fn || !cuda_be_mma(be) || L % 32 || L > ((int64_t)1 << 21) || cuda_be_prep_derived(be, fn)) return;
+    if (!fn || !hc_mma_shape(be, L) || cuda_be_prep_derived(be, fn)) return;
     void *w3 = NULL;
     CUDA_CHECK(cudaMalloc(&w3, (size_t)(3 * NM * L) * 2));
     cudaStream_t st = cuda_be_stream(be);
-    hc_fn_split_kernel<<<ew_blocks(NM * L, EW_THREADS), EW_THREADS, 0, st>>>((uint16_t *)w3, fn, NM, L);
-    KERNEL_CHECK();
+    hc_fn_split(st, (uint16_t *)w3, fn, NM, L);
     CUDA_CHECK(cudaStreamSynchronize(st));
     if (!cuda_be_prep_set_derived(be, fn, w3)) CUDA_CHECK(cudaFree(w3)); /* fn not a prepared pointer */
 }
@@ -476,7 +484,7 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
                             float norm_eps, float hc_eps) {
     const int64_t L = HC * D, NM = hc_cfg<HC>::NM;
     int nseg = (int)((L + BE_HC_MIX_SEG - 1) / BE_HC_MIX_SEG), nch = 1;
-    const bool mma = hc_mixes_mma_ok(be, X, L);
+    const bool mma = hc_mma_shape(be, L) && al16(X);
     if (mma) nseg = 3, nch = (int)cuda_linear_mma_chunks(L);
     const int64_t cs = nch > 1 ? T * NM * nseg : 0; /* floats between a row's chunks */
     float *part = (float *)cuda_be_scratch_raw(be, (size_t)(nch * T * NM * nseg) * sizeof(float)); /* [nch, T, NM, nseg] */
@@ -487,7 +495,7 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
     else
         hc_mix_part_launch<HC, HC_R>(be, part, X, T, D, fn, nseg);
     /* the sums staged in shared memory by 16-byte copies where they fit and align (as the kernel pads them) */
-    const int pld = nseg % 4 == 0 ? nseg + 4 : nseg;
+    const int pld = hc_ps_ld(nseg);
     const bool staged = (NM * nseg) % 4 == 0 && nch * NM * pld <= HC_PS_MAX && al16(part);
     /* the wide CTA where the Sinkhorn runs on a warp (hc² <= 32); thread 0's C in registers (hc 6, 8)
      * spills under the wide CTA's register cap */
