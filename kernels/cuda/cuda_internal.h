@@ -59,6 +59,12 @@ void cuda_be_set_capturing(struct backend *be, bool on);
 /* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
+/* linear_f32's sums as the tensor-core tilings leave them under the mma switch, unfolded
+ * (CUDA_MMA_OUT_PARTS): parts [nch][T][n] fp32, whose fold in chunk order (mma_fold_chunks) is
+ * linear_f32's y bit for bit. Returns nch, or 0 (nothing written) where linear_f32 would not take
+ * the tensor cores (the switch off, F32 weights, shapes the tilings refuse); parts holds
+ * cuda_linear_mma_chunks(k) · T · n floats. */
+int64_t cuda_linear_f32_parts(struct backend *be, float *parts, const bf16_t *x, int64_t T, const struct qweight *W);
 void cuda_op_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
                             const struct qweight *W);
 void cuda_op_head(struct backend *be, float *logits, const bf16_t *x, int64_t T, const struct qweight *W);

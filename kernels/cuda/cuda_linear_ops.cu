@@ -589,11 +589,14 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
  * the weight and the buffers, never on T. Returns whether it ran. */
 #define DENSE_MMA_WS ((size_t)128 << 20)
 
+static bool dense_mma_ok(struct backend *be, const bf16_t *x, const struct qweight *W) {
+    return cuda_be_mma(be) && W->fmt == WF_BF16 && W->k % 32 == 0 && (W->ld * 2) % 16 == 0 && ((uintptr_t)W->w & 15) == 0 &&
+           ((uintptr_t)x & 15) == 0 && W->k <= ((int64_t)1 << 21);
+}
+
 static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x, int64_t T, const struct qweight *W) {
     const int64_t n = W->n, k = W->k;
-    if (!cuda_be_mma(be) || W->fmt != WF_BF16 || k % 32 || (W->ld * 2) % 16 || ((uintptr_t)W->w & 15) ||
-        ((uintptr_t)x & 15) || k > ((int64_t)1 << 21))
-        return false;
+    if (!dense_mma_ok(be, x, W)) return false;
     const size_t per_row = cuda_linear_mma_bf16_workspace_bytes(1, n, k);
     int64_t rb = per_row ? (int64_t)(DENSE_MMA_WS / per_row) : T;
     rb = rb < 1 ? 1 : rb > T ? T : rb;
@@ -608,6 +611,13 @@ static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x
     }
     if (ws) cuda_be_scratch_free(be, ws);
     return true;
+}
+
+int64_t cuda_linear_f32_parts(struct backend *be, float *parts, const bf16_t *x, int64_t T, const struct qweight *W) {
+    if (T <= 0 || W->n <= 0 || !dense_mma_ok(be, x, W)) return 0;
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS, WF_BF16, (uint16_t *)parts, x, T, W->w, NULL, W->n, W->k,
+                           W->ld, 0, NULL, (void *)cuda_be_stream(be));
+    return cuda_linear_mma_chunks(W->k);
 }
 
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {

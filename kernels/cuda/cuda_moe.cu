@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
  * bench_step decode ms, three runs alternated, batch 1 4.39 4.38 4.39 -> 4.28 4.35 4.35, batch 8
  * and 64 unchanged (6.81 6.81 6.84 -> 6.80 6.86 6.80, 14.85 14.84 14.91 -> 14.85 14.99 14.84). */
 __global__ void __launch_bounds__(RR_MAX_E)
-    router_rank_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z,
-                       const float *__restrict__ bias, int E, int k, float temp, int norm, float route_scale) {
+    router_rank_kernel(int32_t *__restrict__ idx, float *__restrict__ wts, const float *__restrict__ z, int nch,
+                       int64_t cs, const float *__restrict__ bias, int E, int k, float temp, int norm, float route_scale) {
     __shared__ float s[RR_MAX_E], v[RR_MAX_E]; /* [E] the scores, s + bias */
     __shared__ float2 cand[RR_MAX_E];         /* [warps][k] (v, id as int bits); id -1: no candidate */
     __shared__ float wsel[RR_MAX_K];          /* [k] the chosen scores */
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(RR_MAX_E)
     const bool live = e < E;
     float vv = 0.0f;
     if (live) {
-        const float sv = rt_score(z[t * E + e], temp);
+        const float sv = rt_score(mma_fold_chunks(z + t * E + e, cs, nch), temp);
         vv = bias ? __fadd_rn(sv, bias[e]) : sv;
         s[e] = sv;
         v[e] = vv;
@@ -323,21 +323,31 @@ __global__ void __launch_bounds__(RR_MAX_E)
     if (e < k) wts[t * k + e] = rt_weight(wsel, e, k, norm, route_scale);
 }
 
-/* The selection from gate logits z [T, E] fp32 (device) by the given form (cuda_router.h). */
-static void router_select_launch(int form, int32_t *idx, float *wts, const float *z, const float *bias, int64_t T,
-                                 int64_t E, int64_t k, float temp, bool norm, float route_scale, int sms,
+/* Which form CUDA_ROUTER_AUTO takes: ranks while a token a CTA leaves the GPU CTAs to spare (a
+ * decode step); above, the serial kernel's 4 tokens a CTA (a 2K-token prefill's 20 calls: 455 µs,
+ * against 595 as ranks). */
+static bool router_rank_ok(int64_t T, int64_t E, int64_t k) { return E <= RR_MAX_E && k <= RR_MAX_K && T <= 0x7fffffff; }
+static int router_auto_form(int64_t T, int64_t E, int64_t k, int sms) {
+    return router_rank_ok(T, E, k) && T <= 2 * (int64_t)sms ? CUDA_ROUTER_RANK : CUDA_ROUTER_SERIAL;
+}
+
+/* The selection from gate logits z [T, E] fp32 (device) by the given form (cuda_router.h); with
+ * nch > 1 (the rank form only) z is the gate's unfolded k-chunks [nch][T][E] (CUDA_MMA_OUT_PARTS),
+ * which the rank kernel folds as the gate's own chunk fold would: its logits, bit for bit. */
+static void router_select_launch(int form, int32_t *idx, float *wts, const float *z, int nch, const float *bias,
+                                 int64_t T, int64_t E, int64_t k, float temp, bool norm, float route_scale, int sms,
                                  cudaStream_t st) {
     if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
-    const bool rank_ok = E <= RR_MAX_E && k <= RR_MAX_K && T <= 0x7fffffff;
-    /* ranks while a token a CTA leaves the GPU CTAs to spare (a decode step); above, the serial
-     * kernel's 4 tokens a CTA (a 2K-token prefill's 20 calls: 455 µs, against 595 as ranks) */
-    if (form == CUDA_ROUTER_AUTO) form = rank_ok && T <= 2 * (int64_t)sms ? CUDA_ROUTER_RANK : CUDA_ROUTER_SERIAL;
+    if (form == CUDA_ROUTER_AUTO) form = router_auto_form(T, E, k, sms);
+    if (nch > 1 && form != CUDA_ROUTER_RANK)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unfolded gate sums go to the rank form only");
     if (form == CUDA_ROUTER_RANK) {
-        if (!rank_ok)
+        if (!router_rank_ok(T, E, k))
             ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "the rank form takes <= 1024 experts, top <= 32");
-        router_rank_kernel<<<(unsigned)T, (unsigned)((E + 31) / 32 * 32), 0, st>>>(idx, wts, z, bias, (int)E, (int)k, temp,
-                                                                                 norm ? 1 : 0, route_scale);
+        router_rank_kernel<<<(unsigned)T, (unsigned)((E + 31) / 32 * 32), 0, st>>>(idx, wts, z, nch < 1 ? 1 : nch, T * E,
+                                                                                 bias, (int)E, (int)k, temp, norm ? 1 : 0,
+                                                                                 route_scale);
     } else {
         size_t smem = sizeof(float) * (size_t)RT_WARPS * (size_t)(2 * E + RT_MAX_K);
         if (smem > 48 * 1024)
@@ -359,7 +369,7 @@ extern "C" void cuda_router_select(int form, int32_t *idx, float *wts, const flo
     int dev = 0, sms = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    router_select_launch(form, idx, wts, z, bias, T, E, k, temp, norm != 0, route_scale, sms, (cudaStream_t)stream);
+    router_select_launch(form, idx, wts, z, 1, bias, T, E, k, temp, norm != 0, route_scale, sms, (cudaStream_t)stream);
 }
 
 void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
@@ -369,9 +379,17 @@ void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *
     if (T <= 0) return;
     if (k < 1 || k > E || k > RT_MAX_K || E > RT_MAX_E)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda router", "unsupported top-k / expert count");
-    float *z = (float *)cuda_be_scratch_raw(be, sizeof(float) * (size_t)(T * E)); /* [T, E] gate logits */
-    cuda_op_linear_f32(be, z, x, T, gate); /* fp32, BE_DOT_SEG segments: the CPU's linear_f32 */
-    router_select_launch(CUDA_ROUTER_AUTO, idx, wts, z, bias, T, E, k, temp, norm, route_scale, cuda_be_sms(be),
+    const int form = router_auto_form(T, E, k, cuda_be_sms(be));
+    /* the rank form folds the gate's tensor-core k-chunks itself: one launch (the chunk fold) fewer
+     * on the routed experts' critical path of a decode step */
+    const int64_t nch = form == CUDA_ROUTER_RANK && cuda_be_mma(be) ? cuda_linear_mma_chunks(gate->k) : 1;
+    float *z = (float *)cuda_be_scratch_raw(be, sizeof(float) * (size_t)(nch * T * E)); /* [nch][T, E] gate logits */
+    int64_t got = nch > 1 ? cuda_linear_f32_parts(be, z, x, T, gate) : 0;
+    if (!got) {
+        cuda_op_linear_f32(be, z, x, T, gate); /* fp32, BE_DOT_SEG segments: the CPU's linear_f32 */
+        got = 1;
+    }
+    router_select_launch(form, idx, wts, z, (int)got, bias, T, E, k, temp, norm, route_scale, cuda_be_sms(be),
                          cuda_be_stream(be));
     cuda_be_scratch_free(be, z);
 }
@@ -827,20 +845,27 @@ __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__re
  * linears (cuda_linear_mma_act_quant of bf16 h): the bits of moe_swiglu_kernel followed by w2's own
  * act quant, one pass instead of two; 2 values per thread (mma_quant2: a quarter of the chain of 8,
  * whose SwiGLUs made the call 7.24 µs at batch 1 on the H200, Nsight; 3.50 with 2). I a multiple
- * of 32; hq [T, I]. */
-__global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *__restrict__ g,
-                                                               const uint16_t *__restrict__ u, __nv_bfloat16 *__restrict__ hq,
-                                                               int64_t T, int64_t I2, int64_t ld2, float limit) {
-    /* grid y strides over the T token rows; g and u rows ld2 32-bit words apart (I2 = I / 2 pairs a row) */
+ * of 32; hq [T, I]. g and u are w1's and w3's outputs as their linears leave them unfolded
+ * (CUDA_MMA_OUT_PARTS: fp32, nch k-chunks cs pairs apart), and each is first folded and rounded to
+ * bf16 as their chunk fold would (mma_fold_chunks, bf16_rn): the g and u the folded calls give,
+ * without the fold's launch and its bf16 [T, 2I] round trip. */
+__global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const float2 *__restrict__ g, const float2 *__restrict__ u,
+                                                               __nv_bfloat16 *__restrict__ hq, int64_t T, int64_t I2,
+                                                               int64_t ld2, int nch, int64_t cs, float limit) {
+    /* grid y strides over the T token rows; g and u rows ld2 pairs apart (I2 = I / 2 pairs a row) */
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const bool ok = j < I2; /* a 32-group is all in or all out: every lane takes part in the shuffles */
+    const float *const gf = reinterpret_cast<const float *>(g), *const uf = reinterpret_cast<const float *>(u);
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-        const int64_t i = t * I2 + j, o = t * ld2 + j;
-        uint32_t wg = 0, wu = 0;
-        if (ok) wg = __ldg(reinterpret_cast<const uint32_t *>(g) + o), wu = __ldg(reinterpret_cast<const uint32_t *>(u) + o);
-        const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)wg), ds_bf16f((uint16_t)wu), limit, false, 0.0f)));
-        const float v1 =
-            ds_bf16f(ds_bf16_rne(mo_swiglu(ds_bf16f((uint16_t)(wg >> 16)), ds_bf16f((uint16_t)(wu >> 16)), limit, false, 0.0f)));
+        const int64_t i = t * I2 + j, o = 2 * (t * ld2 + j);
+        float g0 = 0.0f, g1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
+        if (ok) {
+            g0 = mma_fold_chunks(gf + o, 2 * cs, nch), g1 = mma_fold_chunks(gf + o + 1, 2 * cs, nch);
+            u0 = mma_fold_chunks(uf + o, 2 * cs, nch), u1 = mma_fold_chunks(uf + o + 1, 2 * cs, nch);
+        }
+        auto bf = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); }; /* the fold's rounding */
+        const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g0), bf(u0), limit, false, 0.0f)));
+        const float v1 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g1), bf(u1), limit, false, 0.0f)));
         const uint32_t w = mma_quant2(v0, v1);
         if (ok) mma_store_perm2(reinterpret_cast<uint32_t *>(hq) + (i >> 4) * 16, (int)(i & 15), w);
     }
@@ -848,11 +873,12 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const uint16_t *_
 
 static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
 
-/* Tensor-core shared expert: x quantized once for w1 and w3, SwiGLU fused with w2's act quant —
- * two launches fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. Up to
+/* Tensor-core shared expert: x quantized once for w1 and w3, their chunk fold and SwiGLU fused
+ * with w2's act quant (moe_swiglu_quant_kernel reads their unfolded partials) — three launches
+ * fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. Up to
  * CUDA_MMA_DECODE_AUTO_T rows, and up to CUDA_MMA_NARROW_MAX_T where I % CUDA_MMA_PAIR_SEAM == 0
  * (the seam the prefill tiles need; V4.1's I = 2,304), w1 and w3 go in one launch (cuda_linear_mma_pair: g and u
- * side by side in a [T, 2I] row, one chunk fold; from 32 rows one grid of 64 x 64 or 128 x 64
+ * side by side in a [T, 2I] row; from 32 rows one grid of 64 x 64 or 128 x 64
  * tiles; in prefill chunks, two calls measured faster: linear_mma_sm80.cu's fp8_tile), where at a
  * handful of rows each was a memory latency and a launch of its own on the step's branch beside
  * the routed experts (at batch 1 the longer of the two: mixes + shared expert 52.9 µs of kernel time
@@ -862,33 +888,37 @@ static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
  * 10.66 10.81. */
 static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                               const struct qweight *w3, const struct qweight *w2, float limit) {
-    const int64_t I = w1->n, D = w1->k, Do = w2->n;
+    const int64_t I = w1->n, D = w1->k, Do = w2->n, nch = cuda_linear_mma_chunks(D);
     cudaStream_t st = cuda_be_stream(be);
     const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
-    /* partials of any of the calls: w1 and w3 as a pair (2I rows) or alone, w2 */
-    const size_t wsb = cuda_linear_mma_workspace_bytes(T, 2 * I > Do ? 2 * I : Do, D > I ? D : I);
-    const size_t gi = ((size_t)(T * I) + 7) & ~(size_t)7; /* elements of g and of u, 16-byte multiples */
-    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + 2 * gi * sizeof(uint16_t) + wsb);
+    /* g's and u's partials [nch][T][2I] fp32 (two calls: g's [nch][T][I], then u's), then w2's
+     * workspace in the same bytes (stream order: the SwiGLU has read the partials by then) */
+    const size_t pb = (size_t)nch * (size_t)(T * 2 * I) * sizeof(float), w2b = cuda_linear_mma_workspace_bytes(T, Do, I);
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, xqb + hqb + (pb > w2b ? pb : w2b));
     uint16_t *xq = (uint16_t *)buf, *hq = (uint16_t *)(buf + xqb);
-    uint16_t *g = (uint16_t *)(buf + xqb + hqb), *u = g + gi;
-    void *ws = u + gi;
+    float *gp = (float *)(buf + xqb + hqb), *up; /* [nch][T][*] fp32 */
+    void *ws = gp;
     cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
     /* (I % 32 == 0, which the pair's seam needs, is this path's own condition) */
     const bool pair = (T <= CUDA_MMA_DECODE_AUTO_T || (T <= CUDA_MMA_NARROW_MAX_T && I % CUDA_MMA_PAIR_SEAM == 0)) &&
                       w1->fmt == w3->fmt && w1->ld == w3->ld && w1->s_ld == w3->s_ld;
-    int64_t ld2 = I / 2; /* g and u rows, in 32-bit words */
-    if (pair) { /* g [T, 2I] with u the second half of each row */
-        cuda_linear_mma_pair(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, w3->w, w3->s, I, D, w1->ld, w1->s_ld, ws, st);
-        u = g + I;
+    int64_t ld2 = I / 2; /* g and u rows, in pairs of outputs */
+    if (pair) { /* g [nch][T][2I] with u the second half of each row */
+        cuda_linear_mma_pair(tl | CUDA_MMA_OUT_PARTS, (int)w1->fmt, (uint16_t *)gp, xq, T, w1->w, w1->s, I, w3->w, w3->s, I,
+                             D, w1->ld, w1->s_ld, NULL, st);
+        up = gp + I;
         ld2 = I;
     } else {
-        cuda_linear_mma_tiling(tl, (int)w1->fmt, g, xq, T, w1->w, w1->s, I, D, w1->ld, w1->s_ld, ws, st);
-        cuda_linear_mma_tiling(tl, (int)w3->fmt, u, xq, T, w3->w, w3->s, I, D, w3->ld, w3->s_ld, ws, st);
+        up = gp + nch * T * I;
+        cuda_linear_mma_tiling(tl | CUDA_MMA_OUT_PARTS, (int)w1->fmt, (uint16_t *)gp, xq, T, w1->w, w1->s, I, D, w1->ld,
+                               w1->s_ld, NULL, st);
+        cuda_linear_mma_tiling(tl | CUDA_MMA_OUT_PARTS, (int)w3->fmt, (uint16_t *)up, xq, T, w3->w, w3->s, I, D, w3->ld,
+                               w3->s_ld, NULL, st);
     }
     const int64_t I2 = I / 2;
     moe_swiglu_quant_kernel<<<dim3((unsigned)((I2 + 255) / 256), (unsigned)(T < 65535 ? T : 65535)), 256, 0, st>>>(
-        g, u, (__nv_bfloat16 *)hq, T, I2, ld2, limit);
+        (const float2 *)gp, (const float2 *)up, (__nv_bfloat16 *)hq, T, I2, ld2, (int)nch, T * ld2, limit);
     KERNEL_CHECK();
     cuda_linear_mma_tiling(tl, (int)w2->fmt, y, hq, T, w2->w, w2->s, Do, I, w2->ld, w2->s_ld, ws, st);
     cuda_be_scratch_free(be, buf);

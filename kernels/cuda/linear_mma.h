@@ -72,9 +72,12 @@ enum {
  * (the head's logits): one chunk's accumulator is stored as it is, more are folded in chunk order
  * as for bf16 outputs, without the final rounding to bf16. */
 #define CUDA_MMA_OUT_F32 0x200
-/* OR'ed into `tiling` (BF16 only, not the pair call): y is fp32 [nch][T][n], each k-chunk's
+/* OR'ed into `tiling` (any format, the pair call too): y is fp32 [nch][T][n], each k-chunk's
  * accumulator as it is, unfolded (nch = cuda_linear_mma_chunks(k)), for a caller that folds them
- * into its own sums (the mHC mixes: one launch fewer); no workspace is needed. */
+ * into its own pass (the mHC mixes, the router's selection, the shared expert's SwiGLU: one launch
+ * fewer each); the fold y = ((y_0 + y_1) + y_2) + ... in fp32, then bf16_rn for a bf16 output,
+ * gives the bits of the call without the flag. The workspace then holds only FP8/FP4's quantized
+ * activations (none with CUDA_MMA_PREQUANT or BF16: it may be NULL). */
 #define CUDA_MMA_OUT_PARTS 0x400
 /* the number of k-chunks (1,024 values each, the last one shorter) a call of this k sums */
 int64_t cuda_linear_mma_chunks(int64_t k);

@@ -1041,9 +1041,8 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     const bool prequant = (tiling & CUDA_MMA_PREQUANT) != 0, parts = (tiling & CUDA_MMA_OUT_PARTS) != 0;
     const bool out_f32 = parts || (tiling & CUDA_MMA_OUT_F32) != 0;
     tiling &= ~(CUDA_MMA_PREQUANT | CUDA_MMA_OUT_F32 | CUDA_MMA_OUT_PARTS);
-    if (out_f32 && (fmt != WF_BF16 || pr.n1 < n))
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
-                 "CUDA_MMA_OUT_F32 and CUDA_MMA_OUT_PARTS are for one BF16 weight");
+    if (out_f32 && !parts && (fmt != WF_BF16 || pr.n1 < n))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "CUDA_MMA_OUT_F32 is for one BF16 weight");
     /* a forced FP8 decode form: 1, 2 or 4 m16 tiles a CTA (0: the call's own choice) */
     const int form =
         tiling >= CUDA_MMA_DECODE_MT1 && tiling <= CUDA_MMA_DECODE_MT4 ? 1 << (tiling - CUDA_MMA_DECODE_MT1) : 0;
@@ -1114,24 +1113,24 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         } else if (fmt == WF_FP8) {
             /* m16 tiles a CTA: the forced form, else by T (up to 8 rows the split kernel) */
             const int mt = form ? form : T <= MMA_MT1_T ? 1 : T <= MMA_MT2_T ? 2 : 4;
-            if (!form && T <= 8) launch_decode_split(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (mt == 1) launch_decode<K_FP8, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (mt == 2) launch_decode<K_FP8, 16, 2>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else launch_decode<K_FP8, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            if (!form && T <= 8) launch_decode_split(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (mt == 1) launch_decode<K_FP8, 16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (mt == 2) launch_decode<K_FP8, 16, 2>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_FP8, 16, 4>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         } else {
-            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else launch_decode<K_FP4, 16, 4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            if (T <= 8) launch_decode<K_FP4, 8>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (T <= 16) launch_decode<K_FP4, 16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch_decode<K_FP4, 16, 4>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
         }
     } else {
         switch (fmt) {
         case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
         case WF_FP8:
-            if (ptile == FT_128x64) launch<K_FP8, cfg_fp8_n64>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else if (ptile == FT_64x64) launch<K_FP8, cfg_fp8_m64n64>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
-            else launch<K_FP8, cfg_fp8>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            if (ptile == FT_128x64) launch<K_FP8, cfg_fp8_n64>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else if (ptile == FT_64x64) launch<K_FP8, cfg_fp8_m64n64>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch<K_FP8, cfg_fp8>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             break;
-        default: launch<K_FP4, cfg_fp4>(st, yb, part, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
+        default: launch<K_FP4, cfg_fp4>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
         }
     }
     KERNEL_CHECK();

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/fp4_layout.h"
+#include "cuda/cuda_router.h"
 #include "cuda/linear_mma.h"
 #endif
 
@@ -939,6 +940,57 @@ static void router_case(const char *name, int64_t T, int64_t E, int64_t D, int64
     hw_free(&gate);
 }
 
+/* Under the mma switch the router op folds its gate's tensor-core k-chunks inside the rank
+ * selection (no chunk-fold launch): its ids and weights must be, bit for bit, those of the gate
+ * alone (linear_f32, whose chunk fold is the tilings') followed by the rank selection. T = 200 is
+ * still the rank form's (up to twice the SMs), on the 128 x 128 gate tiling. */
+static void router_fused_case(int64_t T) {
+    const int64_t E = N_EXPERTS, D = DIM, k = TOPK;
+    char tag[160];
+    snprintf(tag, sizeof tag, "router fused gate T=%lld", (long long)T);
+    seed_tag(tag);
+    struct hw gate = hw_bf16(E, D, 0.02f);
+    float *bias = NEW(float, E);
+    fill_f32(bias, E, 0.0f, 0.3f);
+    bf16_t *x = NEW(bf16_t, T * D);
+    fill_act(x, T * D, 1.0f);
+    struct qweight gg = g_weight(&gate.q, false);
+    const void *db = g_tensor(bias, (size_t)E * 4, false);
+    void *dx = g_in(x, (size_t)(T * D) * 2), *dz = g_out((size_t)(T * E) * 4, PZ_32F);
+    void *di[2] = {g_out((size_t)(T * k) * 4, PZ_32I), g_out((size_t)(T * k) * 4, PZ_32I)};
+    void *dw[2] = {g_out((size_t)(T * k) * 4, PZ_32F), g_out((size_t)(T * k) * 4, PZ_32F)};
+    GPU->router(&gpu_be, di[0], dw[0], dx, T, &gg, db, k, 1.0f, true, 1.5f);
+    GPU->linear_f32(&gpu_be, dz, dx, T, &gg);
+    cuda_router_select(CUDA_ROUTER_RANK, di[1], dw[1], dz, db, T, E, k, 1.0f, 1, 1.5f, backend_cuda_stream(&gpu_be));
+    int32_t *ih[2] = {NEW(int32_t, T * k), NEW(int32_t, T * k)};
+    float *wh[2] = {NEW(float, T * k), NEW(float, T * k)};
+    for (int i = 0; i < 2; i++) {
+        g_get(ih[i], di[i], (size_t)(T * k) * 4);
+        g_get(wh[i], dw[i], (size_t)(T * k) * 4);
+    }
+    struct cmp c;
+    cmp_begin(&c, "router", "fused gate fold = linear_f32 + rank selection T=%lld", (long long)T);
+    for (int64_t i = 0; i < T * k; i++)
+        if (ih[0][i] != ih[1][i])
+            cmp_fail(&c, "row %lld slot %lld: expert %d, composition %d", (long long)(i / k), (long long)(i % k), ih[0][i],
+                     ih[1][i]);
+    cmp_f32_exact(&c, wh[0], wh[1], T * k);
+    cmp_end(&c);
+    for (int i = 0; i < 2; i++) {
+        g_free(di[i]);
+        g_free(dw[i]);
+        free(ih[i]);
+        free(wh[i]);
+    }
+    g_free(dx);
+    g_free(dz);
+    GPU->tensor_release(&gpu_be, db);
+    GPU->weight_release(&gpu_be, &gg);
+    hw_free(&gate);
+    free(bias);
+    free(x);
+}
+
 static void test_router(void **st) {
     NEED_GPU(st);
     const int64_t Ts[] = {1, 8, 17, 64};
@@ -948,6 +1000,9 @@ static void test_router(void **st) {
     mma_switch(true);
     const int64_t Tm[] = {1, 64, 300};
     for (int i = 0; i < 3; i++) router_case("mma 384 experts top-6 (+bias, norm, x1.5)", Tm[i], N_EXPERTS, DIM, TOPK, 1.0f, true, 1.5f);
+    const int64_t Tf[] = {1, 8, 200};
+    if (gpu_state == 1) /* the selection kernel is called directly: not on the CPU stand-in */
+        for (int i = 0; i < 3; i++) router_fused_case(Tf[i]);
     mma_switch(false);
     router_case("DSpark 128 experts top-3", 8, 128, DIM, 3, 1.0f, true, 1.5f);
     router_case("odd 37 experts top-1 temp 2", 17, 37, 100, 1, 2.0f, true, 1.0f);
@@ -1234,6 +1289,14 @@ static void test_shared_expert(void **st) {
     for (int i = 0; i < NT_REAL; i++) shared_expert_case("FP8 [2304,5120]", T_REAL[i], DIM, MOE_INTER, 10.0f);
     shared_expert_case("odd [64,96] limit 0.5", 17, 96, 64, 0.5f);
     shared_expert_case("odd [32,160] no limit", 3, 160, 32, 0.0f);
+    /* the tensor-core form (w1 and w3 unfolded into the SwiGLU): one pair launch up to 512 rows,
+     * two calls above; the bits are held to the routed experts' in test_moe_experts_mma */
+    mma_switch(true);
+    const int64_t Tm[] = {1, 64, 600};
+    for (int i = 0; i < 3; i++) shared_expert_case("mma FP8 [2304,5120]", Tm[i], DIM, MOE_INTER, 10.0f);
+    shared_expert_case("mma odd [64,96] limit 0.5", 17, 96, 64, 0.5f);
+    shared_expert_case("mma odd [128,1088] two k-chunks", 40, 1088, 128, 10.0f);
+    mma_switch(false);
 }
 
 /* =============================================================================================
