@@ -97,6 +97,21 @@ struct norm_post {
     enum norm_qdq qdq;
 };
 
+/* What linear_post applies to the linear's bf16 output rows [T, n] (n = W->n), each step with its
+ * own op's bits — a projection and the norm or RoPE after it as one op, so that a backend can run
+ * the second in the pass that finishes the first (the CUDA backend folds the tensor-core linears'
+ * k-chunks there, where the fold was a launch of its own):
+ *  - norm_w given: the rmsnorm op over rows of n (norm_w, eps) with `post` (struct norm_post);
+ *  - norm_w NULL: RoPE on [post.off, post.off + post.rd) of each of a row's n / head heads (the
+ *    rope op with nh = n / head, ld_row = n, ld_head = head, forward; rd = 0: none), then the QDQ
+ *    post.qdq of the T·n values. */
+struct linear_post {
+    const bf16_t *norm_w;
+    float eps;
+    int64_t head;
+    struct norm_post post;
+};
+
 struct backend_ops {
     const char *name;
 
@@ -143,6 +158,10 @@ struct backend_ops {
      * quantization.
      * F32 W: not allowed here (use linear_f32). */
     void (*linear)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
+    /* Optional (NULL: be_linear_post runs linear, then the steps' ops): y = linear(x, W), then lp's
+     * steps (struct linear_post), with the bits of those ops in turn. y must not alias x. */
+    void (*linear_post)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
+                        const struct linear_post *lp);
     /* y[T,n] fp32 = x[T,k] · Wᵀ in fp32 (x given as bf16 and widened exactly, W BF16 widened or F32):
      * the gate (router) and the ratio-2 compressor, which the reference runs in fp32. The sum in
      * BE_DOT_SEG segments. */
@@ -352,6 +371,32 @@ struct backend {
     const struct backend_ops *ops;
     void *priv;
 };
+
+/* linear_post as its ops in turn: linear, then rmsnorm (with lp->post where it asks for anything),
+ * or rope and the QDQ. What a backend without the fused op runs, and the bits one with it must give. */
+static inline void be_linear_post_composed(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T,
+                                           const struct qweight *W, const struct linear_post *lp) {
+    const struct backend_ops *o = be->ops;
+    const struct norm_post *p = &lp->post;
+    const int64_t n = W->n;
+    o->linear(be, y, x, T, W);
+    if (lp->norm_w) {
+        o->rmsnorm(be, y, y, lp->norm_w, T, n, lp->eps, p->rd > 0 || p->qdq != NORM_QDQ_NONE ? p : NULL);
+        return;
+    }
+    if (p->rd > 0) o->rope(be, y, T, n / lp->head, n, lp->head, p->off, p->rd, p->pos, p->freqs, false);
+    if (p->qdq == NORM_QDQ_FP8_32) o->qdq_fp8_32(be, y, T * n);
+    if (p->qdq == NORM_QDQ_FP4_32) o->qdq_fp4_32(be, y, T * n);
+}
+
+/* The linear_post op where the backend has one, else its ops in turn (the model's entry point). */
+static inline void be_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
+                                  const struct linear_post *lp) {
+    if (be->ops->linear_post)
+        be->ops->linear_post(be, y, x, T, W, lp);
+    else
+        be_linear_post_composed(be, y, x, T, W, lp);
+}
 
 /* The CPU reference backend (always built). */
 int backend_cpu_init(struct backend *be);

@@ -31,6 +31,7 @@ struct prof {
 
 enum prof_op {
     PROF_LINEAR,
+    PROF_LINEAR_POST,
     PROF_LINEAR_F32,
     PROF_GROUPED_LINEAR,
     PROF_HEAD,
@@ -71,7 +72,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -165,6 +166,13 @@ static void prof_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t 
     double t0 = prof_begin(be);
     PR(be)->inner->ops->linear(PR(be)->inner, y, x, T, W);
     prof_end(be, PROF_LINEAR, t0);
+}
+/* the inner backend's fused op, or its ops in turn (be_linear_post), charged as one */
+static void prof_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
+                             const struct linear_post *lp) {
+    double t0 = prof_begin(be);
+    be_linear_post(PR(be)->inner, y, x, T, W, lp);
+    prof_end(be, PROF_LINEAR_POST, t0);
 }
 static void prof_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     double t0 = prof_begin(be);
@@ -331,6 +339,7 @@ static const struct backend_ops prof_ops = {
     .tensor_prepare = prof_tensor_prepare,
     .tensor_release = prof_tensor_release,
     .linear = prof_linear,
+    .linear_post = prof_linear_post,
     .linear_f32 = prof_linear_f32,
     .grouped_linear = prof_grouped_linear,
     .head = prof_head,

@@ -123,9 +123,9 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     struct layer_cache *lc = &m->lc[l];
     int64_t id = c->index_head_dim, rd = c->rope_dim, n = em->n;
     bf16_t *k = model_tmp(m, (size_t)n * id * 2);
-    OPS->linear(m->be, k, lat, n, &aw->idx_wk);
-    const struct norm_post kpost = {id - rd, rd, lpos, m->freqs[l], NORM_QDQ_FP4_32}; /* then rope, qdq */
-    OPS->rmsnorm(m->be, k, k, aw->idx_k_norm, n, id, (float)c->norm_eps, &kpost);
+    /* the norm, then rope, qdq */
+    const struct linear_post kpost = {aw->idx_k_norm, (float)c->norm_eps, id, {id - rd, rd, lpos, m->freqs[l], NORM_QDQ_FP4_32}};
+    be_linear_post(m->be, k, lat, n, &aw->idx_wk, &kpost);
     struct seg_list sl = {0};
     for (int64_t i = 0; i < n; i++) {
         int slot = b->seqs[em->chunk[i]].slot;
@@ -177,9 +177,8 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
 
     bf16_t *iq = model_tmp(m, (size_t)T * ihl * id * 2);
     bf16_t *wr = model_tmp(m, (size_t)T * ihl * 2);
-    OPS->linear(m->be, iq, qr, T, &aw->idx_wq_b);
-    OPS->rope(m->be, iq, T, ihl, ihl * id, id, id - rd, rd, b->pos, m->freqs[l], false);
-    OPS->qdq_fp4_32(m->be, iq, T * ihl * id);
+    const struct linear_post qpost = {NULL, 0.0f, id, {id - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP4_32}}; /* rope, qdq */
+    be_linear_post(m->be, iq, qr, T, &aw->idx_wq_b, &qpost);
     OPS->linear(m->be, wr, x, T, &aw->idx_weights_proj);
     /* the reference scales the projected weights by index_head_dim^-0.5 · n_heads^-0.5 (all heads) */
     float w_scale = (float)(pow((double)id, -0.5) * pow((double)c->index_n_heads, -0.5));
@@ -263,20 +262,19 @@ void attention_project_kv(struct model *m, int l, struct batch *b, const bf16_t 
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim;
     bf16_t *kv = attention_kv_rows(m);
-    OPS->linear(m->be, kv, x, T, &aw->wkv);
-    const struct norm_post kvpost = {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP8_32}; /* then rope, qdq */
-    OPS->rmsnorm(m->be, kv, kv, aw->kv_norm, T, hd, (float)c->norm_eps, &kvpost);
+    /* the norm, then rope, qdq */
+    const struct linear_post kvpost = {aw->kv_norm, (float)c->norm_eps, hd, {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP8_32}};
+    be_linear_post(m->be, kv, x, T, &aw->wkv, &kvpost);
 }
 
 void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, ql = c->q_lora_rank;
-    int64_t Hl = aw->wq_b.n / hd;
-    OPS->linear(m->be, qr, x, T, &aw->wq_a);
-    OPS->rmsnorm(m->be, qr, qr, aw->q_norm, T, ql, (float)c->norm_eps, NULL);
-    OPS->linear(m->be, q, qr, T, &aw->wq_b);
-    OPS->rope(m->be, q, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], false);
+    const struct linear_post qnorm = {aw->q_norm, (float)c->norm_eps, ql, {0, 0, NULL, NULL, NORM_QDQ_NONE}};
+    be_linear_post(m->be, qr, x, T, &aw->wq_a, &qnorm);
+    const struct linear_post qrope = {NULL, 0.0f, hd, {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_NONE}};
+    be_linear_post(m->be, q, qr, T, &aw->wq_b, &qrope);
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,

@@ -694,6 +694,7 @@ static const struct backend_ops cuda_ops = {
     .tensor_prepare = cu_tensor_prepare,
     .tensor_release = cu_tensor_release,
     .linear = cuda_op_linear,
+    .linear_post = cuda_op_linear_post,
     .linear_f32 = cuda_op_linear_f32,
     .grouped_linear = cuda_op_grouped_linear,
     .head = cuda_op_head,

@@ -51,6 +51,17 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+/* The tensor-core linears' k-chunk fold (mma_chunk_sum_kernel, linear_mma_sm80.cu), for the
+ * kernels that take their unfolded partials (CUDA_MMA_OUT_PARTS) instead of a fold launch: an
+ * output's p[c·cs], c < nch, the first as it is, then each next in chunk order; and the fold's
+ * rounding to a bf16 output (the intrinsic's RNE, with its NaN pattern, as the fold stores it). */
+__device__ __forceinline__ float mma_fold_chunks(const float *__restrict__ p, int64_t cs, int nch) {
+    float v = p[0];
+    for (int c = 1; c < nch; c++) v = __fadd_rn(v, p[(int64_t)c * cs]);
+    return v;
+}
+__device__ __forceinline__ uint16_t mma_fold_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
 /* e8m0 byte -> 2^(b-127); 255 = NaN; 0 = 2^-127 (subnormal). */
 __device__ __forceinline__ float ds_e8m0(uint8_t b) {
     if (b == 255) return __int_as_float(0x7fc00000);

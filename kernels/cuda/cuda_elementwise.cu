@@ -330,28 +330,55 @@ static void qdq_launch(struct backend *be, bf16_t *x, int64_t n, int64_t block, 
  * them (a pair never straddles a thread's 8 values: off is even), then the QDQ of each 32-group,
  * which is 4 consecutive lanes of 8 (qdq_group). One launch where the three ops took three, with
  * their bits; rows of up to RMS_PRE · 1024 values, n % 32 == 0, up to 256 rotary values. MODE: a
- * QDQ_* mode or -1 (none). */
-template <int MODE>
+ * QDQ_* mode or -1 (none). PARTS: x is not given; the row is a tensor-core linear's output as it
+ * left it unfolded (parts [nch][T][n] fp32, CUDA_MMA_OUT_PARTS), folded and rounded to bf16 as the
+ * linear's chunk fold would (mma_fold_chunks, mma_fold_bf16) into shared memory first: linear_post's
+ * projection + norm, the fold's launch and the bf16 row's round trip saved, the same bits. */
+template <int MODE, bool PARTS>
 __global__ void __launch_bounds__(RMS_WARPS * 32)
-    rmsnorm_post_kernel(uint16_t *y, const uint16_t *x, const uint16_t *__restrict__ w, int64_t n, float eps,
-                        int64_t off, int64_t rd, const int32_t *__restrict__ pos, const float *__restrict__ freqs) {
+    rmsnorm_post_kernel(uint16_t *y, const uint16_t *x, const float *__restrict__ parts, int nch,
+                        const uint16_t *__restrict__ w, int64_t n, float eps, int64_t off, int64_t rd,
+                        const int32_t *__restrict__ pos, const float *__restrict__ freqs) {
     constexpr int STEP = RMS_WARPS * 32 * 8;
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float r_s;
     __shared__ float2 cs_s[RMS_WARPS * 32]; /* (cos, sin) of each rotary pair */
+    __shared__ __align__(16) uint16_t xs[PARTS ? RMS_PRE * STEP : 8]; /* PARTS: the folded row [n] bf16 */
     const int64_t row = blockIdx.x;
-    const uint16_t *xr = x + row * n; /* [n] bf16 */
-    uint16_t *yr = y + row * n;       /* [n] bf16 */
+    const uint16_t *xr = PARTS ? xs : x + row * n; /* [n] bf16 */
+    uint16_t *yr = y + row * n;                    /* [n] bf16 */
     uint4 wp[RMS_PRE];
+    auto prefetch_w = [&]() {
 #pragma unroll
-    for (int p = 0; p < RMS_PRE; p++) {
-        const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
-        if (e < n) wp[p] = __ldg(reinterpret_cast<const uint4 *>(w + e));
-    }
+        for (int p = 0; p < RMS_PRE; p++) {
+            const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
+            if (e < n) wp[p] = __ldg(reinterpret_cast<const uint4 *>(w + e));
+        }
+    };
+    if (!PARTS) prefetch_w();
     /* the angles a thread a pair, before the statistic (whose barriers publish them): one thread
      * computing the 4 pairs of its 8 values after the norm put 8 sincos in a row on a decode
      * step's path */
     if (threadIdx.x < rd / 2) cs_s[threadIdx.x] = rope_cs(pos[row], freqs[threadIdx.x]);
+    if constexpr (PARTS) {
+        const int64_t cs = (int64_t)gridDim.x * n; /* T·n (a CTA a row): one chunk's partials */
+        /* 4 values a step, one 16-byte load a chunk; the weights are fetched after it, during the
+         * statistic (held across the fold, the SM90 compiler spilled the QDQ forms) */
+#pragma unroll 1
+        for (int64_t e = (int64_t)threadIdx.x * 4; e < n; e += RMS_WARPS * 32 * 4) {
+            const float4 *pr = reinterpret_cast<const float4 *>(parts + row * n + e);
+            float4 v = __ldcs(pr);
+            for (int c = 1; c < nch; c++) { /* mma_fold_chunks' order */
+                const float4 u = __ldcs(pr + (int64_t)c * (cs / 4));
+                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+            }
+            *reinterpret_cast<uint2 *>(xs + e) =
+                make_uint2((uint32_t)mma_fold_bf16(v.x) | ((uint32_t)mma_fold_bf16(v.y) << 16),
+                           (uint32_t)mma_fold_bf16(v.z) | ((uint32_t)mma_fold_bf16(v.w) << 16));
+        }
+        __syncthreads();
+        prefetch_w();
+    }
     const float r = row_rstd_block(xr, n, eps, l0, &r_s);
 #pragma unroll
     for (int p = 0; p < RMS_PRE; p++) {
@@ -382,32 +409,84 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     }
 }
 
-/* the one-pass form where the shapes allow it (false: the caller runs the ops in turn) */
-static bool rmsnorm_post_launch(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T,
-                                int64_t n, float eps, const struct norm_post *post) {
-    if (n % 32 || n > RMS_PRE * RMS_WARPS * 32 * 8 || !al16(x) || !al16(y) || !al16(w) || T > 0x7fffffff ||
-        post->off < 0 || post->off % 2 || post->rd < 0 || post->rd % 2 || post->off + post->rd > n ||
-        post->rd > 2 * RMS_WARPS * 32 ||
-        (post->rd > 0 && (!post->pos || !post->freqs)))
-        return false;
+bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post) {
+    return n % 32 == 0 && n <= RMS_PRE * RMS_WARPS * 32 * 8 && al16(y) && al16(w) && T <= 0x7fffffff && post->off >= 0 &&
+           post->off % 2 == 0 && post->rd >= 0 && post->rd % 2 == 0 && post->off + post->rd <= n &&
+           post->rd <= 2 * RMS_WARPS * 32 && (post->rd == 0 || (post->pos && post->freqs));
+}
+
+template <bool PARTS>
+static void rmsnorm_post_run(struct backend *be, bf16_t *y, const bf16_t *x, const float *parts, int nch,
+                             const bf16_t *w, int64_t T, int64_t n, float eps, const struct norm_post *post) {
     const dim3 grid((unsigned)T), block(RMS_WARPS * 32);
     cudaStream_t st = cuda_be_stream(be);
+    const int64_t off = post->off, rd = post->rd;
     switch (post->qdq) {
     case NORM_QDQ_NONE:
-        rmsnorm_post_kernel<-1><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos, post->freqs);
+        rmsnorm_post_kernel<-1, PARTS><<<grid, block, 0, st>>>(y, x, parts, nch, w, n, eps, off, rd, post->pos, post->freqs);
         break;
     case NORM_QDQ_FP8_32:
-        rmsnorm_post_kernel<QDQ_FP8_32><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos,
-                                                                 post->freqs);
+        rmsnorm_post_kernel<QDQ_FP8_32, PARTS>
+            <<<grid, block, 0, st>>>(y, x, parts, nch, w, n, eps, off, rd, post->pos, post->freqs);
         break;
     case NORM_QDQ_FP4_32:
-        rmsnorm_post_kernel<QDQ_FP4_32><<<grid, block, 0, st>>>(y, x, w, n, eps, post->off, post->rd, post->pos,
-                                                                 post->freqs);
+        rmsnorm_post_kernel<QDQ_FP4_32, PARTS>
+            <<<grid, block, 0, st>>>(y, x, parts, nch, w, n, eps, off, rd, post->pos, post->freqs);
         break;
     default: ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "rmsnorm", "unknown QDQ mode after the norm");
     }
     KERNEL_CHECK();
+}
+
+/* the one-pass form where the shapes allow it (false: the caller runs the ops in turn) */
+static bool rmsnorm_post_launch(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T,
+                                int64_t n, float eps, const struct norm_post *post) {
+    if (!al16(x) || !cuda_rmsnorm_post_shape(T, n, y, w, post)) return false;
+    rmsnorm_post_run<false>(be, y, x, NULL, 1, w, T, n, eps, post);
     return true;
+}
+
+void cuda_rmsnorm_post_parts(struct backend *be, bf16_t *y, const float *parts, int nch, const bf16_t *w, int64_t T,
+                             int64_t n, float eps, const struct norm_post *post) {
+    if (T <= 0) return;
+    if (!cuda_rmsnorm_post_shape(T, n, y, w, post) || !al16(parts) || nch < 1)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda rmsnorm (linear_post)", "a shape the one-pass norm refuses");
+    rmsnorm_post_run<true>(be, y, NULL, parts, nch, w, T, n, eps, post);
+}
+
+/* y [T, n] bf16 = a tensor-core linear's unfolded partials (parts [nch][T][n] fp32) folded and
+ * rounded as its chunk fold would, then RoPE (rope_kernel's arithmetic, forward) on [off, off + rd)
+ * of each head of `head` values: linear_post's projection + RoPE in one pass. A thread per pair of
+ * outputs (n and head even, off even: a pair never straddles a head or the rotary part). */
+__global__ void __launch_bounds__(EW_THREADS)
+    rope_parts_kernel(uint16_t *__restrict__ y, const float *__restrict__ parts, int nch, int64_t T, int64_t n,
+                      int64_t head, int64_t off, int64_t rd, const int32_t *__restrict__ pos,
+                      const float *__restrict__ freqs) {
+    const int64_t np = n / 2, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= T * np) return;
+    const int64_t t = g / np, col = 2 * (g - t * np), q = col % head - off;
+    const float *pr = parts + t * n + col;
+    uint16_t o0 = mma_fold_bf16(mma_fold_chunks(pr, T * n, nch)), o1 = mma_fold_bf16(mma_fold_chunks(pr + 1, T * n, nch));
+    if (q >= 0 && q < rd) {
+        const float2 cs = rope_cs(pos[t], freqs[q / 2]);
+        rope_rotate(ds_bf16f(o0), ds_bf16f(o1), cs.x, cs.y, o0, o1);
+    }
+    *reinterpret_cast<uint32_t *>(y + t * n + col) = (uint32_t)o0 | ((uint32_t)o1 << 16);
+}
+
+bool cuda_rope_parts_shape(int64_t n, int64_t head, const void *y, const struct norm_post *post) {
+    return head > 0 && head % 2 == 0 && n % head == 0 && ((uintptr_t)y & 3) == 0 && post->off >= 0 && post->off % 2 == 0 &&
+           post->rd >= 0 && post->rd % 2 == 0 && post->off + post->rd <= head && (post->rd == 0 || (post->pos && post->freqs));
+}
+
+void cuda_rope_parts(struct backend *be, bf16_t *y, const float *parts, int nch, int64_t T, int64_t n, int64_t head,
+                     const struct norm_post *post) {
+    if (T <= 0 || n <= 0) return;
+    if (!cuda_rope_parts_shape(n, head, y, post) || nch < 1)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda rope (linear_post)", "a shape the fused RoPE refuses");
+    rope_parts_kernel<<<ew_blocks(T * (n / 2), EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
+        y, parts, nch, T, n, head, post->off, post->rd, post->pos, post->freqs);
+    KERNEL_CHECK();
 }
 
 void cuda_op_qdq_fp8_32(struct backend *be, bf16_t *x, int64_t n) {

@@ -58,6 +58,8 @@ void cuda_be_set_capturing(struct backend *be, bool on);
 
 /* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
+void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
+                         const struct linear_post *lp);
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
 /* linear_f32's sums as the tensor-core tilings leave them under the mma switch, unfolded
  * (CUDA_MMA_OUT_PARTS): parts [nch][T][n] fp32, whose fold in chunk order (mma_fold_chunks) is
@@ -74,6 +76,16 @@ void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x
                      const int32_t *target, const float *temp);
 
 /* ---- cuda_elementwise.cu ---- */
+/* linear_post's second halves (cuda_op_linear_post): a tensor-core linear's unfolded partials
+ * (parts [nch][T][n] fp32, 16-byte aligned) folded as its chunk fold would, then the rmsnorm op
+ * with post (rmsnorm_post_kernel's one pass; shapes: cuda_rmsnorm_post_shape), or RoPE on each
+ * head of `head` values (the rope op's arithmetic; shapes: cuda_rope_parts_shape). */
+bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post);
+void cuda_rmsnorm_post_parts(struct backend *be, bf16_t *y, const float *parts, int nch, const bf16_t *w, int64_t T,
+                             int64_t n, float eps, const struct norm_post *post);
+bool cuda_rope_parts_shape(int64_t n, int64_t head, const void *y, const struct norm_post *post);
+void cuda_rope_parts(struct backend *be, bf16_t *y, const float *parts, int nch, int64_t T, int64_t n, int64_t head,
+                     const struct norm_post *post);
 void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_t *w, int64_t T, int64_t n,
                      float eps, const struct norm_post *post);
 void cuda_op_rope(struct backend *be, bf16_t *x, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head,

@@ -661,6 +661,45 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
     }
 }
 
+/* linear_post under the mma switch: the tensor-core linear leaves its k-chunks unfolded
+ * (CUDA_MMA_OUT_PARTS) and the norm's or the RoPE's pass folds them (cuda_rmsnorm_post_parts,
+ * cuda_rope_parts): one launch, the chunk fold's, fewer than the ops in turn, and their bits (the
+ * fold and its bf16 rounding as mma_chunk_sum_kernel's; test_linear_post holds the two bit for
+ * bit). On a decode step's query chain (wq_a + q_norm, wq_b + RoPE) and beside it (wkv + kv_norm
+ * with RoPE and QDQ). Elsewhere — the switch off, one k-chunk (no fold to save), a QDQ after the
+ * RoPE alone (the indexer's queries: the qdq op follows), shapes the passes refuse — the ops in
+ * turn. */
+void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
+                         const struct linear_post *lp) {
+    const int64_t n = W->n, k = W->k;
+    if (T <= 0 || n <= 0) return;
+    const struct norm_post *p = &lp->post;
+    const bool quant = W->fmt == WF_FP8 || W->fmt == WF_FP4;
+    const bool lin_ok = cuda_be_mma(be) && k % 32 == 0 && k <= ((int64_t)1 << 21) && cuda_linear_mma_chunks(k) > 1 &&
+                        ((uintptr_t)x & 15) == 0 &&
+                        (quant ? ((uintptr_t)W->w & 15) == 0 && W->ld % 16 == 0 : dense_mma_ok(be, x, W));
+    const bool post_ok = lp->norm_w ? cuda_rmsnorm_post_shape(T, n, y, lp->norm_w, p) : cuda_rope_parts_shape(n, lp->head, y, p);
+    if (!lin_ok || !post_ok) {
+        be_linear_post_composed(be, y, x, T, W, lp);
+        return;
+    }
+    const int64_t nch = cuda_linear_mma_chunks(k);
+    const size_t pb = ((size_t)nch * (size_t)(T * n) * sizeof(float) + 15) & ~(size_t)15;
+    const size_t ab = quant ? cuda_linear_mma_act_bytes(T, k) : 0;
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + ab);
+    float *parts = (float *)buf; /* [nch][T][n] fp32 */
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS, (int)W->fmt, (uint16_t *)parts, x, T, W->w, W->s, n, k, W->ld,
+                           W->s_ld, quant ? buf + pb : NULL, (void *)cuda_be_stream(be));
+    if (lp->norm_w) {
+        cuda_rmsnorm_post_parts(be, y, parts, (int)nch, lp->norm_w, T, n, lp->eps, p);
+    } else {
+        cuda_rope_parts(be, y, parts, (int)nch, T, n, lp->head, p);
+        if (p->qdq == NORM_QDQ_FP8_32) cuda_op_qdq_fp8_32(be, y, T * n);
+        if (p->qdq == NORM_QDQ_FP4_32) cuda_op_qdq_fp4_32(be, y, T * n);
+    }
+    cuda_be_scratch_free(be, buf);
+}
+
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     if (T <= 0 || W->n <= 0) return;
     if (W->fmt != WF_BF16 && W->fmt != WF_F32)

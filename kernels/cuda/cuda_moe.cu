@@ -863,7 +863,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const float2 *__r
             g0 = mma_fold_chunks(gf + o, 2 * cs, nch), g1 = mma_fold_chunks(gf + o + 1, 2 * cs, nch);
             u0 = mma_fold_chunks(uf + o, 2 * cs, nch), u1 = mma_fold_chunks(uf + o + 1, 2 * cs, nch);
         }
-        auto bf = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); }; /* the fold's rounding */
+        auto bf = [](float v) { return ds_bf16f(mma_fold_bf16(v)); }; /* the fold's rounding */
         const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g0), bf(u0), limit, false, 0.0f)));
         const float v1 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g1), bf(u1), limit, false, 0.0f)));
         const uint32_t w = mma_quant2(v0, v1);

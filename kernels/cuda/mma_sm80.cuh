@@ -15,14 +15,6 @@ namespace {
 
 constexpr int KCH = 32; /* k-blocks per k-chunk: the fixed split of every output's sum (order contract) */
 
-/* An output's k-chunk partials (CUDA_MMA_OUT_PARTS: p[c·cs], c < nch) folded as the linears'
- * chunk fold does (mma_chunk_sum_kernel): the first as it is, then each next in chunk order. */
-__device__ __forceinline__ float mma_fold_chunks(const float *__restrict__ p, int64_t cs, int nch) {
-    float v = p[0];
-    for (int c = 1; c < nch; c++) v = __fadd_rn(v, p[(int64_t)c * cs]);
-    return v;
-}
-
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 /* 16-byte async copy global -> shared; valid == false zero-fills the 16 bytes (src is not read). */

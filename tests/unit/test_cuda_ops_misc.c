@@ -329,6 +329,90 @@ static void test_rmsnorm_post(void **st) {
     rmsnorm_post_case(2, 1024, 256, 258, NORM_QDQ_FP8_32, false);    /* past 256 rotary values: the three kernels */
 }
 
+/* linear_post: a projection and its norm (with RoPE, QDQ) or its RoPE (and QDQ) as one op. Under
+ * the mma switch the CUDA backend folds the linear's k-chunks in the second pass; either way the
+ * op must give, bit for bit, the GPU's own linear then rmsnorm / rope / qdq ops in turn
+ * (be_linear_post_composed), each of which its own test holds to the CPU. */
+static void linear_post_case(const char *name, const struct hw *h, int64_t T, bool norm, int64_t head, int64_t off,
+                             int64_t rd, enum norm_qdq q, bool mma) {
+    const int64_t n = h->q.n, k = h->q.k;
+    char tag[200];
+    snprintf(tag, sizeof tag, "linear_post %s T=%lld%s", name, (long long)T, mma ? " mma" : "");
+    seed_tag(tag);
+    mma_switch(mma);
+    bf16_t *x = NEW(bf16_t, T * k), *w = NEW(bf16_t, n), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
+    fill_act(x, T * k, 1.0f);
+    for (int64_t i = 0; i < n; i++) w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
+    int32_t *pos = NEW(int32_t, T);
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
+    float *freqs = NEW(float, rd / 2 + 1);
+    make_freqs(freqs, rd / 2, 10000.0, false);
+    struct qweight gw = g_weight(&h->q, false);
+    bf16_t *dx = g_in(x, (size_t)(T * k) * 2), *dw = g_in(w, (size_t)n * 2);
+    int32_t *dpos = g_in(pos, (size_t)T * 4);
+    float *df = g_in(freqs, (size_t)(rd / 2 + 1) * 4);
+    const struct linear_post lp = {norm ? dw : NULL, 1e-6f, head, {off, rd, dpos, df, q}};
+    bf16_t *dy = g_out((size_t)(T * n) * 2, PZ_16);
+    be_linear_post_composed(&gpu_be, dy, dx, T, &gw, &lp); /* the ops in turn */
+    g_get(yc, dy, (size_t)(T * n) * 2);
+    g_free(dy);
+    dy = g_out((size_t)(T * n) * 2, PZ_16);
+    be_linear_post(&gpu_be, dy, dx, T, &gw, &lp); /* the op */
+    g_get(yg, dy, (size_t)(T * n) * 2);
+    g_free(dy);
+    g_free(dx);
+    g_free(dw);
+    g_free(dpos);
+    g_free(df);
+    GPU->weight_release(&gpu_be, &gw);
+    mma_switch(false);
+    struct cmp c;
+    cmp_begin(&c, "linear_post", "%s T=%lld%s = its ops in turn", name, (long long)T, mma ? " mma" : "");
+    cmp_bf16_exact(&c, yg, yc, T * n);
+    cmp_end(&c);
+    free(x);
+    free(w);
+    free(yc);
+    free(yg);
+    free(pos);
+    free(freqs);
+}
+
+static void test_linear_post(void **st) {
+    NEED_GPU(st);
+    struct hw wq_a = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), wkv = hw_fp8(HD, DIM, 0, DIM, 0.02f);
+    struct hw wq_b = hw_fp8(H_LOCAL * HD, Q_LORA, 0, Q_LORA, 0.03f), iwq_b = hw_fp8(4 * 128, Q_LORA, 0, Q_LORA, 0.03f);
+    const int64_t Ts[] = {1, 8, 17, 64, 300, 600};
+    for (int m = 0; m < 2; m++)
+        for (int i = 0; i < 6; i++) {
+            if (!m && i > 2) continue; /* without the switch: the ops in turn anyway */
+            /* the query chain (wq_a + q_norm, wq_b + RoPE), the window K=V rows, the indexer's queries */
+            linear_post_case("wq_a [1280,5120] + norm", &wq_a, Ts[i], true, Q_LORA, 0, 0, NORM_QDQ_NONE, m);
+            linear_post_case("wq_b [4096,1280] + rope", &wq_b, Ts[i], false, HD, HD - 64, 64, NORM_QDQ_NONE, m);
+            linear_post_case("wkv [512,5120] + norm rope qdq", &wkv, Ts[i], true, HD, HD - 64, 64, NORM_QDQ_FP8_32, m);
+            linear_post_case("idx wq_b [512,1280] + rope qdq", &iwq_b, Ts[i], false, 128, 64, 64, NORM_QDQ_FP4_32, m);
+        }
+    hw_free(&wq_a);
+    hw_free(&wkv);
+    hw_free(&wq_b);
+    hw_free(&iwq_b);
+    /* BF16 weights (the dense tilings' chunks); odd shapes: rows past the one-pass norm's 5,120,
+     * n % 32 != 0, a single k-chunk (the ops in turn), a rotary part at a head's start */
+    struct hw b = hw_bf16(256, 2048 + 64, 0.03f);
+    linear_post_case("bf16 [256,2112] + norm rope qdq", &b, 17, true, 256, 192, 64, NORM_QDQ_FP4_32, true);
+    linear_post_case("bf16 [256,2112] + rope", &b, 5, false, 64, 0, 32, NORM_QDQ_NONE, true);
+    hw_free(&b);
+    b = hw_fp8(5120 + 32, 2048, 0, 2048, 0.02f);
+    linear_post_case("fp8 [5152,2048] + norm", &b, 3, true, 5152, 0, 0, NORM_QDQ_NONE, true);
+    hw_free(&b);
+    b = hw_fp8(104, 2048, 0, 2048, 0.02f);
+    linear_post_case("fp8 [104,2048] + norm rope", &b, 3, true, 104, 32, 16, NORM_QDQ_NONE, true);
+    hw_free(&b);
+    b = hw_fp8(256, 1024, 0, 1024, 0.02f);
+    linear_post_case("fp8 [256,1024] + norm (one chunk)", &b, 9, true, 256, 192, 64, NORM_QDQ_FP8_32, true);
+    hw_free(&b);
+}
+
 static void rope_case(const char *name, int64_t T, int64_t nh, int64_t ld_row, int64_t ld_head, int64_t off, int64_t rd,
                       double theta, bool yarn, bool inverse) {
     char tag[160];
@@ -1005,6 +1089,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rmsnorm_post),
         cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_linear_post),
         cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant), cmocka_unit_test(test_mma_weight_decode),
         cmocka_unit_test(test_hc_mixes),
         cmocka_unit_test(test_hc_mixes_mma),
