@@ -874,8 +874,9 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const float2 *__r
 static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
 
 /* Tensor-core shared expert: x quantized once for w1 and w3, their chunk fold and SwiGLU fused
- * with w2's act quant (moe_swiglu_quant_kernel reads their unfolded partials) — three launches
- * fewer than three cuda_op_linear calls and moe_swiglu_kernel, and their bits. Up to
+ * with w2's act quant (moe_swiglu_quant_kernel reads their unfolded partials): five launches (x's
+ * act quant, w1 | w3, the SwiGLU, w2 and its fold) where three cuda_op_linear calls and
+ * moe_swiglu_kernel take ten, with their bits. Up to
  * CUDA_MMA_DECODE_AUTO_T rows, and up to CUDA_MMA_NARROW_MAX_T where I % CUDA_MMA_PAIR_SEAM == 0
  * (the seam the prefill tiles need; V4.1's I = 2,304), w1 and w3 go in one launch (cuda_linear_mma_pair: g and u
  * side by side in a [T, 2I] row; from 32 rows one grid of 64 x 64 or 128 x 64
