@@ -558,7 +558,12 @@ __global__ void __launch_bounds__(EW_THREADS)
     store_bf<VEC>(y + t * D + d, acc); /* y [T, D] bf16 */
 }
 
-/* hc_collapse with norm_w: the collapse and the rmsnorm after it in one pass per row (a CTA of
+/* (Tried and not kept, branch expand-collapse: the FFN's entry, the hc_expand before this, in the
+ * same row CTA — the expanded row made in registers, stored and collapsed — with the two ops' bits;
+ * H100 bench_step at batch 1 / 8 / 64 / 256, three runs alternated, 4.09 4.13 4.08 / 5.50 5.54 5.50
+ * / 11.10 11.09 11.07 / 19.83 19.70 19.63 -> 4.15 4.07 4.13 / 5.56 5.45 5.54 / 11.02 10.97 11.21 /
+ * 19.66 19.56 20.04 ms: the expand's loads and stores moved onto this CTA's serial path.)
+ * hc_collapse with norm_w: the collapse and the rmsnorm after it in one pass per row (a CTA of
  * HCN_WARPS warps, HCN_WARPS_NARROW above ROW_WIDE_T rows): each thread collapses its 8-wide
  * chunks of the row with every copy's load issued at once (HC is a template parameter, as for
  * hc_mixes), rounds y to bf16 in shared memory, and the norm runs there — row_rstd_block's
