@@ -61,6 +61,17 @@ __device__ __forceinline__ float mma_fold_chunks(const float *__restrict__ p, in
     return v;
 }
 __device__ __forceinline__ uint16_t mma_fold_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+/* The same for 4 consecutive outputs (16-byte aligned, cs4 float4s between chunks), streaming loads
+ * (partials are read once) */
+__device__ __forceinline__ float4 mma_fold_chunks4(const float4 *__restrict__ p, int64_t cs4, int nch) {
+    float4 v = __ldcs(p);
+#pragma unroll 4
+    for (int c = 1; c < nch; c++) {
+        const float4 u = __ldcs(p + (int64_t)c * cs4);
+        v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+    }
+    return v;
+}
 
 /* e8m0 byte -> 2^(b-127); 255 = NaN; 0 = 2^-127 (subnormal). */
 __device__ __forceinline__ float ds_e8m0(uint8_t b) {

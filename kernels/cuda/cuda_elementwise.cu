@@ -160,8 +160,12 @@ void cuda_op_rmsnorm(struct backend *be, bf16_t *y, const bf16_t *x, const bf16_
     KERNEL_CHECK();
     if (!post) return;
     if (post->rd > 0) cuda_op_rope(be, y, T, 1, n, n, post->off, post->rd, post->pos, post->freqs, false);
-    if (post->qdq == NORM_QDQ_FP8_32) cuda_op_qdq_fp8_32(be, y, T * n);
-    if (post->qdq == NORM_QDQ_FP4_32) cuda_op_qdq_fp4_32(be, y, T * n);
+    cuda_norm_qdq(be, y, T * n, post->qdq);
+}
+
+void cuda_norm_qdq(struct backend *be, bf16_t *y, int64_t n, enum norm_qdq q) {
+    if (q == NORM_QDQ_FP8_32) cuda_op_qdq_fp8_32(be, y, n);
+    if (q == NORM_QDQ_FP4_32) cuda_op_qdq_fp4_32(be, y, n);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -366,12 +370,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
          * statistic (held across the fold, the SM90 compiler spilled the QDQ forms) */
 #pragma unroll 1
         for (int64_t e = (int64_t)threadIdx.x * 4; e < n; e += RMS_WARPS * 32 * 4) {
-            const float4 *pr = reinterpret_cast<const float4 *>(parts + row * n + e);
-            float4 v = __ldcs(pr);
-            for (int c = 1; c < nch; c++) { /* mma_fold_chunks' order */
-                const float4 u = __ldcs(pr + (int64_t)c * (cs / 4));
-                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-            }
+            const float4 v = mma_fold_chunks4(reinterpret_cast<const float4 *>(parts + row * n + e), cs / 4, nch);
             *reinterpret_cast<uint2 *>(xs + e) =
                 make_uint2((uint32_t)mma_fold_bf16(v.x) | ((uint32_t)mma_fold_bf16(v.y) << 16),
                            (uint32_t)mma_fold_bf16(v.z) | ((uint32_t)mma_fold_bf16(v.w) << 16));

@@ -80,6 +80,8 @@ void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x
  * (parts [nch][T][n] fp32, 16-byte aligned) folded as its chunk fold would, then the rmsnorm op
  * with post (rmsnorm_post_kernel's one pass; shapes: cuda_rmsnorm_post_shape), or RoPE on each
  * head of `head` values (the rope op's arithmetic; shapes: cuda_rope_parts_shape). */
+/* a norm_post's QDQ (none, FP8 or FP4 per 32) of n values in place, as its own launch */
+void cuda_norm_qdq(struct backend *be, bf16_t *y, int64_t n, enum norm_qdq q);
 bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post);
 void cuda_rmsnorm_post_parts(struct backend *be, bf16_t *y, const float *parts, int nch, const bf16_t *w, int64_t T,
                              int64_t n, float eps, const struct norm_post *post);

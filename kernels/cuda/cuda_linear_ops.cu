@@ -589,9 +589,16 @@ static void dense_launch(struct backend *be, void *y, bool out_f32, int64_t ldy,
  * the weight and the buffers, never on T. Returns whether it ran. */
 #define DENSE_MMA_WS ((size_t)128 << 20)
 
+/* whether the tensor-core tilings take x · Wᵀ (BF16, FP8 or FP4 W): the mma switch, k a multiple of
+ * 32 (and at most 2 Mi), x and W 16-byte aligned, W's rows (ld elements BF16, ld bytes FP8/FP4) a
+ * multiple of 16 bytes apart */
+static bool linear_mma_ok(struct backend *be, const bf16_t *x, const struct qweight *W) {
+    const int64_t row_bytes = W->fmt == WF_BF16 ? W->ld * 2 : W->ld;
+    return cuda_be_mma(be) && (W->fmt == WF_BF16 || W->fmt == WF_FP8 || W->fmt == WF_FP4) && W->k % 32 == 0 &&
+           row_bytes % 16 == 0 && ((uintptr_t)W->w & 15) == 0 && ((uintptr_t)x & 15) == 0 && W->k <= ((int64_t)1 << 21);
+}
 static bool dense_mma_ok(struct backend *be, const bf16_t *x, const struct qweight *W) {
-    return cuda_be_mma(be) && W->fmt == WF_BF16 && W->k % 32 == 0 && (W->ld * 2) % 16 == 0 && ((uintptr_t)W->w & 15) == 0 &&
-           ((uintptr_t)x & 15) == 0 && W->k <= ((int64_t)1 << 21);
+    return W->fmt == WF_BF16 && linear_mma_ok(be, x, W);
 }
 
 static bool dense_mma(struct backend *be, void *y, bool out_f32, const bf16_t *x, int64_t T, const struct qweight *W) {
@@ -675,9 +682,7 @@ void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t
     if (T <= 0 || n <= 0) return;
     const struct norm_post *p = &lp->post;
     const bool quant = W->fmt == WF_FP8 || W->fmt == WF_FP4;
-    const bool lin_ok = cuda_be_mma(be) && k % 32 == 0 && k <= ((int64_t)1 << 21) && cuda_linear_mma_chunks(k) > 1 &&
-                        ((uintptr_t)x & 15) == 0 &&
-                        (quant ? ((uintptr_t)W->w & 15) == 0 && W->ld % 16 == 0 : dense_mma_ok(be, x, W));
+    const bool lin_ok = linear_mma_ok(be, x, W) && cuda_linear_mma_chunks(k) > 1;
     const bool post_ok = lp->norm_w ? cuda_rmsnorm_post_shape(T, n, y, lp->norm_w, p) : cuda_rope_parts_shape(n, lp->head, y, p);
     if (!lin_ok || !post_ok) {
         be_linear_post_composed(be, y, x, T, W, lp);
@@ -694,8 +699,7 @@ void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t
         cuda_rmsnorm_post_parts(be, y, parts, (int)nch, lp->norm_w, T, n, lp->eps, p);
     } else {
         cuda_rope_parts(be, y, parts, (int)nch, T, n, lp->head, p);
-        if (p->qdq == NORM_QDQ_FP8_32) cuda_op_qdq_fp8_32(be, y, T * n);
-        if (p->qdq == NORM_QDQ_FP4_32) cuda_op_qdq_fp4_32(be, y, T * n);
+        cuda_norm_qdq(be, y, T * n, p->qdq);
     }
     cuda_be_scratch_free(be, buf);
 }

@@ -352,11 +352,7 @@ __global__ void __launch_bounds__(THREADS)
     if (!staged && tid < NM) {
         const float *pr = part + (t * NM + tid) * nseg; /* [nseg], in each of the nch chunks */
         float acc = 0.0f;
-        for (int sg = 0; sg < nseg; sg++) {
-            float v = pr[sg];
-            for (int c = 1; c < nch; c++) v = __fadd_rn(v, pr[c * cs + sg]);
-            acc = __fadd_rn(acc, v);
-        }
+        for (int sg = 0; sg < nseg; sg++) acc = __fadd_rn(acc, mma_fold_chunks(pr + sg, cs, nch));
         m_s[tid] = acc;
     }
     const float rn = row_rstd_block(X + t * L, L, norm_eps, l0, &rn_s); /* X row [L] bf16 */

@@ -846,9 +846,9 @@ __global__ void moe_swiglu_kernel(uint16_t *__restrict__ g, const uint16_t *__re
  * act quant, one pass instead of two; 2 values per thread (mma_quant2: a quarter of the chain of 8,
  * whose SwiGLUs made the call 7.24 µs at batch 1 on the H200, Nsight; 3.50 with 2). I a multiple
  * of 32; hq [T, I]. g and u are w1's and w3's outputs as their linears leave them unfolded
- * (CUDA_MMA_OUT_PARTS: fp32, nch k-chunks cs pairs apart), and each is first folded and rounded to
- * bf16 as their chunk fold would (mma_fold_chunks, bf16_rn): the g and u the folded calls give,
- * without the fold's launch and its bf16 [T, 2I] round trip. */
+ * (CUDA_MMA_OUT_PARTS: fp32, nch k-chunks cs pairs apart), each folded and rounded to bf16 as their
+ * chunk fold would (mo_swiglu_parts, as the routed experts' moe_gateup_finish_kernel): the g and u
+ * the folded calls give, without the fold's launch and its bf16 [T, 2I] round trip. */
 __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const float2 *__restrict__ g, const float2 *__restrict__ u,
                                                                __nv_bfloat16 *__restrict__ hq, int64_t T, int64_t I2,
                                                                int64_t ld2, int nch, int64_t cs, float limit) {
@@ -858,15 +858,9 @@ __global__ void __launch_bounds__(256) moe_swiglu_quant_kernel(const float2 *__r
     const float *const gf = reinterpret_cast<const float *>(g), *const uf = reinterpret_cast<const float *>(u);
     for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
         const int64_t i = t * I2 + j, o = 2 * (t * ld2 + j);
-        float g0 = 0.0f, g1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
-        if (ok) {
-            g0 = mma_fold_chunks(gf + o, 2 * cs, nch), g1 = mma_fold_chunks(gf + o + 1, 2 * cs, nch);
-            u0 = mma_fold_chunks(uf + o, 2 * cs, nch), u1 = mma_fold_chunks(uf + o + 1, 2 * cs, nch);
-        }
-        auto bf = [](float v) { return ds_bf16f(mma_fold_bf16(v)); }; /* the fold's rounding */
-        const float v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g0), bf(u0), limit, false, 0.0f)));
-        const float v1 = ds_bf16f(ds_bf16_rne(mo_swiglu(bf(g1), bf(u1), limit, false, 0.0f)));
-        const uint32_t w = mma_quant2(v0, v1);
+        /* lanes past the row's pairs take zeros (the shuffles of their 32-group need them) */
+        const float2 h = ok ? mo_swiglu_parts(gf + o, uf + o, 2 * cs, nch, limit, false, 0.0f) : make_float2(0.0f, 0.0f);
+        const uint32_t w = mma_quant2(h.x, h.y);
         if (ok) mma_store_perm2(reinterpret_cast<uint32_t *>(hq) + (i >> 4) * 16, (int)(i & 15), w);
     }
 }

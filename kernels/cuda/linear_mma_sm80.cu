@@ -391,13 +391,7 @@ __global__ void mma_chunk_sum_kernel(void *__restrict__ y, const float *__restri
     const int64_t m = V4 ? tn / 4 : tn;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
         if (V4) {
-            const float4 *p4 = reinterpret_cast<const float4 *>(part);
-            float4 v = __ldcs(p4 + i); /* partials are read once: streaming loads */
-#pragma unroll 4
-            for (int c = 1; c < nch; c++) {
-                const float4 u = __ldcs(p4 + (int64_t)c * m + i);
-                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-            }
+            const float4 v = mma_fold_chunks4(reinterpret_cast<const float4 *>(part) + i, m, nch);
             if (F32) {
                 reinterpret_cast<float4 *>(y)[i] = v;
             } else {
@@ -407,8 +401,7 @@ __global__ void mma_chunk_sum_kernel(void *__restrict__ y, const float *__restri
                 reinterpret_cast<uint2 *>(y)[i] = o;
             }
         } else {
-            float v = part[i];
-            for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * tn + i]);
+            const float v = mma_fold_chunks(part + i, tn, nch);
             if (F32) reinterpret_cast<float *>(y)[i] = v;
             else reinterpret_cast<__nv_bfloat16 *>(y)[i] = __float2bfloat16_rn(v);
         }

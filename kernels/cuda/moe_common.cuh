@@ -32,6 +32,27 @@ __device__ __forceinline__ float mo_swiglu(float g, float u, float limit, bool h
     return has_wt ? __fmul_rn(wt, h) : h;
 }
 
+/* The SwiGLU of one row's output pair (i0, i0 + 1) from w1's and w3's tensor-core partials as the
+ * linears leave them unfolded (CUDA_MMA_OUT_PARTS; g at pg, u at pu, 8-byte aligned, chunks cs
+ * floats apart): each folded in chunk order and rounded to bf16 as the linears' chunk fold would,
+ * then mo_swiglu rounded to bf16 — the h that w2's act quant takes (the routed experts' gate/up
+ * finish, the shared expert's SwiGLU). */
+__device__ __forceinline__ float2 mo_swiglu_parts(const float *__restrict__ pg, const float *__restrict__ pu, int64_t cs,
+                                                  int nch, float limit, bool has_wt, float wt) {
+    float2 sg = *reinterpret_cast<const float2 *>(pg), su = *reinterpret_cast<const float2 *>(pu);
+#pragma unroll 4
+    for (int c = 1; c < nch; c++) {
+        const float2 a = *reinterpret_cast<const float2 *>(pg + (int64_t)c * cs);
+        const float2 b = *reinterpret_cast<const float2 *>(pu + (int64_t)c * cs);
+        sg.x = __fadd_rn(sg.x, a.x), sg.y = __fadd_rn(sg.y, a.y);
+        su.x = __fadd_rn(su.x, b.x), su.y = __fadd_rn(su.y, b.y);
+    }
+    const float g0 = ds_bf16f(mma_fold_bf16(sg.x)), u0 = ds_bf16f(mma_fold_bf16(su.x));
+    const float g1 = ds_bf16f(mma_fold_bf16(sg.y)), u1 = ds_bf16f(mma_fold_bf16(su.y));
+    return make_float2(ds_bf16f(ds_bf16_rne(mo_swiglu(g0, u0, limit, has_wt, wt))),
+                       ds_bf16f(ds_bf16_rne(mo_swiglu(g1, u1, limit, has_wt, wt))));
+}
+
 /* Plan, int32: tstart [n_local + 1] (first tile of each expert; tstart[n_local] = tiles), off
  * [n_local + 1] (first list entry of each expert; off[n_local] = the local pairs), list [M] (flat
  * pair ids t*k + slot, grouped by expert). Tiles hold at most P pairs of one expert; with `tiles`

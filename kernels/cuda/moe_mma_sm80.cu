@@ -354,19 +354,9 @@ __global__ void __launch_bounds__(256)
     float v0 = 0.0f, v1 = 0.0f;
     if (ok) {
         const float wt = __ldg(wts + plan[2 * (n_local + 1) + pos]);
-        const float *pg = part + pos * 2 * I + i0, *pu = pg + I; /* [nch][mcap][2][I] fp32 */
-        float2 sg = *reinterpret_cast<const float2 *>(pg), su = *reinterpret_cast<const float2 *>(pu);
-#pragma unroll 4
-        for (int c = 1; c < nch; c++) {
-            const float2 a = *reinterpret_cast<const float2 *>(pg + (int64_t)c * mcap * 2 * I);
-            const float2 b = *reinterpret_cast<const float2 *>(pu + (int64_t)c * mcap * 2 * I);
-            sg.x = __fadd_rn(sg.x, a.x), sg.y = __fadd_rn(sg.y, a.y);
-            su.x = __fadd_rn(su.x, b.x), su.y = __fadd_rn(su.y, b.y);
-        }
-        const float g0 = __bfloat162float(__float2bfloat16_rn(sg.x)), u0 = __bfloat162float(__float2bfloat16_rn(su.x));
-        const float g1 = __bfloat162float(__float2bfloat16_rn(sg.y)), u1 = __bfloat162float(__float2bfloat16_rn(su.y));
-        v0 = ds_bf16f(ds_bf16_rne(mo_swiglu(g0, u0, limit, true, wt)));
-        v1 = ds_bf16f(ds_bf16_rne(mo_swiglu(g1, u1, limit, true, wt)));
+        const float *pg = part + pos * 2 * I + i0; /* [nch][mcap][2][I] fp32 */
+        const float2 h = mo_swiglu_parts(pg, pg + I, mcap * 2 * I, nch, limit, true, wt);
+        v0 = h.x, v1 = h.y;
     }
     const uint32_t w = mma_quant2(v0, v1);
     if (ok) mma_store_perm2(reinterpret_cast<uint32_t *>(qh) + (i2 >> 4) * 16, (int)(i2 & 15), w);
@@ -380,9 +370,7 @@ __global__ void moe_down_finish_kernel(__nv_bfloat16 *__restrict__ y, const floa
     const int32_t *list = plan + 2 * (n_local + 1);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t pos = i / Dout, col = i % Dout;
-        float v = part[i];
-        for (int c = 1; c < nch; c++) v = __fadd_rn(v, part[(int64_t)c * mcap * Dout + i]);
-        y[(int64_t)list[pos] * Dout + col] = __float2bfloat16_rn(v);
+        y[(int64_t)list[pos] * Dout + col] = __float2bfloat16_rn(mma_fold_chunks(part + i, mcap * Dout, nch));
     }
 }
 

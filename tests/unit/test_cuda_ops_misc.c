@@ -265,6 +265,37 @@ static void make_freqs(float *f, int64_t half, double theta, bool yarn) {
     }
 }
 
+/* What the norm-and-RoPE cases hand the ops, on the host and the device: a norm's weights [n]
+ * (1 + 0.3 N(0, 1)), T positions (odd rows far out) and the RoPE frequencies of rd values. */
+struct norm_in {
+    bf16_t *w, *dw;
+    int32_t *pos, *dpos;
+    float *freqs, *df;
+};
+
+static struct norm_in norm_in_new(int64_t T, int64_t n, int64_t rd) {
+    struct norm_in a;
+    a.w = NEW(bf16_t, n);
+    for (int64_t i = 0; i < n; i++) a.w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
+    a.pos = NEW(int32_t, T);
+    for (int64_t t = 0; t < T; t++) a.pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
+    a.freqs = NEW(float, rd / 2 + 1);
+    make_freqs(a.freqs, rd / 2, 10000.0, false);
+    a.dw = g_in(a.w, (size_t)n * 2);
+    a.dpos = g_in(a.pos, (size_t)T * 4);
+    a.df = g_in(a.freqs, (size_t)(rd / 2 + 1) * 4);
+    return a;
+}
+
+static void norm_in_free(struct norm_in *a) {
+    g_free(a->dw);
+    g_free(a->dpos);
+    g_free(a->df);
+    free(a->w);
+    free(a->pos);
+    free(a->freqs);
+}
+
 /* rmsnorm with a post (RoPE, QDQ): one pass on the GPU where n % 32 == 0 up to 5,120 values, the
  * three kernels otherwise; either way the GPU's own rmsnorm, rope and qdq in turn, bit for bit
  * (each of those is checked against the CPU by its own test). */
@@ -273,45 +304,34 @@ static void rmsnorm_post_case(int64_t T, int64_t n, int64_t off, int64_t rd, enu
     snprintf(tag, sizeof tag, "rmsnorm post n=%lld T=%lld off=%lld rd=%lld qdq=%d%s", (long long)n, (long long)T,
              (long long)off, (long long)rd, (int)q, alias ? " in place" : "");
     seed_tag(tag);
-    bf16_t *x = NEW(bf16_t, T * n), *w = NEW(bf16_t, n), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
+    bf16_t *x = NEW(bf16_t, T * n), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
     for (int64_t t = 0; t < T; t++) fill_act(x + t * n, n, (float)pow(10.0, -2.0 + 4.0 * urand()));
-    for (int64_t i = 0; i < n; i++) w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
-    int32_t *pos = NEW(int32_t, T);
-    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
-    float *freqs = NEW(float, rd / 2 + 1);
-    make_freqs(freqs, rd / 2, 10000.0, false);
-    bf16_t *dx = g_in(x, (size_t)(T * n) * 2), *dw = g_in(w, (size_t)n * 2);
-    int32_t *dpos = g_in(pos, (size_t)T * 4);
-    float *df = g_in(freqs, (size_t)(rd / 2 + 1) * 4);
+    struct norm_in a = norm_in_new(T, n, rd);
+    bf16_t *dx = g_in(x, (size_t)(T * n) * 2);
     /* the three ops in turn */
     bf16_t *dy = g_out((size_t)(T * n) * 2, PZ_16);
-    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-6f, NULL);
-    if (rd > 0) GPU->rope(&gpu_be, dy, T, 1, n, n, off, rd, dpos, df, false);
+    GPU->rmsnorm(&gpu_be, dy, dx, a.dw, T, n, 1e-6f, NULL);
+    if (rd > 0) GPU->rope(&gpu_be, dy, T, 1, n, n, off, rd, a.dpos, a.df, false);
     if (q == NORM_QDQ_FP8_32) GPU->qdq_fp8_32(&gpu_be, dy, T * n);
     if (q == NORM_QDQ_FP4_32) GPU->qdq_fp4_32(&gpu_be, dy, T * n);
     g_get(yc, dy, (size_t)(T * n) * 2);
     g_free(dy);
     /* one op */
-    const struct norm_post post = {off, rd, dpos, df, q};
+    const struct norm_post post = {off, rd, a.dpos, a.df, q};
     dy = alias ? dx : g_out((size_t)(T * n) * 2, PZ_16);
-    GPU->rmsnorm(&gpu_be, dy, dx, dw, T, n, 1e-6f, &post);
+    GPU->rmsnorm(&gpu_be, dy, dx, a.dw, T, n, 1e-6f, &post);
     g_get(yg, dy, (size_t)(T * n) * 2);
     if (!alias) g_free(dy);
     g_free(dx);
-    g_free(dw);
-    g_free(dpos);
-    g_free(df);
+    norm_in_free(&a);
     struct cmp c;
     cmp_begin(&c, "rmsnorm+post", "n=%lld T=%lld off=%lld rd=%lld qdq=%d%s", (long long)n, (long long)T,
               (long long)off, (long long)rd, (int)q, alias ? " (y == x)" : "");
     cmp_bf16_exact(&c, yg, yc, T * n);
     cmp_end(&c);
     free(x);
-    free(w);
     free(yc);
     free(yg);
-    free(pos);
-    free(freqs);
 }
 
 static void test_rmsnorm_post(void **st) {
@@ -340,18 +360,12 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
     snprintf(tag, sizeof tag, "linear_post %s T=%lld%s", name, (long long)T, mma ? " mma" : "");
     seed_tag(tag);
     mma_switch(mma);
-    bf16_t *x = NEW(bf16_t, T * k), *w = NEW(bf16_t, n), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
+    bf16_t *x = NEW(bf16_t, T * k), *yc = NEW(bf16_t, T * n), *yg = NEW(bf16_t, T * n);
     fill_act(x, T * k, 1.0f);
-    for (int64_t i = 0; i < n; i++) w[i] = bf16_from_f32(1.0f + 0.3f * gauss());
-    int32_t *pos = NEW(int32_t, T);
-    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
-    float *freqs = NEW(float, rd / 2 + 1);
-    make_freqs(freqs, rd / 2, 10000.0, false);
+    struct norm_in a = norm_in_new(T, n, rd);
     struct qweight gw = g_weight(&h->q, false);
-    bf16_t *dx = g_in(x, (size_t)(T * k) * 2), *dw = g_in(w, (size_t)n * 2);
-    int32_t *dpos = g_in(pos, (size_t)T * 4);
-    float *df = g_in(freqs, (size_t)(rd / 2 + 1) * 4);
-    const struct linear_post lp = {norm ? dw : NULL, 1e-6f, head, {off, rd, dpos, df, q}};
+    bf16_t *dx = g_in(x, (size_t)(T * k) * 2);
+    const struct linear_post lp = {norm ? a.dw : NULL, 1e-6f, head, {off, rd, a.dpos, a.df, q}};
     bf16_t *dy = g_out((size_t)(T * n) * 2, PZ_16);
     be_linear_post_composed(&gpu_be, dy, dx, T, &gw, &lp); /* the ops in turn */
     g_get(yc, dy, (size_t)(T * n) * 2);
@@ -361,9 +375,7 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
     g_get(yg, dy, (size_t)(T * n) * 2);
     g_free(dy);
     g_free(dx);
-    g_free(dw);
-    g_free(dpos);
-    g_free(df);
+    norm_in_free(&a);
     GPU->weight_release(&gpu_be, &gw);
     mma_switch(false);
     struct cmp c;
@@ -371,11 +383,8 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
     cmp_bf16_exact(&c, yg, yc, T * n);
     cmp_end(&c);
     free(x);
-    free(w);
     free(yc);
     free(yg);
-    free(pos);
-    free(freqs);
 }
 
 static void test_linear_post(void **st) {
