@@ -92,6 +92,7 @@ test: all
 test-cuda: all
 	$(BUILD_DIR)/tests/test_cuda_linear
 	$(BUILD_DIR)/tests/test_cuda_ops
+	$(BUILD_DIR)/tests/test_cuda_moe
 	$(BUILD_DIR)/tests/test_cuda_ops_misc
 	$(BUILD_DIR)/tests/test_cuda_attn
 	$(BUILD_DIR)/tests/test_cuda_index

@@ -23,7 +23,7 @@
 /* ---------------------------------------------------------------------------------------------
  * GPU (CUDA backend) vs CPU backend, per op
  *
- * tests/unit/test_cuda_ops.c + test_cuda_ops_misc.c (every op of kernels/backend.h) and
+ * tests/unit/test_cuda_ops.c + test_cuda_moe.c + test_cuda_ops_misc.c (every op of kernels/backend.h) and
  * tests/unit/test_cuda_linear.c (the
  * SM80 FP8/FP4 decode kernels) run the GPU and the CPU backend (the oracle) on the same inputs. The
  * GPU must round where backend.h says. The bounds below allow only the two freedoms backend.h grants

@@ -3,7 +3,7 @@
 # device machine after tests/gpu/pack.sh, like device_run.sh (whose step `multi` calls it). Its
 # steps use dsbatch, bench_nccl and bench_step, not the op tests, and the whole pack passes the
 # device tool's 64 MiB, so pack with
-#   PACK_LEAVE="test_cuda_ops test_cuda_ops_misc test_cuda_attn test_cuda_index test_cuda_branch" bash tests/gpu/pack.sh
+#   PACK_LEAVE="test_cuda_ops test_cuda_moe test_cuda_ops_misc test_cuda_attn test_cuda_index test_cuda_branch" bash tests/gpu/pack.sh
 #
 #   bash tests/gpu/device_run.sh multi                             # every step below, in order
 #   MULTI_STEPS="mkmodel decode" bash tests/gpu/device_run.sh multi # some steps (a later call)

@@ -1,6 +1,7 @@
-/* Shared harness of the CUDA-backend op tests (test_cuda_ops.c: memory, weights, dense, MoE;
- * test_cuda_ops_misc.c: elementwise, mHC, Engram, attention): the CUDA backend against the CPU
- * reference backend, op by op, over every entry of kernels/backend.h.
+/* Shared harness of the CUDA-backend op tests (test_cuda_ops.c: memory, weights, dense;
+ * test_cuda_moe.c: router, experts, combine; test_cuda_ops_misc.c: elementwise, mHC, Engram,
+ * attention): the CUDA backend against the CPU reference backend, op by op, over every entry of
+ * kernels/backend.h.
  *
  * Each case draws fresh seeded inputs shaped like the real thing (DeepSeek-V4.1-Flash per rank under
  * TP8, MODEL.md §1.2/§2: D 5120, 8 local heads of 512, q_lora 1280, one wo_a group of 1024 × 4096,
