@@ -277,12 +277,57 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
     be_linear_post(m->be, q, qr, T, &aw->wq_b, &qrope);
 }
 
+/* The heads' output o [T, Hl·hd] to the sublayer's out [T, D]: the inverse RoPE, wo_a by group,
+ * the groups gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are fixed
+ * at a given T (unlike the index lists before it), so in a decode step it replays as graph
+ * segments: one, or two around the first gather where the TP group's collectives come between.
+ * Each was 3 launches from the host (the inverse RoPE, wo_a and its chunk fold; wo_b's act quant,
+ * the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
+ * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
+ * 5.448 5.502 / 11.00 11.03 / 19.61 19.67: the host runs ahead of the GPU, so a launch from it
+ * costs the step little more than one from a graph. */
+static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf16_t *out) {
+    const struct model_config *c = m->cfg;
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, Hl = aw->wq_b.n / hd;
+    int64_t Gl = aw->wo_a.n / c->o_lora_rank, K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
+    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);  /* [T, Gl·o_lora] */
+    bf16_t *uf = model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);       /* [T, K] every rank's */
+    bf16_t *ol = model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false);      /* [T, Dl] */
+    const bool one = m->tp_size == 1; /* the gathers are device copies: one segment */
+    struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
+    const void *k_p[] = {o, u, uf, ol, out, b->pos};
+    for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
+    if (model_graph_begin(m, b, &k)) {
+        OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
+        OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
+        if (one) {
+            model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
+            OPS->linear(m->be, ol, uf, T, &aw->wo_b);
+            model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
+        }
+        model_graph_end(m);
+    }
+    if (!one) {
+        /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b */
+        model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
+        k.w[0] = GSEG_ATTN_WOB;
+        if (model_graph_begin(m, b, &k)) {
+            OPS->linear(m->be, ol, uf, T, &aw->wo_b);
+            model_graph_end(m);
+        }
+        model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
+    }
+    void *bufs[] = {u, uf, ol};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) model_fbuf_free(m, b, bufs[i]);
+}
+
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct layer_role *r = &c->role[l];
     const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, W = c->window;
+    int64_t T = b->T, hd = c->head_dim, W = c->window;
     int64_t Hl = aw->wq_b.n / hd;
     bf16_t *kv = attention_kv_rows(m);
 
@@ -369,28 +414,15 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 2 * T + 1));
     OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx + (kc ? 2 * T : 0)));
     if (kc) OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, idx_d + T * n_idx, T, kc);
-    bf16_t *o = model_tmp(m, (size_t)T * Hl * hd * 2);
+    bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
     float scale = (float)pow((double)hd, -0.5);
     OPS->sparse_attn(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
     seg_flush(m, &ring);
     seg_free(&ring);
-    OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
-    int64_t Gl = aw->wo_a.n / c->o_lora_rank;
-    bf16_t *u = model_tmp(m, (size_t)T * aw->wo_a.n * 2);
-    OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
-    /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b */
-    int64_t K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
-    bf16_t *uf = model_tmp(m, (size_t)(T * K) * 2), *ol = model_tmp(m, (size_t)(T * Dl) * 2);
-    model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
-    OPS->linear(m->be, ol, uf, T, &aw->wo_b);
-    model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
-    model_tfree(m, uf);
-    model_tfree(m, ol);
-
+    attention_out(m, l, b, o, out);
     free(nw);
     free(idx);
     model_tfree(m, idx_d);
-    model_tfree(m, o);
-    model_tfree(m, u);
+    model_fbuf_free(m, b, o);
     return 0;
 }

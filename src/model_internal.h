@@ -12,6 +12,7 @@ enum fbuf_id {
     FB_X, FB_X1, FB_P, FB_POS,              /* the stream, its mix, positions (model_forward_stage) */
     FB_APRE, FB_POST, FB_COMB, FB_Y, FB_O,  /* the block's mixes and its sublayers' input and output */
     FB_QR, FB_Q,                            /* attention's low-rank query and heads */
+    FB_ATTN_O, FB_ATTN_U, FB_ATTN_UF, FB_ATTN_OL, /* attention's heads out, wo_a's out (own, gathered), wo_b's */
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
     FB_MOE_SH,                              /* the shared expert's output */
     FB_MOE_OC, FB_MOE_OG,                   /* the owner exchange's column-block sums, gathered */
@@ -98,7 +99,7 @@ void model_fbuf_free(struct model *m, const struct batch *b, void *p);
  * later on the same backend, whose buffers may take a freed model's addresses, has other
  * weights), then every buffer address its ops touch that the layer's weights do not fix (the
  * caller's promise of backend.h's graph_begin). */
-enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID };
+enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID, GSEG_ATTN_OUT, GSEG_ATTN_WOB };
 #define GRAPH_KEY_MAX 24
 struct graph_key {
     uint64_t w[GRAPH_KEY_MAX];

@@ -375,18 +375,20 @@ static void chk_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, in
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix_w(w1), mix_w(w3), mix_w(w2), mix_f(limit);
     g_cpu->shared_expert(IN, y, x, T, w1, w3, w2, limit);
 }
+static void chk_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
+                               const struct qweight *W) {
+    (void)be;
+    op(13);
+    WR(y), RD(x);
+    if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix((uint64_t)G), mix_w(W);
+    g_cpu->grouped_linear(IN, y, x, T, G, W);
+}
 
 /* ---- the ops the model keeps outside segments (their arguments follow the step's context) ---- */
 static void chk_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     (void)be;
     outside("linear_f32");
     g_cpu->linear_f32(IN, y, x, T, W);
-}
-static void chk_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, int64_t G,
-                               const struct qweight *W) {
-    (void)be;
-    outside("grouped_linear");
-    g_cpu->grouped_linear(IN, y, x, T, G, W);
 }
 static void chk_head(struct backend *be, float *lg, const bf16_t *x, int64_t T, const struct qweight *W) {
     (void)be;
