@@ -37,6 +37,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+ALT_LAST = 10  # revisions shown in cuda_step_alternated.png
+
 
 def rows(path):
     with open(path) as f:
@@ -202,6 +204,10 @@ def main():
         for x in r:
             if x["series"] not in revs:
                 revs.append(x["series"])
+        # the latest revisions only (the CSV keeps every one): beyond ~10 bars a batch size the
+        # legend covers them
+        revs = revs[-ALT_LAST:]
+        r = [x for x in r if x["series"] in revs]
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         for ax, kind in zip(axes, ("decode", "prefill")):
             ns = sorted({int(x["batch_or_tokens"]) for x in r if x["kind"] == kind})
@@ -232,10 +238,11 @@ def main():
                 ax.set_ylabel("tokens/s")
             ax.set_title("%s, binaries alternated in one run (mean, range)" % kind, fontsize=9)
             # many series: the legend in columns, above the bars (room made over the tallest)
-            ax.legend(fontsize=6.5, ncol=3, loc="upper left")
+            ax.legend(fontsize=6.5, ncol=3 if kind == "decode" else 2, loc="upper left")
             ax.set_ylim(0, 100 if kind == "decode" else 1.6 * top)
         fig.suptitle("bench_step, TP8xPP2 rank 0 shard (20 layers), the SM80 code JIT-compiled on the card named "
-                     "in each label (% of that card's copy bandwidth)", fontsize=10)
+                     "in each label (%% of that card's copy bandwidth); the latest %d revisions, all in the CSV"
+                     % ALT_LAST, fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(os.path.join(d, "cuda_step_alternated.png"), dpi=110)
 
