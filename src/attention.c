@@ -285,27 +285,24 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
  * the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
  * 5.448 5.502 / 11.00 11.03 / 19.61 19.67: the host runs ahead of the GPU, so a launch from it
- * costs the step little more than one from a graph. */
+ * costs the step little more than one from a graph. With one rank there is nothing to gather:
+ * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). */
 static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, Hl = aw->wq_b.n / hd;
     int64_t Gl = aw->wo_a.n / c->o_lora_rank, K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
-    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);  /* [T, Gl·o_lora] */
-    bf16_t *uf = model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);       /* [T, K] every rank's */
-    bf16_t *ol = model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false);      /* [T, Dl] */
-    const bool one = m->tp_size == 1; /* the gathers are device copies: one segment */
+    const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
+    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);             /* [T, Gl·o_lora] */
+    bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);        /* [T, K] every rank's */
+    bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false);     /* [T, Dl] */
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
     const void *k_p[] = {o, u, uf, ol, out, b->pos};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
     if (model_graph_begin(m, b, &k)) {
         OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
-        if (one) {
-            model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
-            OPS->linear(m->be, ol, uf, T, &aw->wo_b);
-            model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
-        }
+        if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
         model_graph_end(m);
     }
     if (!one) {
@@ -318,8 +315,8 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
         }
         model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
     }
-    void *bufs[] = {u, uf, ol};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) model_fbuf_free(m, b, bufs[i]);
+    model_fbuf_free(m, b, u);
+    if (!one) model_fbuf_free(m, b, uf), model_fbuf_free(m, b, ol);
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,
