@@ -293,9 +293,9 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
     int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, Hl = aw->wq_b.n / hd;
     int64_t Gl = aw->wo_a.n / c->o_lora_rank, K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
     const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
-    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);             /* [T, Gl·o_lora] */
-    bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);        /* [T, K] every rank's */
-    bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false);     /* [T, Dl] */
+    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);         /* [T, Gl·o_lora] */
+    bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);    /* [T, K] all ranks' */
+    bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
     const void *k_p[] = {o, u, uf, ol, out, b->pos};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);

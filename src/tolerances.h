@@ -23,12 +23,11 @@
 /* ---------------------------------------------------------------------------------------------
  * GPU (CUDA backend) vs CPU backend, per op
  *
- * tests/unit/test_cuda_ops.c + test_cuda_moe.c + test_cuda_ops_misc.c (every op of kernels/backend.h) and
- * tests/unit/test_cuda_linear.c (the
- * SM80 FP8/FP4 decode kernels) run the GPU and the CPU backend (the oracle) on the same inputs. The
- * GPU must round where backend.h says. The bounds below allow only the two freedoms backend.h grants
- * a GPU backend, and follow from them and from the op's rounding points; none is fitted to what a
- * kernel happens to produce:
+ * tests/unit/test_cuda_ops.c + test_cuda_moe.c + test_cuda_ops_misc.c + test_cuda_attn.c (every op
+ * of kernels/backend.h) and tests/unit/test_cuda_linear.c (the SM80 FP8/FP4 decode kernels) run
+ * the GPU and the CPU backend (the oracle) on the same inputs. The GPU must round where backend.h
+ * says. The bounds below allow only the two freedoms backend.h grants a GPU backend, and follow
+ * from them and from the op's rounding points; none is fitted to what a kernel happens to produce:
  *  (a) the order of an fp32 sum ("GPU backends may reorder within an fp32 sum"), including a sum
  *      inside a tensor-core MMA;
  *  (b) CUDA's single-precision libm (expf, sinf, cosf, log1pf, rsqrtf) in place of glibc's.
