@@ -105,6 +105,16 @@ struct norm_post {
  *  - norm_w NULL: RoPE on [post.off, post.off + post.rd) of each of a row's n / head heads (the
  *    rope op with nh = n / head, ld_row = n, ld_head = head, forward; rd = 0: none), then the QDQ
  *    post.qdq of the T·n values. */
+/* What sparse_attn_rope applies to the attention's output o [T, H, hd]: the rope op on [off,
+ * off + rd) of every head (nh = H, ld_row = H·hd, ld_head = hd) at positions pos, inverse or not —
+ * the attention output's inverse RoPE (MODEL.md §3.9), which a backend can apply as it stores o. */
+struct attn_rope {
+    int64_t off, rd;    /* the rotary part of each head */
+    const int32_t *pos; /* [T] positions, backend memory */
+    const float *freqs; /* [rd / 2] fp32, backend memory */
+    bool inverse;
+};
+
 struct linear_post {
     const bf16_t *norm_w;
     float eps;
@@ -266,6 +276,11 @@ struct backend_ops {
      * scaled); o = bf16(acc / denominator); a row with no valid index gives zeros. */
     void (*sparse_attn)(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
                         int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+    /* Optional (NULL: be_sparse_attn_rope runs sparse_attn, then rope): sparse_attn, then the rope
+     * op on its output as struct attn_rope says, with the bits of the two ops in turn. */
+    void (*sparse_attn_rope)(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                             int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                             const struct attn_rope *r);
     /* Ratio-2 compressor pooling in fp32: kv, score [T/2... groups] given as fp32 [G, r, n];
      * lat[g,:] = bf16( Σ_j kv[g,j,:] · softmax_j(score[g,:,:]) ) with softmax over the r tokens per
      * channel: e = expf(s − max), e / Σe; products summed in j order. */
@@ -387,6 +402,25 @@ static inline void be_linear_post_composed(struct backend *be, bf16_t *y, const 
     if (p->rd > 0) o->rope(be, y, T, n / lp->head, n, lp->head, p->off, p->rd, p->pos, p->freqs, false);
     if (p->qdq == NORM_QDQ_FP8_32) o->qdq_fp8_32(be, y, T * n);
     if (p->qdq == NORM_QDQ_FP4_32) o->qdq_fp4_32(be, y, T * n);
+}
+
+/* sparse_attn_rope as its ops in turn: what a backend without the fused op runs, and the bits one
+ * with it must give. */
+static inline void be_sparse_attn_rope_composed(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                                                const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx,
+                                                const float *sink, float scale, const struct attn_rope *r) {
+    be->ops->sparse_attn(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
+    if (r->rd > 0) be->ops->rope(be, o, T, H, H * hd, hd, r->off, r->rd, r->pos, r->freqs, r->inverse);
+}
+
+/* The sparse_attn_rope op where the backend has one, else its ops in turn (the model's entry point). */
+static inline void be_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                                       const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx,
+                                       const float *sink, float scale, const struct attn_rope *r) {
+    if (be->ops->sparse_attn_rope)
+        be->ops->sparse_attn_rope(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
+    else
+        be_sparse_attn_rope_composed(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
 }
 
 /* The linear_post op where the backend has one, else its ops in turn (the model's entry point). */

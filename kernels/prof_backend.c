@@ -51,6 +51,7 @@ enum prof_op {
     PROF_ENGRAM_GATHER,
     PROF_ENGRAM_GATE,
     PROF_SPARSE_ATTN,
+    PROF_SPARSE_ATTN_ROPE,
     PROF_COMPRESS_POOL,
     PROF_INDEX_SCORES,
     PROF_ROUTER,
@@ -72,7 +73,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -272,6 +273,14 @@ static void prof_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, con
     PR(be)->inner->ops->sparse_attn(PR(be)->inner, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
     prof_end(be, PROF_SPARSE_ATTN, t0);
 }
+/* the inner backend's fused op, or its ops in turn (be_sparse_attn_rope), charged as one */
+static void prof_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                                  int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                                  const struct attn_rope *r) {
+    double t0 = prof_begin(be);
+    be_sparse_attn_rope(PR(be)->inner, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
+    prof_end(be, PROF_SPARSE_ATTN_ROPE, t0);
+}
 static void prof_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G, int64_t r, int64_t n) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->compress_pool(PR(be)->inner, lat, kv, score, G, r, n);
@@ -360,6 +369,7 @@ static const struct backend_ops prof_ops = {
     .engram_gather = prof_engram_gather,
     .engram_gate = prof_engram_gate,
     .sparse_attn = prof_sparse_attn,
+    .sparse_attn_rope = prof_sparse_attn_rope,
     .compress_pool = prof_compress_pool,
     .index_scores = prof_index_scores,
     .index_topk = prof_index_topk,

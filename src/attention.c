@@ -277,12 +277,12 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
     be_linear_post(m->be, q, qr, T, &aw->wq_b, &qrope);
 }
 
-/* The heads' output o [T, Hl·hd] to the sublayer's out [T, D]: the inverse RoPE, wo_a by group,
- * the groups gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are fixed
- * at a given T (unlike the index lists before it), so in a decode step it replays as graph
+/* The heads' output o [T, Hl·hd] (after its inverse RoPE) to the sublayer's out [T, D]: wo_a by
+ * group, the groups gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are
+ * fixed at a given T (unlike the index lists before it), so in a decode step it replays as graph
  * segments: one, or two around the first gather where the TP group's collectives come between.
- * Each was 3 launches from the host (the inverse RoPE, wo_a and its chunk fold; wo_b's act quant,
- * the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
+ * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
+ * quant, the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
  * 5.448 5.502 / 11.00 11.03 / 19.61 19.67: the host runs ahead of the GPU, so a launch from it
  * costs the step little more than one from a graph. With one rank there is nothing to gather:
@@ -290,17 +290,16 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
 static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, Hl = aw->wq_b.n / hd;
+    int64_t T = b->T;
     int64_t Gl = aw->wo_a.n / c->o_lora_rank, K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
     const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
     bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);         /* [T, Gl·o_lora] */
     bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);    /* [T, K] all ranks' */
     bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
-    const void *k_p[] = {o, u, uf, ol, out, b->pos};
+    const void *k_p[] = {o, u, uf, ol, out};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
     if (model_graph_begin(m, b, &k)) {
-        OPS->rope(m->be, o, T, Hl, Hl * hd, hd, hd - rd, rd, b->pos, m->freqs[l], true);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
         if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
         model_graph_end(m);
@@ -413,7 +412,9 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     if (kc) OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, idx_d + T * n_idx, T, kc);
     bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
     float scale = (float)pow((double)hd, -0.5);
-    OPS->sparse_attn(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale);
+    /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
+    const struct attn_rope inv = {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true};
+    be_sparse_attn_rope(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale, &inv);
     seg_flush(m, &ring);
     seg_free(&ring);
     attention_out(m, l, b, o, out);

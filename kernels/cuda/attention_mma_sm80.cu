@@ -28,6 +28,7 @@
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
 #include "mma_sm80.cuh"
+#include "rope_common.cuh"
 
 #define AM_BLOCK 64            /* idx entries per online-softmax block (backend.h) */
 #define AM_HG 8                /* heads per CTA: the mma's n = 8 */
@@ -240,6 +241,23 @@ static __device__ __forceinline__ void am_block_fold(float (&acc)[TL][4], const 
         for (int r = 0; r < 4; r++) acc[j][r] = __fadd_rn(__fmul_rn(acc[j][r], r & 1 ? a1 : a0), pv[j][r]);
 }
 
+/* sparse_attn_rope's RoPE on the stored output (struct attn_rope; pos NULL: none), row t of a launch
+ * at pos[t] (pos offset to the launch's first row): rope_kernel's arithmetic on the bf16 values the
+ * plain store would write, so o is the bits of sparse_attn, then rope. */
+struct am_rope {
+    const int32_t *pos;
+    const float *freqs;
+    int off, rd, inverse;
+};
+
+/* channels c, c + 1 of a head (c even) as bf16 codes lo, hi: rotated in place where they are a
+ * rotary pair of rp */
+static __device__ __forceinline__ void am_rope_pair(uint16_t &lo, uint16_t &hi, const am_rope &rp, int64_t t, int c) {
+    if (!rp.pos || c < rp.off || c >= rp.off + rp.rd) return;
+    const float2 cs = rope_cs(rp.pos[t], rp.freqs[(c - rp.off) >> 1]);
+    rope_rotate(ds_bf16f(lo), ds_bf16f(hi), cs.x, rp.inverse ? -cs.y : cs.y, lo, hi);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Online softmax and P·V.
  *
@@ -263,7 +281,7 @@ template <int TL> /* 4 CTAs an SM's worth of registers: without the cap TL = 2 s
 __global__ void __launch_bounds__(128, 4)
     attn_pv_mma_kernel(uint16_t *__restrict__ o, const float *__restrict__ sc, const uint16_t *__restrict__ kv,
                        const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
-                       int vecs) {
+                       int vecs, am_rope rp) {
     constexpr int DS = 16 * TL; /* channels of the slice */
     constexpr int NE = 4 * TL;  /* pv fragment registers per lane */
     __shared__ __align__(16) uint16_t ps[AM_W][AM_HG][AM_BLOCK + 8]; /* bf16(p) per warp's block */
@@ -366,9 +384,20 @@ __global__ void __launch_bounds__(128, 4)
     __syncthreads();
     for (int c = tid; c < AM_HG * DS / 8; c += blockDim.x) {
         const int hh = c / (DS / 8), s8 = c % (DS / 8);
-        if (h0 + hh < H)
-            *reinterpret_cast<uint4 *>(o + (t * H + h0 + hh) * (int64_t)hd + c0 + 8 * s8) =
-                *reinterpret_cast<const uint4 *>(&os[hh][8 * s8]);
+        if (h0 + hh < H) {
+            uint4 v = *reinterpret_cast<const uint4 *>(&os[hh][8 * s8]);
+            if (rp.pos) {
+                uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    uint16_t lo = (uint16_t)(w[k] & 0xffffu), hi = (uint16_t)(w[k] >> 16);
+                    am_rope_pair(lo, hi, rp, t, c0 + 8 * s8 + 2 * k);
+                    w[k] = (uint32_t)lo | ((uint32_t)hi << 16);
+                }
+                v = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+            *reinterpret_cast<uint4 *>(o + (t * H + h0 + hh) * (int64_t)hd + c0 + 8 * s8) = v;
+        }
     }
 }
 
@@ -429,10 +458,11 @@ __global__ void __launch_bounds__(128, 4)
 
 /* The end of a row's P·V in the fragment layout of am_block_pv (acc[j][r]: head h0 + 2t + (r & 1),
  * channel c0 + 2TL·g + 2j + (r >> 1)): o = bf16(acc / l) with l[hh] the denominator of head
- * h0 + 2t + hh, or 0 where l < 0 (a row without a valid entry); 2TL consecutive bf16 a head. */
+ * h0 + 2t + hh, or 0 where l < 0 (a row without a valid entry); 2TL consecutive bf16 a head, which
+ * are whole RoPE pairs (channel c0 + 2TL·g + 2j and the next). */
 template <int TL>
 static __device__ __forceinline__ void am_store_o(uint16_t *o, const float (&acc)[TL][4], const float (&l)[2], int64_t t,
-                                                  int H, int hd, int h0, int c0, int g, int tq) {
+                                                  int H, int hd, int h0, int c0, int g, int tq, const am_rope &rp) {
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         const int h = h0 + 2 * tq + hh;
@@ -440,8 +470,9 @@ static __device__ __forceinline__ void am_store_o(uint16_t *o, const float (&acc
         uint32_t wd[TL];
 #pragma unroll
         for (int j = 0; j < TL; j++) {
-            const uint16_t lo = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][hh], l[hh]));
-            const uint16_t hi = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][2 + hh], l[hh]));
+            uint16_t lo = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][hh], l[hh]));
+            uint16_t hi = l[hh] < 0.0f ? (uint16_t)0 : ds_bf16_rne(__fdiv_rn(acc[j][2 + hh], l[hh]));
+            am_rope_pair(lo, hi, rp, t, c0 + 2 * TL * g + 2 * j);
             wd[j] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
         uint16_t *dst = o + (t * H + h) * (int64_t)hd + c0 + 2 * TL * g;
@@ -461,7 +492,7 @@ template <int TL>
 __global__ void __launch_bounds__(128)
     attn_pv_split_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ P, const float *__restrict__ AL,
                          const float *__restrict__ L, const uint16_t *__restrict__ kv, const int32_t *__restrict__ idx,
-                         int H, int hd, int n_idx) {
+                         int H, int hd, int n_idx, am_rope rp) {
     constexpr int DS = 16 * TL;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int slice = blockIdx.z * AM_W + warp;
@@ -498,7 +529,7 @@ __global__ void __launch_bounds__(128)
         am_block_fold<TL>(acc, vw, pb, a0, a1);
     }
     const float lv[2] = {aok0 ? L[t * H + h0 + 2 * tq] : 0.0f, aok1 ? L[t * H + h0 + 2 * tq + 1] : 0.0f};
-    am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq);
+    am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq, rp);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -527,7 +558,7 @@ __global__ void __launch_bounds__(128)
 __global__ void __launch_bounds__(32 * AM_OW, 2)
     attn_one_pass_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
                          const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
-                         float scale) {
+                         float scale, am_rope rp) {
     constexpr int TL = AM_ONE_TL, DS = 16 * TL;
     __shared__ float part[2][AM_W - 1][AM_QK_EG * 4][32]; /* [entry half][quarter 1..3][fragment][lane] */
     __shared__ float sb[AM_HG][AM_BLOCK + 4];               /* the block's logits [head][entry] */
@@ -653,7 +684,7 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
     __syncthreads();
     if (cact) {
         const float lv[2] = {l_s[2 * tq], l_s[2 * tq + 1]};
-        am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq);
+        am_store_o<TL>(o, acc, lv, t, H, hd, h0, c0, g, tq, rp);
     }
 }
 
@@ -681,18 +712,23 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
 
 bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
                                const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
-                               float scale) {
+                               float scale, const struct attn_rope *rope) {
     if (hd % 64 || hd > 4096 || n_idx <= 0 || n_idx > (1 << 30) || H > 65535LL * AM_HG || T <= 0 ||
         T > 0x7fffffffLL || (((uintptr_t)q | (uintptr_t)kv | (uintptr_t)o) & 15) || path < CUDA_ATTN_AUTO ||
         path > CUDA_ATTN_ONE_PASS)
         return false;
+    const bool rot = rope && rope->rd > 0;
+    if (rot && (rope->off < 0 || rope->off % 2 || rope->rd % 2 || rope->off + rope->rd > hd || !rope->pos || !rope->freqs))
+        return false; /* pairs the stores do not hold whole */
+    am_rope rp = {rot ? rope->pos : NULL, rot ? rope->freqs : NULL, rot ? (int)rope->off : 0, rot ? (int)rope->rd : 0,
+                  rot && rope->inverse};
     cudaStream_t st = cuda_be_stream(be);
     const int64_t target = 2LL * cuda_be_sms(be), hgs = (H + AM_HG - 1) / AM_HG;
     const bool one_fits = hd <= AM_OW * 16 * AM_ONE_TL;
     if (path == CUDA_ATTN_ONE_PASS && !one_fits) return false;
     if (path == CUDA_ATTN_ONE_PASS || (path == CUDA_ATTN_AUTO && one_fits && T >= AM_ONE_MIN_T)) {
         attn_one_pass_kernel<<<dim3((unsigned)T, (unsigned)hgs), 32 * AM_OW, 0, st>>>(
-            (uint16_t *)o, (const uint16_t *)q, (const uint16_t *)kv, idx, (int)H, (int)hd, (int)n_idx, sink, scale);
+            (uint16_t *)o, (const uint16_t *)q, (const uint16_t *)kv, idx, (int)H, (int)hd, (int)n_idx, sink, scale, rp);
         KERNEL_CHECK();
         return true;
     }
@@ -715,6 +751,8 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
     for (int64_t t0 = 0; t0 < T; t0 += rs) {
         const int64_t tn = T - t0 < rs ? T - t0 : rs;
         const int32_t *it = idx + t0 * n_idx;
+        am_rope rt = rp; /* the slice's rows from its first */
+        if (rt.pos) rt.pos += t0;
         attn_qk_mma_kernel<<<dim3((unsigned)(tn * ncta), (unsigned)hgs), 128, 0, st>>>(
             sc, q16 + t0 * H * hd, kv16, it, (int)H, (int)hd, (int)n_idx, ncta, scale);
         KERNEL_CHECK();
@@ -727,26 +765,26 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
             const int64_t wt = 8 * target;
             if (tn * hgs * (hd / 64) >= wt)
                 attn_pv_split_kernel<4><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 64 + AM_W - 1) / AM_W)), 128, 0, st>>>(
-                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx, rt);
             else if (tn * hgs * (hd / 32) >= wt)
                 attn_pv_split_kernel<2><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 32 + AM_W - 1) / AM_W)), 128, 0, st>>>(
-                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx, rt);
             else
                 attn_pv_split_kernel<1><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)((hd / 16 + AM_W - 1) / AM_W)), 128, 0, st>>>(
-                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx);
+                    ot, Pb, ALb, Lb, kv16, it, (int)H, (int)hd, (int)n_idx, rt);
             KERNEL_CHECK();
             continue;
         }
         /* the widest slices that still give ~2 CTAs per SM (the softmax is recomputed per slice) */
         if (tn * hgs * (hd / 64) >= target) {
             attn_pv_mma_kernel<4><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 64)), 128, 0, st>>>(
-                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs, rt);
         } else if (tn * hgs * (hd / 32) >= target) {
             attn_pv_mma_kernel<2><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 32)), 128, 0, st>>>(
-                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs, rt);
         } else {
             attn_pv_mma_kernel<1><<<dim3((unsigned)tn, (unsigned)hgs, (unsigned)(hd / 16)), 128, 0, st>>>(
-                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs);
+                ot, sc, kv16, it, (int)H, (int)hd, (int)n_idx, sink, vecs, rt);
         }
         KERNEL_CHECK();
     }
@@ -755,6 +793,7 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
 }
 
 bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
-                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
-    return cuda_sparse_attn_mma_path(be, CUDA_ATTN_AUTO, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
+                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                          const struct attn_rope *rope) {
+    return cuda_sparse_attn_mma_path(be, CUDA_ATTN_AUTO, o, q, kv, idx, T, H, hd, n_idx, sink, scale, rope);
 }

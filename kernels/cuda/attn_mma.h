@@ -27,12 +27,13 @@ extern "C" {
 
 enum { CUDA_ATTN_AUTO = 0, CUDA_ATTN_TWO_PASS = 1, CUDA_ATTN_ONE_PASS = 2 };
 
-/* backend.h's sparse_attn on the tensor cores in the given form, on the backend's stream; false,
- * with nothing launched, where the shape or alignment does not fit the form (hd % 64, hd > 4096 or,
- * one pass, > 512; q, kv and o 16-byte aligned). */
+/* backend.h's sparse_attn on the tensor cores in the given form, on the backend's stream, and with
+ * rope (NULL or rd 0: none) sparse_attn_rope's RoPE applied as o is stored; false, with nothing
+ * launched, where the shape or alignment does not fit the form (hd % 64, hd > 4096 or, one pass,
+ * > 512; q, kv and o 16-byte aligned; rope's off and rd even, within hd). */
 bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
                                const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
-                               float scale);
+                               float scale, const struct attn_rope *rope);
 
 #ifdef __cplusplus
 }

@@ -378,7 +378,7 @@ void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const b
         CUDA_CHECK(cudaMemsetAsync(o, 0, (size_t)(T * H * hd) * sizeof(bf16_t), st));
         return;
     }
-    if (cuda_be_mma(be) && cuda_sparse_attn_mma(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale)) return;
+    if (cuda_be_mma(be) && cuda_sparse_attn_mma(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, NULL)) return;
     if (H > 65535 * 8 || hd > (1 << 20) || n_idx > (1 << 30))
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda sparse_attn", "unsupported shape");
     const int sms = cuda_be_sms(be), target = 2 * sms;
@@ -606,4 +606,16 @@ void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16
         S, ld_s, (const uint16_t *)q, ld_q, (const uint16_t *)K, (const uint16_t *const *)K_rows, nk_rows,
         (const uint16_t *)w, w_scale, visible, (int)nh, (int)d, nk, nkb, veck, vecq);
     KERNEL_CHECK();
+}
+
+/* sparse_attn, then the inverse RoPE on its output (sparse_attn_rope): under the mma switch the
+ * tensor-core kernels rotate the rotary pairs as they store o (rope_kernel's arithmetic on the bf16
+ * values they would store), one launch fewer on a decode step's attention chain; elsewhere (the
+ * exact kernels, no rows, shapes the stores refuse) the two ops in turn. */
+void cuda_op_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                              int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                              const struct attn_rope *r) {
+    if (T <= 0 || H <= 0 || hd <= 0) return;
+    if (n_idx > 0 && cuda_be_mma(be) && cuda_sparse_attn_mma(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r)) return;
+    be_sparse_attn_rope_composed(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
 }

@@ -715,6 +715,7 @@ static const struct backend_ops cuda_ops = {
     .engram_gather = cuda_op_engram_gather,
     .engram_gate = cuda_op_engram_gate,
     .sparse_attn = cuda_op_sparse_attn,
+    .sparse_attn_rope = cuda_op_sparse_attn_rope,
     .compress_pool = cuda_op_compress_pool,
     .index_scores = cuda_op_index_scores,
     .index_topk = cuda_op_index_topk,

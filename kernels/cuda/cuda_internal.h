@@ -118,6 +118,9 @@ void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e,
 /* ---- cuda_attention.cu ---- */
 void cuda_op_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+void cuda_op_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                              int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                              const struct attn_rope *r);
 void cuda_op_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *score, int64_t G,
                            int64_t r, int64_t n);
 void cuda_op_index_scores(struct backend *be, float *S, int64_t ld_s, const bf16_t *q, int64_t ld_q,
@@ -151,9 +154,11 @@ void cuda_moe_mma_experts(struct backend *be, bf16_t *y, const bf16_t *x, const 
                           const struct qweight *w3, const struct qweight *w2, float limit);
 
 /* ---- attention_mma_sm80.cu: sparse_attn on the tensor cores (cuda_op_sparse_attn calls it when the
- * mma switch is on); false, with nothing launched, where the shape or alignment does not fit it
- * (hd % 64, 16-byte aligned q, kv and o): the exact kernels then run ---- */
+ * mma switch is on), with rope (NULL: none) sparse_attn_rope's RoPE in its stores; false, with
+ * nothing launched, where the shape or alignment does not fit it (hd % 64, 16-byte aligned q, kv
+ * and o; rope's pairs): the exact kernels then run ---- */
 bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
-                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale);
+                          int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                          const struct attn_rope *rope);
 
 #endif /* DS_CUDA_INTERNAL_H */

@@ -119,7 +119,7 @@ static void run_pass(const void *ctx) {
             continue;
         }
 #ifdef DS_HAVE_CUDA
-        if (!cuda_sparse_attn_mma_path(p->be, p->form, p->o, qs, p->kv, is, p->T, HEADS, HD, N_IDX, p->sink, p->scale)) {
+        if (!cuda_sparse_attn_mma_path(p->be, p->form, p->o, qs, p->kv, is, p->T, HEADS, HD, N_IDX, p->sink, p->scale, NULL)) {
             fprintf(stderr, "bench_attn: the tensor-core form %d refused the shape\n", p->form);
             exit(2);
         }

@@ -642,6 +642,21 @@ static inline void mma_switch(bool on) {
 #endif
 }
 
+/* fp32 frequency table of MODEL.md §3.5 (fp32 pow and reciprocal; YaRN ramp when asked) */
+static inline void make_freqs(float *f, int64_t half, double theta, bool yarn) {
+    int64_t rd = 2 * half;
+    for (int64_t i = 0; i < half; i++) f[i] = 1.0f / powf((float)theta, (float)(2 * i) / (float)rd);
+    if (!yarn) return;
+    double lt = log(theta);
+    double lo = floor((double)rd * log(65536.0 / (2 * M_PI * 32)) / (2 * lt)), hi = ceil((double)rd * log(65536.0 / (2 * M_PI)) / (2 * lt));
+    lo = fmax(lo, 0.0);
+    hi = fmin(hi, (double)rd - 1);
+    for (int64_t i = 0; i < half; i++) {
+        double ramp = hi > lo ? fmin(fmax(((double)i - lo) / (hi - lo), 0.0), 1.0) : 0.0;
+        f[i] = f[i] / 16.0f * (float)ramp + f[i] * (float)(1.0 - ramp);
+    }
+}
+
 /* bring-up aids: run or skip tests by glob pattern (a crashed CUDA context ends the process) */
 static inline void cuda_ops_test_filters(void) {
     if (getenv("DS_TEST_FILTER")) cmocka_set_test_filter(getenv("DS_TEST_FILTER"));

@@ -1,5 +1,6 @@
 /* The CUDA backend's attention ops against the CPU reference backend: sparse_attn (both paths:
- * the exact kernels and the tensor-core forms, which must agree with each other bit for bit),
+ * the exact kernels and the tensor-core forms, which must agree with each other bit for bit) and
+ * sparse_attn_rope (bit for bit the GPU's sparse_attn, then rope),
  * compress_pool and index_scores, each against the interval of what either backend may produce
  * (the models below, from backend.h's rounding points and tolerances.h's freedoms), and the batch
  * invariance of sparse_attn and index_scores. Split from test_cuda_ops_misc.c (the elementwise,
@@ -308,8 +309,8 @@ static bool attn_forms_case(const char *name, int64_t T, int64_t H, int64_t hd, 
     void *dq = g_in(a.q, (size_t)(T * H * hd) * 2), *dkv = g_in(a.kv, (size_t)(nkv * hd) * 2),
          *di = g_in(a.idx, (size_t)(T * n_idx) * 4), *d2 = g_out(ob, PZ_16), *d1 = g_out(ob, PZ_16);
     const void *ds = g_tensor(a.sink, (size_t)H * 4, false);
-    assert_true(cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_TWO_PASS, d2, dq, dkv, di, T, H, hd, n_idx, ds, a.scale));
-    const bool fits = cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_ONE_PASS, d1, dq, dkv, di, T, H, hd, n_idx, ds, a.scale);
+    assert_true(cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_TWO_PASS, d2, dq, dkv, di, T, H, hd, n_idx, ds, a.scale, NULL));
+    const bool fits = cuda_sparse_attn_mma_path(&gpu_be, CUDA_ATTN_ONE_PASS, d1, dq, dkv, di, T, H, hd, n_idx, ds, a.scale, NULL);
     if (fits) {
         uint16_t *o2 = NEW(uint16_t, T * H * hd), *o1 = NEW(uint16_t, T * H * hd);
         g_get(o2, d2, ob);
@@ -356,6 +357,93 @@ static void test_sparse_attn_forms(void **st) {
     assert_true(attn_forms_case("12 heads hd=64", 9, 12, 64, 200, 150));
     assert_false(attn_forms_case("8 heads hd=1024", 3, 8, 1024, 70, 90));
 #endif
+}
+
+/* sparse_attn_rope (path -1: the op through be_sparse_attn_rope; else the tensor-core form `path`
+ * forced, with the RoPE in its stores) against the GPU's own sparse_attn, then rope, bit for bit:
+ * the fused stores must give the two ops' bits. Positions near 0 and far out (sinf/cosf range
+ * reduction). Returns false where the forced form refuses the shape (nothing launched). */
+static bool attn_rope_case(const char *name, int path, int64_t T, int64_t H, int64_t hd, int64_t n_idx, int64_t nkv,
+                           int64_t off, int64_t rd, bool inverse) {
+    char tag[192];
+    snprintf(tag, sizeof tag, "sparse_attn_rope %s T=%lld path %d", name, (long long)T, path);
+    struct attn_in a = make_attn(tag, T, H, hd, n_idx, nkv);
+    int32_t *pos = NEW(int32_t, T);
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 2 ? irand(1 << 20) : irand(300));
+    float *freqs = NEW(float, rd / 2 + 1);
+    make_freqs(freqs, rd / 2, 10000.0, false);
+    const size_t ob = (size_t)(T * H * hd) * 2;
+    void *dq = g_in(a.q, (size_t)(T * H * hd) * 2), *dkv = g_in(a.kv, (size_t)(nkv * hd) * 2),
+         *di = g_in(a.idx, (size_t)(T * n_idx) * 4), *dr = g_out(ob, PZ_16), *df = g_out(ob, PZ_16);
+    int32_t *dpos = g_in(pos, (size_t)T * 4);
+    float *dfr = g_in(freqs, (size_t)(rd / 2 + 1) * 4);
+    const void *ds = g_tensor(a.sink, (size_t)H * 4, false);
+    GPU->sparse_attn(&gpu_be, dr, dq, dkv, di, T, H, hd, n_idx, ds, a.scale);
+    GPU->rope(&gpu_be, dr, T, H, H * hd, hd, off, rd, dpos, dfr, inverse);
+    const struct attn_rope r = {off, rd, dpos, dfr, inverse};
+    bool ran = true;
+    if (path < 0) be_sparse_attn_rope(&gpu_be, df, dq, dkv, di, T, H, hd, n_idx, ds, a.scale, &r);
+#ifdef DS_HAVE_CUDA
+    else ran = cuda_sparse_attn_mma_path(&gpu_be, path, df, dq, dkv, di, T, H, hd, n_idx, ds, a.scale, &r);
+#endif
+    if (ran) {
+        uint16_t *orf = NEW(uint16_t, T * H * hd), *ofu = NEW(uint16_t, T * H * hd);
+        g_get(orf, dr, ob);
+        g_get(ofu, df, ob);
+        struct cmp c;
+        cmp_begin(&c, "sparse_attn_rope", "= sparse_attn, rope: %s T=%lld path %d", name, (long long)T, path);
+        for (int64_t i = 0; i < T * H * hd; i++) cmp_bits(&c, i, ofu[i], orf[i], bf16_to_f32(ofu[i]), bf16_to_f32(orf[i]));
+        cmp_end(&c);
+        free(orf);
+        free(ofu);
+    }
+    g_free(dq);
+    g_free(dkv);
+    g_free(di);
+    g_free(dr);
+    g_free(df);
+    g_free(dpos);
+    g_free(dfr);
+    GPU->tensor_release(&gpu_be, ds);
+    free(pos);
+    free(freqs);
+    free_attn(&a);
+    return ran;
+}
+
+/* The real shape (8 heads of 512, the inverse RoPE on the last 64 channels: the P·V slice kernel's
+ * 16-, 32- and 64-channel slices at 1-8, 17 and 40 rows, the one pass from 80, the split P·V at 129
+ * and 600 rows forced) and odd ones: a rotary span across slice edges (hd 128, off 42, rd 60), the
+ * forward rotation, 3 heads (a partial head group), rd 0 (no RoPE), an odd first channel (the
+ * forms refuse it; the op then runs the two ops). The mma switch off: the exact kernels, then
+ * rope. */
+static void test_sparse_attn_rope(void **st) {
+    NEED_GPU(st);
+    const int64_t rows[] = {1, 8, 17, 40, 129, 600};
+    for (int mma = 0; mma < 2; mma++) {
+        mma_switch(mma);
+        for (int i = 0; i < 6; i++)
+            attn_rope_case(mma ? "mma real" : "real", -1, rows[i], H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048,
+                           HD - 64, 64, true);
+        attn_rope_case(mma ? "mma span across slices" : "span across slices", -1, 17, 3, 128, 100, 300, 42, 60, false);
+    }
+    mma_switch(true);
+    attn_rope_case("mma no rotary part", -1, 5, 3, 128, 100, 300, 0, 0, true);
+    attn_rope_case("mma odd first channel", -1, 5, 3, 128, 100, 300, 43, 60, true);
+#ifdef DS_HAVE_CUDA
+    if (gpu_state == 1) { /* the forms called directly: not on the CPU stand-in */
+        for (int i = 0; i < 6; i++) {
+            assert_true(attn_rope_case("real", CUDA_ATTN_TWO_PASS, rows[i], H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048,
+                                       HD - 64, 64, true));
+            assert_true(attn_rope_case("real", CUDA_ATTN_ONE_PASS, rows[i], H_LOCAL, HD, WINDOW + INDEX_TOPK, WINDOW + 2048,
+                                       HD - 64, 64, true));
+        }
+        assert_true(attn_rope_case("span across slices", CUDA_ATTN_TWO_PASS, 129, 3, 128, 100, 300, 42, 60, false));
+        assert_true(attn_rope_case("span across slices", CUDA_ATTN_ONE_PASS, 17, 3, 128, 100, 300, 42, 60, false));
+        assert_false(attn_rope_case("odd pair start", CUDA_ATTN_TWO_PASS, 3, 3, 128, 100, 300, 43, 60, false));
+    }
+#endif
+    mma_switch(false);
 }
 
 static void compress_pool_case(int64_t G, int64_t r, int64_t n) {
@@ -645,6 +733,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sparse_attn),
         cmocka_unit_test(test_sparse_attn_forms),
+        cmocka_unit_test(test_sparse_attn_rope),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),
         cmocka_unit_test(test_index_scores_rows),

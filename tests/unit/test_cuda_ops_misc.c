@@ -250,21 +250,6 @@ static void test_rmsnorm(void **st) {
         for (int j = 0; j < NT_ODD; j += 2) rmsnorm_case(T_ODD[j], odd[i], false);
 }
 
-/* fp32 frequency table of MODEL.md §3.5 (fp32 pow and reciprocal; YaRN ramp when asked) */
-static void make_freqs(float *f, int64_t half, double theta, bool yarn) {
-    int64_t rd = 2 * half;
-    for (int64_t i = 0; i < half; i++) f[i] = 1.0f / powf((float)theta, (float)(2 * i) / (float)rd);
-    if (!yarn) return;
-    double lt = log(theta);
-    double lo = floor((double)rd * log(65536.0 / (2 * M_PI * 32)) / (2 * lt)), hi = ceil((double)rd * log(65536.0 / (2 * M_PI)) / (2 * lt));
-    lo = fmax(lo, 0.0);
-    hi = fmin(hi, (double)rd - 1);
-    for (int64_t i = 0; i < half; i++) {
-        double ramp = hi > lo ? fmin(fmax(((double)i - lo) / (hi - lo), 0.0), 1.0) : 0.0;
-        f[i] = f[i] / 16.0f * (float)ramp + f[i] * (float)(1.0 - ramp);
-    }
-}
-
 /* What the norm-and-RoPE cases hand the ops, on the host and the device: a norm's weights [n]
  * (1 + 0.3 N(0, 1)), T positions (odd rows far out) and the RoPE frequencies of rd values. */
 struct norm_in {
