@@ -977,7 +977,13 @@ typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps 
  * 1,400 CTAs (the Engram projection, the w1 | w3 pair): faster a call alone (table), but the
  * 2,048-token prefill 111.3 114.6 -> 116.4 120.1 ms and 8,192 tokens 485 481 -> 507 507 ms (in the
  * prefill the shared expert runs beside the routed experts' kernels); 64 x 128 (4 warps of 64 x 32)
- * and 128 x 64 as 2 x 2 warps of 64 x 32, never the fastest. */
+ * and 128 x 64 as 2 x 2 warps of 64 x 32, never the fastest.
+ * Tried and not kept, wider: 128 x 256 (8 warps of this 128 x 32 warp tile, one CTA an SM, 48 KB of
+ * stages, 255 registers, branch fp8-n256 at f1989f9), which moves a third fewer L2 bytes per FLOP:
+ * H100, T = 2,048, graph µs a call 128 x 128 -> 128 x 256: w1 | w3 441 -> 639, wq_a 144 -> 218,
+ * wo_b 126 -> 182, Engram wkv 2,776 -> 3,892 (results/cuda_linear_tiles_2048_128x256_h100.csv),
+ * the 2K prefill 99.7 100.6 -> 114.6 113.2 ms. With 8 warps an SM and a barrier a stage nothing
+ * hides the chain of loads, decodes and mma: the prefill GEMM is latency bound, not L2 bound. */
 #define FT_MIN_CTAS 200
 enum { FT_DECODE, FT_128x128, FT_128x64, FT_64x64 };
 static int fp8_tile(int64_t T, int64_t n, int64_t k) {
