@@ -983,7 +983,15 @@ typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps 
  * H100, T = 2,048, graph µs a call 128 x 128 -> 128 x 256: w1 | w3 441 -> 639, wq_a 144 -> 218,
  * wo_b 126 -> 182, Engram wkv 2,776 -> 3,892 (results/cuda_linear_tiles_2048_128x256_h100.csv),
  * the 2K prefill 99.7 100.6 -> 114.6 113.2 ms. With 8 warps an SM and a barrier a stage nothing
- * hides the chain of loads, decodes and mma: the prefill GEMM is latency bound, not L2 bound. */
+ * hides the chain of loads, decodes and mma: the prefill GEMM is latency bound, not L2 bound.
+ * Nor is it bound by shared memory: 128 x 128 as 2 x 2 warps of 64 x 64 (two scale groups a warp,
+ * branch fp8-w64 at f3290ce / ebd84a1), whose CTA reads 24 KB of shared memory a k-block instead of
+ * 36 KB, was 10-30 % slower a call with 3 or 4 stages (w1 | w3 443 -> 519 / 500, wq_a 146 -> 167 /
+ * 166, wkv 75 -> 96 / 94 graph µs; results/cuda_linear_tiles_2048_w64_h100.csv), the 2K prefill
+ * 95.1 94.6 -> 99.5 98.7 / 98.5 100.2 ms. Nsight Compute on this tile (w1 | w3 at 2,048 rows, H100,
+ * clocks locked): tensor pipe 42 % of peak, issue slots 43 %, L2 60 %, shared memory 33 %, 7.8 warps
+ * an SM (registers: 255); stalls per issued instruction: fixed-latency wait 1.04, dispatch 0.55,
+ * long scoreboard 0.50, not selected 0.36, math pipe 0.35, short scoreboard 0.34. */
 #define FT_MIN_CTAS 200
 enum { FT_DECODE, FT_128x128, FT_128x64, FT_64x64 };
 static int fp8_tile(int64_t T, int64_t n, int64_t k) {
