@@ -97,14 +97,6 @@ struct norm_post {
     enum norm_qdq qdq;
 };
 
-/* What linear_post applies to the linear's bf16 output rows [T, n] (n = W->n), each step with its
- * own op's bits — a projection and the norm or RoPE after it as one op, so that a backend can run
- * the second in the pass that finishes the first (the CUDA backend folds the tensor-core linears'
- * k-chunks there, where the fold was a launch of its own):
- *  - norm_w given: the rmsnorm op over rows of n (norm_w, eps) with `post` (struct norm_post);
- *  - norm_w NULL: RoPE on [post.off, post.off + post.rd) of each of a row's n / head heads (the
- *    rope op with nh = n / head, ld_row = n, ld_head = head, forward; rd = 0: none), then the QDQ
- *    post.qdq of the T·n values. */
 /* What sparse_attn_rope applies to the attention's output o [T, H, hd]: the rope op on [off,
  * off + rd) of every head (nh = H, ld_row = H·hd, ld_head = hd) at positions pos, inverse or not —
  * the attention output's inverse RoPE (MODEL.md §3.9), which a backend can apply as it stores o. */
@@ -115,6 +107,14 @@ struct attn_rope {
     bool inverse;
 };
 
+/* What linear_post applies to the linear's bf16 output rows [T, n] (n = W->n), each step with its
+ * own op's bits — a projection and the norm or RoPE after it as one op, so that a backend can run
+ * the second in the pass that finishes the first (the CUDA backend folds the tensor-core linears'
+ * k-chunks there, where the fold was a launch of its own):
+ *  - norm_w given: the rmsnorm op over rows of n (norm_w, eps) with `post` (struct norm_post);
+ *  - norm_w NULL: RoPE on [post.off, post.off + post.rd) of each of a row's n / head heads (the
+ *    rope op with nh = n / head, ld_row = n, ld_head = head, forward; rd = 0: none), then the QDQ
+ *    post.qdq of the T·n values. */
 struct linear_post {
     const bf16_t *norm_w;
     float eps;

@@ -315,7 +315,10 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
         model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
     }
     model_fbuf_free(m, b, u);
-    if (!one) model_fbuf_free(m, b, uf), model_fbuf_free(m, b, ol);
+    if (!one) {
+        model_fbuf_free(m, b, uf);
+        model_fbuf_free(m, b, ol);
+    }
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,

@@ -250,6 +250,11 @@ struct am_rope {
     int off, rd, inverse;
 };
 
+/* whether channels c, c + 1 (c even) are a rotary pair of rp */
+static __device__ __forceinline__ bool am_rope_on(const am_rope &rp, int c) {
+    return rp.pos && c >= rp.off && c < rp.off + rp.rd;
+}
+
 /* (cos, ±sin) of the pairs at channels cbase + 2q (q < np) that are rotary pairs of rp into cs[q],
  * thread i of `stride`: filled at a kernel's start, so that the glibc-port sines and cosines (double
  * arithmetic) run under the attention's loads instead of after them in the stores (computed in
@@ -259,7 +264,7 @@ static __device__ __forceinline__ void am_rope_cs(float2 *cs, const am_rope &rp,
     if (!rp.pos) return;
     for (int q = i; q < np; q += stride) {
         const int c = cbase + 2 * q;
-        if (c < rp.off || c >= rp.off + rp.rd) continue;
+        if (!am_rope_on(rp, c)) continue;
         const float2 v = rope_cs(rp.pos[t], rp.freqs[(c - rp.off) >> 1]);
         cs[q] = make_float2(v.x, rp.inverse ? -v.y : v.y);
     }
@@ -268,7 +273,7 @@ static __device__ __forceinline__ void am_rope_cs(float2 *cs, const am_rope &rp,
 /* channels c, c + 1 of a head (c even) as bf16 codes lo, hi: rotated in place where they are a
  * rotary pair of rp, with cs its (cos, ±sin) from am_rope_cs */
 static __device__ __forceinline__ void am_rope_pair(uint16_t &lo, uint16_t &hi, const am_rope &rp, int c, const float2 &cs) {
-    if (!rp.pos || c < rp.off || c >= rp.off + rp.rd) return;
+    if (!am_rope_on(rp, c)) return;
     rope_rotate(ds_bf16f(lo), ds_bf16f(hi), cs.x, cs.y, lo, hi);
 }
 

@@ -60,7 +60,6 @@ static __device__ const uint32_t ds_inv_pio4[24] = {
     0x441529fc, 0x1529fc27, 0x29fc2757, 0xfc2757d1, 0x2757d1f5, 0x57d1f534, 0xd1f534dd, 0xf534ddc0,
     0x34ddc0db, 0xddc0db62, 0xc0db6295, 0xdb629599, 0x6295993c, 0x95993c43, 0x993c4390, 0x3c439041};
 
-
 /* sinf_poly: the sine polynomial for even n, the cosine one (signed by sg, the table that
  * returns -cos) for odd n. */
 __device__ __forceinline__ float ds_sincos_poly(double x, double x2, double sg, int n) {
