@@ -6,7 +6,9 @@
 # 64 MiB in all and each CUDA binary holds the whole kernel suite (~10 MB compressed), so a call
 # that also carries ab.tgz (two revisions, ~23 MB) has room for dsbatch, small6 and one or two
 # tests (with one: 29 MB); the full run (tests/gpu/pack.sh + device_run.sh test engine) needs a
-# call of its own.
+# call of its own. AB_LIBS=1 leaves out the libraries, ~7 MB: the A/B pack beside it holds the same
+# ones (bench_step links what dsbatch and the tests link), and check_run.sh takes them from there;
+# room for a third test, or a probe pack, in the same call.
 #   bash tests/gpu/check_pack.sh test_cuda_attn
 #   then, on the device (carry ["carry/check.tgz", "carry/ab.tgz"]):
 #   bash tests/gpu/check_run.sh && T_RUN=60 REPS=2 bash tests/gpu/ab_run.sh
@@ -24,8 +26,20 @@ for t in "${tests[@]}"; do
   cp "build/tests/$t" $C/check/bin/
 done
 strip $C/check/bin/*
-. tests/gpu/carry_libs.sh
-carry_libs $C/check/lib $C/check/bin/*
+if [ "${AB_LIBS:-0}" = 1 ]; then
+  [ -f $C/ab.tgz ] || { echo "check_pack.sh: AB_LIBS=1 wants carry/ab.tgz (tests/gpu/ab_pack.sh first)" >&2; exit 2; }
+  # every library the binaries load must be in the A/B pack, or be on the GPU machine already
+  . tests/gpu/carry_libs.sh
+  carry_libs $C/check/lib $C/check/bin/*
+  have=$(tar -tzf $C/ab.tgz | sed -n 's|^lib/||p')
+  for f in $C/check/lib/*; do
+    echo "$have" | grep -qx "${f##*/}" || { echo "check_pack.sh: AB_LIBS=1: ${f##*/} is not in carry/ab.tgz" >&2; exit 1; }
+  done
+  rm -f $C/check/lib/*
+else
+  . tests/gpu/carry_libs.sh
+  carry_libs $C/check/lib $C/check/bin/*
+fi
 cp -r "$GOLDEN/small6" $C/check/golden/
 rm -f $C/check/golden/small6/run.log
 tar -C $C -czf $C/check.tgz check

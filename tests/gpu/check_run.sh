@@ -9,6 +9,8 @@ cd "$(dirname "$0")/../.." || exit 2
 [ -f carry/check.tgz ] || { echo "check_run.sh: no carry/check.tgz (tests/gpu/check_pack.sh, and carry it)" >&2; exit 2; }
 rm -rf carry/check && tar -C carry -xzf carry/check.tgz
 mkdir -p carry/lib && cp -a carry/check/lib/. carry/lib/
+# a pack made with AB_LIBS=1 has no libraries of its own: the A/B pack's
+if [ -z "$(ls carry/check/lib)" ] && [ -f carry/ab.tgz ]; then tar -C carry -xzf carry/ab.tgz lib; fi
 . tests/gpu/carry_env.sh
 W=$(mktemp -d)
 nvidia-smi -L | tee "$W/device.txt"
