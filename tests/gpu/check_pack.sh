@@ -26,19 +26,16 @@ for t in "${tests[@]}"; do
   cp "build/tests/$t" $C/check/bin/
 done
 strip $C/check/bin/*
+. tests/gpu/carry_libs.sh
+carry_libs $C/check/lib $C/check/bin/*
 if [ "${AB_LIBS:-0}" = 1 ]; then
   [ -f $C/ab.tgz ] || { echo "check_pack.sh: AB_LIBS=1 wants carry/ab.tgz (tests/gpu/ab_pack.sh first)" >&2; exit 2; }
   # every library the binaries load must be in the A/B pack, or be on the GPU machine already
-  . tests/gpu/carry_libs.sh
-  carry_libs $C/check/lib $C/check/bin/*
   have=$(tar -tzf $C/ab.tgz | sed -n 's|^lib/||p')
   for f in $C/check/lib/*; do
     echo "$have" | grep -qx "${f##*/}" || { echo "check_pack.sh: AB_LIBS=1: ${f##*/} is not in carry/ab.tgz" >&2; exit 1; }
   done
   rm -f $C/check/lib/*
-else
-  . tests/gpu/carry_libs.sh
-  carry_libs $C/check/lib $C/check/bin/*
 fi
 cp -r "$GOLDEN/small6" $C/check/golden/
 rm -f $C/check/golden/small6/run.log
