@@ -42,12 +42,14 @@ BENCH_BIN := $(patsubst tests/bench/%.c,$(BUILD_DIR)/bench/%,$(BENCH_SRC))
 GENCODE   := -gencode arch=compute_$(SM),code=[sm_$(SM),compute_$(SM)]
 NVFLAGS   := -O3 -std=c++17 $(GENCODE) -Ikernels -Isrc -Xptxas -v -lineinfo
 CU_OBJ    := $(patsubst %.cu,$(BUILD_DIR)/obj/%.o,$(CU_SRC))
+# the kernel timeline's CUDA injection library (tests/gpu/step_timeline.sh)
+TRACE_LIB := $(BUILD_DIR)/bench/libcupti_trace.so
 CFLAGS    += -DDS_HAVE_CUDA -I$(CUDA_HOME)/include
 LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart_static -lnccl -ldl -lrt -lstdc++
 endif
 
 .PHONY: all cpu test test-cuda demo bench clean help
-all: $(BUILD_DIR)/dsbatch $(TEST_BIN) $(MPITEST_BIN) $(BENCH_BIN)
+all: $(BUILD_DIR)/dsbatch $(TEST_BIN) $(MPITEST_BIN) $(BENCH_BIN) $(TRACE_LIB)
 
 cpu:
 	$(MAKE) WITH_CUDA=0 NVCC= all
@@ -83,6 +85,11 @@ $(BUILD_DIR)/mpitests/%: tests/mpi/%.c $(BUILD_DIR)/libdsbatch.a
 $(BUILD_DIR)/bench/%: tests/bench/%.c $(BUILD_DIR)/libdsbatch.a
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CFLAGS) -Itests -o $@ $< $(BUILD_DIR)/libdsbatch.a $(LDLIBS)
+
+$(BUILD_DIR)/bench/libcupti_trace.so: tests/gpu/cupti_trace.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Wno-unused-parameter -fPIC -shared -I$(CUDA_HOME)/include \
+		-o $@ $< -L$(CUDA_HOME)/lib64 -lcupti
 
 test: all
 	GOLDEN=$(abspath $(GOLDEN)) BUILD_DIR=$(BUILD_DIR) bash tests/run_tests.sh

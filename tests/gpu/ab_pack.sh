@@ -12,8 +12,8 @@
 # label); `git worktree prune` after removing tmp/ab forgets them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-if [ $# -lt 2 ]; then
-  echo "usage: ab_pack.sh LABEL=REV LABEL=REV [...]   (REV: a commit or branch, or . for the working tree)" >&2
+if [ $# -lt 1 ]; then
+  echo "usage: ab_pack.sh LABEL=REV [LABEL=REV ...]   (REV: a commit or branch, or . for the working tree)" >&2
   exit 2
 fi
 C=carry
@@ -44,13 +44,16 @@ for spec in "$@"; do
   mkdir -p "$C/ab/$label"
   cp "$dir/build/bench/bench_step" "$C/ab/$label/"
   [ ${#labels[@]} -eq 0 ] && cp "$dir/build/bench/bench_linear_cuda" $C/ab/
+  # the timeline's injection library (tests/gpu/step_timeline.sh), where the revision builds it
+  [ ${#labels[@]} -eq 0 ] && make -C "$dir" build/bench/libcupti_trace.so >> "tmp/ab/$label.build.log" 2>&1 &&
+    cp "$dir/build/bench/libcupti_trace.so" $C/ab/
   labels+=("$label")
 done
 strip $C/ab/*/bench_step $C/ab/bench_linear_cuda
 printf '%s\n' "${labels[@]}" > $C/ab/LABELS
 # the libraries the binaries load that the GPU machine may lack
 . tests/gpu/carry_libs.sh
-carry_libs $C/lib $C/ab/*/bench_step
+carry_libs $C/lib $C/ab/*/bench_step $(ls $C/ab/libcupti_trace.so 2>/dev/null)
 tar -C $C -czf $C/ab.tgz ab lib
 du -sh $C/ab.tgz
 if [ "$(stat -c %s $C/ab.tgz)" -gt $((64 << 20)) ]; then

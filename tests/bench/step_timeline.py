@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Where a decode step's wall time goes, from a kernel timeline (tests/gpu/cupti_trace.c's
+kernel_trace.csv, as tests/gpu/step_timeline.sh makes it on the GPU machine).
+
+Nsight Compute's per-kernel durations (kernel_times.sh) add up the kernels run one at a time; a
+step runs them on two streams at once, with gaps between dependent ones. Here, per timed window
+(bench_step --profiler-range: one window per batch size, in the order of --batch), each step is cut
+at its first kernel (the embedding, FIRST) and its time split into
+  - idle: no kernel running (launch latency between dependent kernels, host work in front of them),
+  - one: exactly one kernel running (the chain the step waits on, exposed),
+  - overlap: two or more at once;
+and each kernel name is charged its exposed time (running alone; a kernel on the step's critical
+chain that nothing overlaps is all exposed) and the idle gap in front of it (the wait before it
+started with the GPU empty). Writes SUMMARY (a row per batch size) and KERNELS (a row per batch and
+kernel name); prints both.
+
+  step_timeline.py --trace kernel_trace.csv --batches 1,64 --steps 5 --summary s.csv --kernels k.csv
+"""
+import argparse
+import csv
+import re
+import sys
+from collections import defaultdict
+
+FIRST = "embed_kernel"
+
+
+def short(name):
+    """the kernel's name without its argument list and return type (templates kept)"""
+    n = re.sub(r"\(.*\)$", "", name).strip()
+    n = re.sub(r"^(void|auto)\s+", "", n)
+    return n
+
+
+def load(path):
+    marks, kernels = [], []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            s, e = int(r["start_ns"]), int(r["end_ns"])
+            if r["kind"] == "kernel":
+                kernels.append((s, e, int(r["stream"]), short(r["name"])))
+            else:
+                marks.append((s, r["kind"] == "range_on"))
+    kernels.sort()
+    return marks, kernels
+
+
+def windows(marks):
+    out, on = [], None
+    for t, is_on in sorted(marks):
+        if is_on:
+            on = t
+        elif on is not None:
+            out.append((on, t))
+            on = None
+    return out
+
+
+def split_steps(ks, steps):
+    """the window's kernels cut into steps at each FIRST kernel; the last step ends at the last kernel's end"""
+    starts = [i for i, k in enumerate(ks) if k[3].startswith(FIRST)]
+    if len(starts) != steps:
+        raise SystemExit(f"step_timeline.py: {len(starts)} {FIRST} launches in a window, expected {steps} steps")
+    out = []
+    for j, i0 in enumerate(starts):
+        i1 = starts[j + 1] if j + 1 < len(starts) else len(ks)
+        t_end = ks[i1][0] if i1 < len(ks) else max(k[1] for k in ks[i0:])
+        out.append((ks[i0][0], t_end, ks[i0:i1]))
+    return out
+
+
+def sweep(t0, t1, ks):
+    """idle / one / overlap ns over [t0, t1); per name: exposed ns, idle ns in front, launches, summed ns"""
+    ev = []
+    for idx, (s, e, _, _) in enumerate(ks):
+        ev.append((max(s, t0), 1, idx))
+        ev.append((min(e, t1), -1, idx))
+    ev.sort(key=lambda x: (x[0], x[1]))
+    running, t_prev = set(), t0
+    idle = one = over = 0
+    exposed, before = defaultdict(int), defaultdict(int)
+    for t, kind, idx in ev:
+        dt = t - t_prev
+        if dt > 0:
+            if not running:
+                idle += dt
+                if kind == 1:
+                    before[ks[idx][3]] += dt
+            elif len(running) == 1:
+                one += dt
+                exposed[ks[next(iter(running))][3]] += dt
+            else:
+                over += dt
+        if kind == 1:
+            running.add(idx)
+        else:
+            running.discard(idx)
+        t_prev = max(t_prev, t)
+    tail = t1 - t_prev if t1 > t_prev else 0  # after the step's last kernel: the host's sync and next launch
+    idle += tail
+    launches, summed = defaultdict(int), defaultdict(int)
+    for s, e, _, n in ks:
+        launches[n] += 1
+        summed[n] += e - s
+    return idle, tail, one, over, exposed, before, launches, summed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--batches", required=True, help="the batch sizes of bench_step's --batch, in order")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--bench-csv", help="bench_step's --csv of the same run: its untraced-by-nothing ms per step, "
+                    "for the tracing's own cost (same binary, same run, the trace on)")
+    ap.add_argument("--summary", required=True)
+    ap.add_argument("--kernels", required=True)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",") if b]
+    marks, kernels = load(a.trace)
+    win = windows(marks)
+    if len(win) < len(batches):
+        raise SystemExit(f"step_timeline.py: {len(win)} profiler windows in {a.trace}, expected one per batch "
+                         f"({len(batches)}): bench_step --profiler-range?")
+    bench_ms = {}
+    if a.bench_csv:
+        with open(a.bench_csv, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("kind") == "decode":
+                    bench_ms[int(r["batch_or_tokens"])] = float(r["ms"])
+    srows, krows = [], []
+    for b, (w0, w1) in zip(batches, win):
+        ks = [k for k in kernels if w0 <= k[0] < w1]
+        steps = split_steps(ks, a.steps)
+        # the first step pays the window's start (the host's first launches): the later steps are the steady state
+        use = steps[1:] if len(steps) > 1 else steps
+        tot = defaultdict(float)
+        exp_all, bef_all, lau_all, sum_all = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
+        streams = defaultdict(int)
+        for t0, t1, sk in use:
+            idle, tail, one, over, exposed, before, launches, summed = sweep(t0, t1, sk)
+            tot["wall"] += t1 - t0
+            tot["idle"] += idle
+            tot["tail"] += tail
+            tot["one"] += one
+            tot["over"] += over
+            tot["kernels"] += len(sk)
+            tot["ksum"] += sum(e - s for s, e, _, _ in sk)
+            for n, v in exposed.items():
+                exp_all[n] += v
+            for n, v in before.items():
+                bef_all[n] += v
+            for n, v in launches.items():
+                lau_all[n] += v
+            for n, v in summed.items():
+                sum_all[n] += v
+            for s, e, st, _ in sk:
+                streams[st] += e - s
+        ns = len(use)
+        ms = lambda v: v / ns / 1e6
+        top_streams = sorted(streams.values(), reverse=True)
+        srows.append({
+            "batch": b, "steps_used": ns, "traced_ms": round(ms(tot["wall"]), 4),
+            "bench_ms": bench_ms.get(b, ""), "kernels_per_step": round(tot["kernels"] / ns, 1),
+            "kernel_sum_ms": round(ms(tot["ksum"]), 4), "idle_ms": round(ms(tot["idle"]), 4), "of_which_after_last_ms": round(ms(tot["tail"]), 4),
+            "one_kernel_ms": round(ms(tot["one"]), 4), "overlap_ms": round(ms(tot["over"]), 4),
+            "idle_pct": round(100 * tot["idle"] / tot["wall"], 1),
+            "one_kernel_pct": round(100 * tot["one"] / tot["wall"], 1),
+            "overlap_pct": round(100 * tot["over"] / tot["wall"], 1),
+            "streams": len(streams), "busiest_stream_ms": round(ms(top_streams[0]), 4) if top_streams else 0,
+            "second_stream_ms": round(ms(top_streams[1]), 4) if len(top_streams) > 1 else 0,
+        })
+        names = sorted(sum_all, key=lambda n: -(exp_all[n] + bef_all[n]))
+        for n in names:
+            krows.append({
+                "batch": b, "kernel": n, "launches_per_step": round(lau_all[n] / ns, 1),
+                "sum_us": round(sum_all[n] / ns / 1e3, 1), "exposed_us": round(exp_all[n] / ns / 1e3, 1),
+                "idle_before_us": round(bef_all[n] / ns / 1e3, 1),
+                "exposed_plus_idle_pct": round(100 * (exp_all[n] + bef_all[n]) / tot["wall"], 1),
+            })
+    for path, rows in ((a.summary, srows), (a.kernels, krows)):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    for r in srows:
+        print(", ".join(f"{k} {v}" for k, v in r.items()))
+    for b in batches:
+        print(f"\nbatch {b}: kernel, launches/step, summed µs, exposed µs, idle in front µs, share of the step")
+        for r in [r for r in krows if r["batch"] == b][: a.top]:
+            print(f"  {r['kernel'][:60]:60s} {r['launches_per_step']:7} {r['sum_us']:9} {r['exposed_us']:9} "
+                  f"{r['idle_before_us']:9} {r['exposed_plus_idle_pct']:6}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# tests/bench/step_timeline.py on a hand-made kernel trace whose split is known (TAP lines).
+# Two profiler windows (batch 1 and 8) of three steps each; the script skips each window's first
+# step. Steps 2 and 3 of a window (t = base + 1000.., base + 2000..; µs) are the same pattern:
+#   embed +0-100 (alone), gap 100-200, A 200-500 on stream 1 beside B 300-400 on stream 2 (overlap
+#   100, A alone 200), gap 500-600, C 600-900 (alone); step 2 ends where step 3's embed starts
+#   (+1000: 100 idle after its last kernel), step 3 at its last kernel's end (+900).
+#   Per step on average: wall 950, idle 250 (50 after the last kernel), one kernel 600, overlap
+#   100; exposed: A 200, B 0; idle in front of C 100.
+# A wrong sweep (idle counted under a running kernel, overlap charged to one kernel, the first
+# step kept) changes these numbers.
+set -u
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/dsbatch_timeline.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+ok() { echo "ok - $1"; }
+not_ok() { echo "not ok - $1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -20 | sed 's/^/#   /'; return 0; }
+U=1000 # ns a µs
+k() { echo "kernel,$(($2 * U)),$(($3 * U)),$4,0,0,1,32,\"$1\""; } # NAME START END STREAM (µs)
+{
+  echo "kind,start_ns,end_ns,stream,graph,corr,grid,block,name"
+  for base in 0 4000; do
+    echo "range_on,$((base * U)),$((base * U)),0,0,0,0,0,\"\""
+    k "void embed_kernel<8>(int)" $((base + 10)) $((base + 950)) 1 # the first step (skipped)
+    for off in $((base + 1000)) $((base + 2000)); do
+      k "void embed_kernel<8>(int)" $off $((off + 100)) 1
+      k "void A_kernel<1, 2>(float*, int)" $((off + 200)) $((off + 500)) 1
+      k "B_kernel" $((off + 300)) $((off + 400)) 2
+      k "void C_kernel(int)" $((off + 600)) $((off + 900)) 1
+    done
+    echo "range_off,$(((base + 3500) * U)),$(((base + 3500) * U)),0,0,0,0,0,\"\""
+  done
+} > "$TMP/trace.csv"
+if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 3 --summary "$TMP/s.csv" \
+  --kernels "$TMP/k.csv" > "$TMP/out" 2>&1; then ok "step_timeline.py runs on a two-window trace"; else
+  not_ok "step_timeline.py runs on a two-window trace" "$(cat "$TMP/out")"; exit 0; fi
+check() {
+  local name=$1 want=$2 got=$3
+  if [ "$got" = "$want" ]; then ok "$name ($got)"; else not_ok "$name" "want $want, got $got"; fi
+}
+# field C of the row whose batch is B (and kernel K): the names hold commas, so csv reads them
+col() { python3 -c 'import csv,sys; print(next((r[sys.argv[3]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2]), ""))' "$TMP/s.csv" "$1" "$2"; }
+kcol() { python3 -c 'import csv,sys; print(next((r[sys.argv[4]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2] and r["kernel"] == sys.argv[3]), ""))' "$TMP/k.csv" "$1" "$2" "$3"; }
+for b in 1 8; do
+  check "batch $b: wall per step" 0.95 "$(col $b traced_ms)"
+  check "batch $b: idle per step" 0.25 "$(col $b idle_ms)"
+  check "batch $b: idle after the last kernel" 0.05 "$(col $b of_which_after_last_ms)"
+  check "batch $b: one kernel running" 0.6 "$(col $b one_kernel_ms)"
+  check "batch $b: overlap" 0.1 "$(col $b overlap_ms)"
+  check "batch $b: A's exposed time (running alone)" 200.0 "$(kcol $b 'A_kernel<1, 2>' exposed_us)"
+  check "batch $b: B's exposed time (always beside A)" 0.0 "$(kcol $b B_kernel exposed_us)"
+  check "batch $b: C's idle in front" 100.0 "$(kcol $b C_kernel idle_before_us)"
+  check "batch $b: embed launches per step" 1.0 "$(kcol $b 'embed_kernel<8>' launches_per_step)"
+done
+# a window without the step count's embed launches is an error, not a silent split
+if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 2 --summary "$TMP/s2.csv" \
+  --kernels "$TMP/k2.csv" > "$TMP/out2" 2>&1; then not_ok "a wrong step count is refused" "$(cat "$TMP/out2")"
+elif grep -q "expected 2 steps" "$TMP/out2"; then ok "a wrong step count is refused"
+else not_ok "a wrong step count is refused" "$(cat "$TMP/out2")"; fi
