@@ -108,6 +108,11 @@ void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64_t T, int64
  * (NULL: not wanted). Synchronous, on the legacy default stream. */
 int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first);
 
+/* The mma.sync m16n8k16 bf16 rate (bench_linear_cuda --mma-peak): `blocks` CTAs of 8 warps, each
+ * warp `iters` rounds of ilp (2, 4 or 8) independent mma chains, timed by events (*ms, the second of
+ * two launches). Returns the FLOPs of that launch (2 x 16 x 8 x 16 a mma). */
+double cuda_linear_mma_peak_flops(int ilp, int blocks, int iters, float *ms);
+
 #ifdef __cplusplus
 }
 #endif

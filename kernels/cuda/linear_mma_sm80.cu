@@ -1170,6 +1170,50 @@ extern "C" void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uin
                     dpair{(const uint8_t *)w2, s2, n1});
 }
 
+/* The roof of this file's arithmetic (bench_linear_cuda --mma-peak): mma.sync m16n8k16 bf16 -> fp32
+ * issued back to back, ILP independent accumulator chains a warp (the mma's latency hidden by the
+ * other chains and warps), operands from the lane id so nothing folds away; one store a thread
+ * that a result of exactly 12345 would make (never: the sums are sums of positive products), so
+ * the chains stay. On a Hopper card this is the SM80 instruction's rate, not wgmma's (cuBLAS). */
+template <int ILP>
+__global__ void __launch_bounds__(256) mma_peak_kernel(float *out, int iters) {
+    const uint32_t a = 0x3c003c00u + (threadIdx.x & 31), b = 0x3c003c00u + (threadIdx.x >> 5);
+    float acc[ILP][4];
+#pragma unroll
+    for (int j = 0; j < ILP; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int i = 0; i < iters; i++)
+#pragma unroll
+        for (int j = 0; j < ILP; j++)
+            mma_bf16(acc[j], a, a + j, a, a, b, b, acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ILP; j++) sum += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+    if (sum == 12345.0f) out[threadIdx.x] = sum;
+}
+
+extern "C" double cuda_linear_mma_peak_flops(int ilp, int blocks, int iters, float *ms) {
+    float *d_out;
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaMalloc((void **)&d_out, 256 * sizeof(float)));
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    for (int rep = 0; rep < 2; rep++) { /* the first launch warms the clocks and the module */
+        CUDA_CHECK(cudaEventRecord(e0, 0));
+        if (ilp == 4) mma_peak_kernel<4><<<blocks, 256>>>(d_out, iters);
+        else if (ilp == 8) mma_peak_kernel<8><<<blocks, 256>>>(d_out, iters);
+        else mma_peak_kernel<2><<<blocks, 256>>>(d_out, iters);
+        KERNEL_CHECK();
+        CUDA_CHECK(cudaEventRecord(e1, 0));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+    }
+    CUDA_CHECK(cudaEventElapsedTime(ms, e0, e1));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    CUDA_CHECK(cudaFree(d_out));
+    const int ilp_run = ilp == 4 || ilp == 8 ? ilp : 2;
+    return 2.0 * 16 * 8 * 16 * (double)ilp_run * iters * 8.0 * blocks; /* 8 warps a CTA */
+}
+
 extern "C" int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first) {
     unsigned long long *d_bad;
     unsigned int *d_first;

@@ -17,7 +17,10 @@
  * `--tiles` instead: every FP8 tiling forced at those T (mma128, the decode forms up to 256 rows,
  * mma128x64, mma64x64: CUDA_MMA_PREFILL_*), the data behind CUDA_MMA_AUTO's choice. Runs with a T
  * list also time the shared expert's w1 | w3 as one pair call (sh_w13) and the Engram projection
- * [25600, 6144] (engram_wkv, whole on the stage that holds it). */
+ * [25600, 6144] (engram_wkv, whole on the stage that holds it). With `--mma-peak` instead of the
+ * list (`bench_linear_cuda out.csv --mma-peak`): the roof of the tensor-core paths, mma.sync
+ * m16n8k16 bf16 issued back to back (2, 4 and 8 chains a warp, 1 to 8 CTAs of 8 warps an SM), in
+ * TFLOP/s, the CSV's rows then device,ilp,ctas_per_sm,ms,tflops. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -65,6 +68,22 @@ int main(int argc, char **argv) {
     double bw = bench_copy_bandwidth();
     FILE *f = fopen(argc > 1 ? argv[1] : "cuda_linear_decode.csv", "w");
     if (!f) return 2;
+    if (argc > 2 && strcmp(argv[2], "--mma-peak") == 0) {
+        fprintf(f, "device,ilp,ctas_per_sm,ms,tflops\n");
+        printf("# %s, %d SMs: mma.sync m16n8k16 bf16 -> fp32, back to back\n", prop.name, prop.multiProcessorCount);
+        static const int ilps[] = {2, 4, 8}, per_sm[] = {1, 2, 4, 8};
+        for (size_t i = 0; i < sizeof ilps / sizeof *ilps; i++)
+            for (size_t j = 0; j < sizeof per_sm / sizeof *per_sm; j++) {
+                float ms = 0.0f;
+                const double flops =
+                    cuda_linear_mma_peak_flops(ilps[i], per_sm[j] * prop.multiProcessorCount, 5000, &ms);
+                const double tf = flops / (ms * 1e-3) / 1e12;
+                printf("  ilp %d, %d CTAs of 8 warps an SM: %.3f ms, %.1f TFLOP/s\n", ilps[i], per_sm[j], ms, tf);
+                fprintf(f, "%s,%d,%d,%.4f,%.1f\n", prop.name, ilps[i], per_sm[j], ms, tf);
+            }
+        fclose(f);
+        return 0;
+    }
     /* the T list: the decode sizes on all three paths, or the ones given (mma only) */
     int64_t Ts[16] = {1, 8, 16, 64, 256};
     int nT = 5, path0 = 0, path1 = 3;
