@@ -5,7 +5,7 @@
 # injection library: every kernel's start and end on the device clock), then
 # tests/bench/step_timeline.py splits each traced step into idle / one kernel / overlapped time and
 # charges each kernel its exposed time and the idle gap in front of it. Env: BATCHES (default
-# "1,64"), STEPS (5), CTX (64). Everything comes back in $OUT/timeline.tgz (per label:
+# "1,64"), STEPS (5), CTX (64), LABELS (default: every packed revision). Everything comes back in $OUT/timeline.tgz (per label:
 # LABEL_summary.csv, LABEL_kernels.csv, the runs' outputs; the raw trace compressed); stdout has
 # the summary lines.
 set -u
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.." || exit 2
 BATCHES=${BATCHES:-1,64}
 STEPS=${STEPS:-5}
 W=$(mktemp -d)
-mapfile -t labels < carry/ab/LABELS
+if [ -n "${LABELS:-}" ]; then read -r -a labels <<< "$LABELS"; else mapfile -t labels < carry/ab/LABELS; fi
 for label in "${labels[@]}"; do
   bin=$PWD/carry/ab/$label/bench_step
   args=(--backend cuda --ctx "${CTX:-64}" --batch "$BATCHES" --steps "$STEPS" --prefill "" --profiler-range)
