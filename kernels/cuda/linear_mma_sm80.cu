@@ -30,6 +30,7 @@
  *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
  *      FP8 also 128 x 64 and 64 x 64 (4 warps of 128 x 16 / 64 x 16, 168 / ~115 registers, three /
  *            four CTAs per SM), for calls whose 128 x 128 grid would leave SMs idle.
+ *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages), likewise for 129-512 rows (bf16_tile).
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
@@ -946,6 +947,13 @@ typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
  * / 21.51 21.45 / 104.9 104.2 -> 11.78 11.60 / 15.97 15.95 / 21.32 21.43 / 103.7 104.0 ms. */
 typedef cfg<K_FP8, 1, 4, 2, 3, 128, 4> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
 typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
+/* BF16 64 x 64 (4 warps of 32 x 32, 5 stages: 40 KB), which CUDA_MMA_AUTO takes for BF16 calls of
+ * CUDA_MMA_DECODE_AUTO_T to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid is short of FT_MIN_CTAS
+ * (bf16_tile): a decode step's mHC mixes ([72, 20480], 20 k-chunks), router gate and compressor at
+ * 129-512 rows, where the 128 x 128 tile's 30-80 CTAs each walked a k-chunk of 16 KB stages three
+ * deep, ~20 µs a call whatever its bytes (Nsight at batch 256: 89 calls, 22.8 µs on average). The
+ * same kernel and order contract as every tiling: the same bits. */
+typedef cfg<K_BF16, 2, 2, 4, 4, 64, 5> cfg_bf16_m64n64;
 
 /* Which FP8 tiling CUDA_MMA_AUTO gives a call. A CTA's time is one walk over its k-chunk whatever
  * the tile (a dependent chain at one or two warps a scheduler), so a call's time is the number of
@@ -1003,6 +1011,15 @@ static int fp8_tile(int64_t T, int64_t n, int64_t k) {
     return FT_DECODE;
 }
 
+/* Which BF16 tiling CUDA_MMA_AUTO gives a call above the decode tiling's rows: cfg_bf16_m64n64 up to
+ * CUDA_MMA_NARROW_MAX_T rows where the 128 x 128 grid (one launch's full k-chunks) is short of
+ * FT_MIN_CTAS, else 128 x 128 (prefill chunks, large grids). */
+static int bf16_tile(int64_t T, int64_t n, int64_t k) {
+    const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
+    if (T <= CUDA_MMA_NARROW_MAX_T && (T + 127) / 128 * ((n + 127) / 128) * full < FT_MIN_CTAS) return FT_64x64;
+    return FT_128x128;
+}
+
 /* Workspace: the quantized activations [T, k] bf16 (FP8/FP4), then, when k has more than one
  * chunk, the chunks' fp32 partials [nch][T][n]. */
 static size_t act_bytes(int64_t T, int64_t k) { return ((size_t)T * (size_t)k * sizeof(uint16_t) + 15) & ~(size_t)15; }
@@ -1058,8 +1075,9 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
     if (form) tiling = CUDA_MMA_DECODE;
     /* the FP8 prefill tile: forced, or fp8_tile's below (CUDA_MMA_PREFILL: 128 x 128) */
     int ptile = tiling == CUDA_MMA_PREFILL_128x64 ? FT_128x64 : tiling == CUDA_MMA_PREFILL_64x64 ? FT_64x64 : FT_128x128;
-    if (ptile != FT_128x128 && fmt != WF_FP8)
-        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "a forced narrow tile is for FP8 weights");
+    if ((ptile == FT_128x64 && fmt != WF_FP8) || (ptile == FT_64x64 && fmt == WF_FP4))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma",
+                 "a forced 128 x 64 tile is for FP8 weights, a 64 x 64 one for FP8 and BF16");
     if (ptile != FT_128x128) tiling = CUDA_MMA_PREFILL;
     if (tiling < CUDA_MMA_AUTO || tiling > CUDA_MMA_PREFILL)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "unknown tiling");
@@ -1106,6 +1124,7 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         tiling = ptile == FT_DECODE ? CUDA_MMA_DECODE : CUDA_MMA_PREFILL;
     }
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
+    if (tiling == CUDA_MMA_AUTO && fmt == WF_BF16 && !decode && seam_ok) ptile = bf16_tile(T, n, k);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
     if (!decode && !seam_ok)
@@ -1131,7 +1150,10 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         }
     } else {
         switch (fmt) {
-        case WF_BF16: launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr); break;
+        case WF_BF16:
+            if (ptile == FT_64x64) launch<K_BF16, cfg_bf16_m64n64>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            else launch<K_BF16, cfg_bf16>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
+            break;
         case WF_FP8:
             if (ptile == FT_128x64) launch<K_FP8, cfg_fp8_n64>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);
             else if (ptile == FT_64x64) launch<K_FP8, cfg_fp8_m64n64>(st, yb, kpart, a, wb, s, T, n, k, ld_b, s_ld, pair, pr);

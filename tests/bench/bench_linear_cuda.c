@@ -36,7 +36,7 @@
 
 /* One linear call as the CUDA backend makes it on each path; pair: the shape is two FP8 weights of
  * n / 2 rows each, one cuda_linear_mma_pair call (mma paths only). */
-static void call_linear(int mma, int fp4, int pair, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
+static void call_linear(int mma, int fmt, int pair, uint16_t *y, const uint16_t *x, int64_t T, const uint8_t *w, const uint8_t *s,
                         int64_t n, int64_t k, int64_t ld, int64_t s_ld, void *ws, void *st) {
     if (mma) { /* 1: the default tiling for T, 2: the 128 x 128 tiling at any T, 3-5: a forced FP8 decode form,
                 * 6-7: the 128 x 64 and 64 x 64 tiles at any T */
@@ -49,12 +49,12 @@ static void call_linear(int mma, int fp4, int pair, uint16_t *y, const uint16_t 
             cuda_linear_mma_pair(tiling, WF_FP8, y, x, T, w, s, h, w + h * ld, s + h / 32 * s_ld, h, k, ld, s_ld, ws, st);
             return;
         }
-        cuda_linear_mma_tiling(tiling, fp4 ? WF_FP4 : WF_FP8, y, x, T, w, s, n, k, ld, s_ld, ws, st);
+        cuda_linear_mma_tiling(tiling, fmt, y, x, T, w, s, n, k, ld, s_ld, ws, st);
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += CUDA_LINEAR_MAX_T) {
         int64_t nt = T - t0 < CUDA_LINEAR_MAX_T ? T - t0 : CUDA_LINEAR_MAX_T;
-        (fp4 ? cuda_linear_fp4 : cuda_linear_fp8)(y + t0 * n, x + t0 * k, nt, w, s, n, k, ld, s_ld, ws, st);
+        (fmt == WF_FP4 ? cuda_linear_fp4 : cuda_linear_fp8)(y + t0 * n, x + t0 * k, nt, w, s, n, k, ld, s_ld, ws, st);
     }
 }
 
@@ -112,30 +112,34 @@ int main(int argc, char **argv) {
         int fp4;
         int64_t n, k;
         int pair, listed; /* pair: one cuda_linear_mma_pair call of two [n / 2, k]; listed: with a T list only */
-    } shapes[] = {{"sh_w13", 0, 4608, 5120, 1, 1},   {"wq_a", 0, 1280, 5120, 0, 0},   {"wkv", 0, 512, 5120, 0, 0},
-                  {"wq_b", 0, 4096, 1280, 0, 0},     {"wo_b", 0, 640, 8192, 0, 0},    {"sh_w1", 0, 2304, 5120, 0, 0},
-                  {"sh_w2", 0, 5120, 2304, 0, 0},    {"exp_w1", 1, 2304, 5120, 0, 0}, {"exp_w2", 1, 5120, 2304, 0, 0},
-                  {"engram_wkv", 0, 25600, 6144, 0, 1}};
+        int bf16;         /* a BF16 weight (listed ones: the mHC mixes' three pieces, the router gate) */
+    } shapes[] = {{"sh_w13", 0, 4608, 5120, 1, 1, 0},   {"wq_a", 0, 1280, 5120, 0, 0, 0},   {"wkv", 0, 512, 5120, 0, 0, 0},
+                  {"wq_b", 0, 4096, 1280, 0, 0, 0},     {"wo_b", 0, 640, 8192, 0, 0, 0},    {"sh_w1", 0, 2304, 5120, 0, 0, 0},
+                  {"sh_w2", 0, 5120, 2304, 0, 0, 0},    {"exp_w1", 1, 2304, 5120, 0, 0, 0}, {"exp_w2", 1, 5120, 2304, 0, 0, 0},
+                  {"engram_wkv", 0, 25600, 6144, 0, 1, 0}, {"hc_mix", 0, 72, 20480, 0, 1, 1},
+                  {"gate", 0, 384, 5120, 0, 1, 1}};
     for (int mma = path0; mma < path1; mma++)
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (int ti = 0; ti < nT; ti++) {
             static const char *const pnames[] = {"exact", "mma", "mma128", "mma_mt1", "mma_mt2", "mma_mt4", "mma128x64", "mma64x64"};
             const char *pname = pnames[mma];
-            int fp4 = shapes[si].fp4;
+            int fp4 = shapes[si].fp4, bf16 = shapes[si].bf16;
+            const int fmt = bf16 ? WF_BF16 : fp4 ? WF_FP4 : WF_FP8;
             const int pair = shapes[si].pair;
             if ((pair && !mma) || (shapes[si].listed && argc <= 2)) continue;
+            if (bf16 && (!mma || (mma >= 3 && mma < 7))) continue; /* BF16: auto, 128 x 128 and 64 x 64 */
             int64_t n = shapes[si].n, k = shapes[si].k, T = Ts[ti];
             if (mma == 2 && T < 16) continue; /* the prefill tiling at decode sizes: T = 16, 64, 256 */
             if (mma >= 3 && mma < 6 && (fp4 || T > 256)) continue; /* the forced forms: FP8, the decode tiling's rows */
             if (mma >= 6 && fp4) continue;
             int64_t ld = fp4 ? k / 2 : k, s_ld = fp4 ? k / 32 : (k + 31) / 32, s_rows = fp4 ? n : (n + 31) / 32;
-            size_t wb = (size_t)(n * ld), sb = (size_t)(s_rows * s_ld);
+            size_t wb = (size_t)(n * ld) * (bf16 ? 2 : 1), sb = bf16 ? 0 : (size_t)(s_rows * s_ld);
             int copies = (int)(4.0 * prop.l2CacheSize / (double)(wb + sb)) + 2;
             uint8_t *w, *s;
             uint16_t *x, *y;
             void *ws;
             CK(cudaMalloc((void **)&w, wb * copies));
-            CK(cudaMalloc((void **)&s, sb * copies));
+            CK(cudaMalloc((void **)&s, sb * copies + 16));
             CK(cudaMemset(w, 0x38, wb * copies)); /* e4m3 1.0 / e2m1 pairs: finite values */
             if (fp4) cuda_fp4_pack(w, (int64_t)(wb * copies), NULL); /* the kernels' layout, as weight_prepare's */
             CK(cudaMemset(s, 127, sb * copies));
@@ -145,7 +149,7 @@ int main(int argc, char **argv) {
             size_t wsb = mma ? cuda_linear_mma_workspace_bytes(T, n, k)
                              : cuda_linear_workspace_bytes(T < CUDA_LINEAR_MAX_T ? T : CUDA_LINEAR_MAX_T, k);
             CK(cudaMalloc(&ws, wsb));
-            for (int i = 0; i < copies; i++) call_linear(mma, fp4, pair, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
+            for (int i = 0; i < copies; i++) call_linear(mma, fmt, pair, y, x, T, w + wb * i, s + sb * i, n, k, ld, s_ld, ws, NULL);
             CK(cudaDeviceSynchronize());
             int reps = copies * ((200 + copies - 1) / copies);
             cudaEvent_t e0, e1;
@@ -154,7 +158,7 @@ int main(int argc, char **argv) {
             CK(cudaEventRecord(e0, 0));
             for (int i = 0; i < reps; i++) {
                 int c = i % copies;
-                call_linear(mma, fp4, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
+                call_linear(mma, fmt, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, NULL);
             }
             CK(cudaEventRecord(e1, 0));
             CK(cudaEventSynchronize(e1));
@@ -168,7 +172,7 @@ int main(int argc, char **argv) {
             cudaGraphExec_t exec;
             CK(cudaStreamCreate(&st));
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            for (int c = 0; c < copies; c++) call_linear(mma, fp4, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
+            for (int c = 0; c < copies; c++) call_linear(mma, fmt, pair, y, x, T, w + wb * c, s + sb * c, n, k, ld, s_ld, ws, st);
             CK(cudaStreamEndCapture(st, &graph));
             CK(cudaGraphInstantiate(&exec, graph, 0));
             CK(cudaGraphLaunch(exec, st));

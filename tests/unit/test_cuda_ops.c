@@ -679,7 +679,7 @@ static void test_linear_mma_pair(void **st) {
  * bits for every output, at row counts where each form is not the default one (3: the split
  * kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile; 300: the tiles
  * with a part-filled last row tile, the decode forms left out), a real shape, a weight slice (row
- * stride above k) and odd sizes. */
+ * stride above k) and odd sizes; then BF16 weights through the tilings BF16 has. */
 static void test_linear_mma_forms(void **st) {
     NEED_GPU(st);
 #ifndef DS_HAVE_CUDA
@@ -729,6 +729,50 @@ static void test_linear_mma_forms(void **st) {
         }
         GPU->weight_release(&gpu_be, &g);
         hw_free(&hs[hi]);
+    }
+    /* BF16 weights: the decode tiling, 128 x 128 and 64 x 64 (the tile CUDA_MMA_AUTO takes for
+     * 129-512 rows where the 128 x 128 grid is small: bf16_tile) against the call's own choice,
+     * at the mHC mixes' pieces [72, 20480] (20 k-chunks), the router gate's [384, 5120] and an odd
+     * [37, 160]; 130 and 300 rows are where the 64 x 64 tile is the default */
+    const int64_t Tb[] = {3, 64, 130, 300};
+    const int bforms[] = {CUDA_MMA_DECODE, CUDA_MMA_PREFILL, CUDA_MMA_PREFILL_64x64};
+    const char *bform_names[] = {"decode", "128x128", "64x64"};
+    const char *bnames[] = {"hc mixes [72,20480]", "gate [384,5120]", "odd [37,160]"};
+    struct hw hb[3];
+    seed_tag("mma forms bf16");
+    hb[0] = hw_bf16(72, 4 * DIM, 0.02f);
+    hb[1] = hw_bf16(N_EXPERTS, DIM, 0.02f);
+    hb[2] = hw_bf16(37, 160, 0.05f);
+    for (size_t hi = 0; hi < sizeof hb / sizeof hb[0]; hi++) {
+        struct qweight g = g_weight(&hb[hi].q, false);
+        const int64_t n = g.n, k = g.k;
+        for (size_t ti = 0; ti < sizeof Tb / sizeof Tb[0]; ti++) {
+            const int64_t T = Tb[ti];
+            bf16_t *x = NEW(bf16_t, T * k), *ya = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
+            fill_act(x, T * k, 1.0f);
+            void *dx = g_in(x, (size_t)(T * k) * 2);
+            void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16), *dya = g_out((size_t)(T * n) * 2, PZ_16);
+            cuda_linear_mma_tiling(CUDA_MMA_AUTO, (int)g.fmt, dya, dx, T, g.w, g.s, n, k, g.ld, g.s_ld, ws, NULL);
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            g_get(ya, dya, (size_t)(T * n) * 2);
+            for (size_t fi = 0; fi < sizeof bforms / sizeof bforms[0]; fi++) {
+                if (T > 256 && bforms[fi] == CUDA_MMA_DECODE) continue; /* decode rows */
+                void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
+                cuda_linear_mma_tiling(bforms[fi], (int)g.fmt, dyf, dx, T, g.w, g.s, n, k, g.ld, g.s_ld, ws, NULL);
+                assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+                g_get(yf, dyf, (size_t)(T * n) * 2);
+                struct cmp c;
+                cmp_begin(&c, "linear form", "%s T=%lld %s", bnames[hi], (long long)T, bform_names[fi]);
+                for (int64_t i = 0; i < T * n; i++)
+                    cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
+                cmp_end(&c);
+                g_free(dyf);
+            }
+            g_free(dx), g_free(ws), g_free(dya);
+            free(x), free(ya), free(yf);
+        }
+        GPU->weight_release(&gpu_be, &g);
+        hw_free(&hb[hi]);
     }
 #endif
 }
