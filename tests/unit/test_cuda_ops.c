@@ -673,106 +673,83 @@ static void test_linear_mma_pair(void **st) {
 #endif
 }
 
+#ifdef DS_HAVE_CUDA
+/* One weight's forced tilings against CUDA_MMA_AUTO at each row count, bit for bit: FP8 on the same
+ * quantized x (CUDA_MMA_PREQUANT), BF16 on x itself; the decode forms (DECODE, MT1-MT4) only up to
+ * their 256 rows. */
+static void mma_forms_case(const char *name, const struct qweight *g, const int64_t *Ts, size_t nT, const int *forms,
+                           const char *const *form_names, size_t nf) {
+    const int64_t n = g->n, k = g->k;
+    const bool q = g->fmt != WF_BF16;
+    const int flag = q ? CUDA_MMA_PREQUANT : 0;
+    for (size_t ti = 0; ti < nT; ti++) {
+        const int64_t T = Ts[ti];
+        bf16_t *x = NEW(bf16_t, T * k), *ya = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
+        fill_act(x, T * k, 1.0f);
+        void *dx = g_in(x, (size_t)(T * k) * 2), *dq = q ? g_out(cuda_linear_mma_act_bytes(T, k), PZ_16) : dx;
+        void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16), *dya = g_out((size_t)(T * n) * 2, PZ_16);
+        if (q) cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+        cuda_linear_mma_tiling(CUDA_MMA_AUTO | flag, (int)g->fmt, dya, dq, T, g->w, g->s, n, k, g->ld, g->s_ld, ws, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream (see test_linear_mma_pair) */
+        g_get(ya, dya, (size_t)(T * n) * 2);
+        for (size_t fi = 0; fi < nf; fi++) {
+            const bool dec = forms[fi] == CUDA_MMA_DECODE || (forms[fi] >= CUDA_MMA_DECODE_MT1 && forms[fi] <= CUDA_MMA_DECODE_MT4);
+            if (T > 256 && dec) continue; /* decode rows */
+            void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
+            cuda_linear_mma_tiling(forms[fi] | flag, (int)g->fmt, dyf, dq, T, g->w, g->s, n, k, g->ld, g->s_ld, ws, NULL);
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            g_get(yf, dyf, (size_t)(T * n) * 2);
+            struct cmp c;
+            cmp_begin(&c, "linear form", "%s T=%lld %s", name, (long long)T, form_names[fi]);
+            for (int64_t i = 0; i < T * n; i++) cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
+            cmp_end(&c);
+            g_free(dyf);
+        }
+        if (q) g_free(dq);
+        g_free(dx), g_free(ws), g_free(dya);
+        free(x), free(ya), free(yf);
+    }
+}
+#endif
+
 /* The forced FP8 decode forms (CUDA_MMA_DECODE_MT1 / _MT2 / _MT4, which bench_linear_cuda --forms
  * times to choose the forms' row ranges) and the forced prefill tiles (128 x 128, 128 x 64, 64 x
  * 64: bench_linear_cuda --tiles) against the call's own choice on the same quantized x: the same
  * bits for every output, at row counts where each form is not the default one (3: the split
  * kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile; 300: the tiles
  * with a part-filled last row tile, the decode forms left out), a real shape, a weight slice (row
- * stride above k) and odd sizes; then BF16 weights through the tilings BF16 has. */
+ * stride above k) and odd sizes. Then BF16 weights through the tilings BF16 has (decode, 128 x 128,
+ * 64 x 64: the tile CUDA_MMA_AUTO takes for 129-512 rows where the 128 x 128 grid is small,
+ * bf16_tile) at the mHC mixes' pieces [72, 20480] (20 k-chunks), the router gate's [384, 5120]
+ * and an odd [37, 160]; at 130 and 300 rows the 64 x 64 tile is the default. */
 static void test_linear_mma_forms(void **st) {
     NEED_GPU(st);
 #ifndef DS_HAVE_CUDA
     skip();
 #else
     if (gpu_state != 1) skip(); /* the tensor-core entry points called directly: no CPU stand-in */
-    const int64_t Ts[] = {3, 24, 40, 64, 130, 300};
+    const int64_t Ts[] = {3, 24, 40, 64, 130, 300}, Tb[] = {3, 64, 130, 300};
     const int forms[] = {CUDA_MMA_DECODE_MT1,     CUDA_MMA_DECODE_MT2,     CUDA_MMA_DECODE_MT4,
                          CUDA_MMA_PREFILL,        CUDA_MMA_PREFILL_128x64, CUDA_MMA_PREFILL_64x64};
-    const char *form_names[] = {"MT1", "MT2", "MT4", "128x128", "128x64", "64x64"};
-    const char *names[] = {"wq_a [1280,5120]", "wo_b TP slice [5120,1024]", "odd [37,160]"};
-    struct hw hs[3];
+    const char *const form_names[] = {"MT1", "MT2", "MT4", "128x128", "128x64", "64x64"};
+    const int bforms[] = {CUDA_MMA_DECODE, CUDA_MMA_PREFILL, CUDA_MMA_PREFILL_64x64};
+    const char *const bform_names[] = {"decode", "128x128", "64x64"};
+    const char *names[] = {"wq_a [1280,5120]", "wo_b TP slice [5120,1024]", "odd [37,160]",
+                           "hc mixes [72,20480] bf16", "gate [384,5120] bf16", "odd [37,160] bf16"};
+    struct hw hs[6];
     seed_tag("mma forms");
     hs[0] = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f);
     hs[1] = hw_fp8(DIM, 8 * O_LORA, RANK * O_LORA, O_LORA, 0.02f);
     hs[2] = hw_fp8(37, 160, 0, 160, 0.05f);
+    hs[3] = hw_bf16(72, 4 * DIM, 0.02f);
+    hs[4] = hw_bf16(N_EXPERTS, DIM, 0.02f);
+    hs[5] = hw_bf16(37, 160, 0.05f);
     for (size_t hi = 0; hi < sizeof hs / sizeof hs[0]; hi++) {
         struct qweight g = g_weight(&hs[hi].q, false);
-        const int64_t n = g.n, k = g.k;
-        for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
-            const int64_t T = Ts[ti];
-            bf16_t *x = NEW(bf16_t, T * k), *ya = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
-            fill_act(x, T * k, 1.0f);
-            void *dx = g_in(x, (size_t)(T * k) * 2), *dq = g_out(cuda_linear_mma_act_bytes(T, k), PZ_16);
-            void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16), *dya = g_out((size_t)(T * n) * 2, PZ_16);
-            cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
-            cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_PREQUANT, (int)g.fmt, dya, dq, T, g.w, g.s, n, k, g.ld, g.s_ld,
-                                   ws, NULL);
-            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream (see test_linear_mma_pair) */
-            g_get(ya, dya, (size_t)(T * n) * 2);
-            for (size_t fi = 0; fi < sizeof forms / sizeof forms[0]; fi++) {
-                if (T > 256 && forms[fi] >= CUDA_MMA_DECODE_MT1 && forms[fi] <= CUDA_MMA_DECODE_MT4) continue; /* decode rows */
-                void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
-                cuda_linear_mma_tiling(forms[fi] | CUDA_MMA_PREQUANT, (int)g.fmt, dyf, dq, T, g.w, g.s, n, k, g.ld,
-                                       g.s_ld, ws, NULL);
-                assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-                g_get(yf, dyf, (size_t)(T * n) * 2);
-                struct cmp c;
-                cmp_begin(&c, "linear form", "%s T=%lld %s", names[hi], (long long)T, form_names[fi]);
-                for (int64_t i = 0; i < T * n; i++)
-                    cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
-                cmp_end(&c);
-                g_free(dyf);
-            }
-            g_free(dx), g_free(dq), g_free(ws), g_free(dya);
-            free(x), free(ya), free(yf);
-        }
+        if (hi < 3) mma_forms_case(names[hi], &g, Ts, sizeof Ts / sizeof *Ts, forms, form_names, sizeof forms / sizeof *forms);
+        else mma_forms_case(names[hi], &g, Tb, sizeof Tb / sizeof *Tb, bforms, bform_names, sizeof bforms / sizeof *bforms);
         GPU->weight_release(&gpu_be, &g);
         hw_free(&hs[hi]);
-    }
-    /* BF16 weights: the decode tiling, 128 x 128 and 64 x 64 (the tile CUDA_MMA_AUTO takes for
-     * 129-512 rows where the 128 x 128 grid is small: bf16_tile) against the call's own choice,
-     * at the mHC mixes' pieces [72, 20480] (20 k-chunks), the router gate's [384, 5120] and an odd
-     * [37, 160]; 130 and 300 rows are where the 64 x 64 tile is the default */
-    const int64_t Tb[] = {3, 64, 130, 300};
-    const int bforms[] = {CUDA_MMA_DECODE, CUDA_MMA_PREFILL, CUDA_MMA_PREFILL_64x64};
-    const char *bform_names[] = {"decode", "128x128", "64x64"};
-    const char *bnames[] = {"hc mixes [72,20480]", "gate [384,5120]", "odd [37,160]"};
-    struct hw hb[3];
-    seed_tag("mma forms bf16");
-    hb[0] = hw_bf16(72, 4 * DIM, 0.02f);
-    hb[1] = hw_bf16(N_EXPERTS, DIM, 0.02f);
-    hb[2] = hw_bf16(37, 160, 0.05f);
-    for (size_t hi = 0; hi < sizeof hb / sizeof hb[0]; hi++) {
-        struct qweight g = g_weight(&hb[hi].q, false);
-        const int64_t n = g.n, k = g.k;
-        for (size_t ti = 0; ti < sizeof Tb / sizeof Tb[0]; ti++) {
-            const int64_t T = Tb[ti];
-            bf16_t *x = NEW(bf16_t, T * k), *ya = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
-            fill_act(x, T * k, 1.0f);
-            void *dx = g_in(x, (size_t)(T * k) * 2);
-            void *ws = g_out(cuda_linear_mma_workspace_bytes(T, n, k), PZ_16), *dya = g_out((size_t)(T * n) * 2, PZ_16);
-            cuda_linear_mma_tiling(CUDA_MMA_AUTO, (int)g.fmt, dya, dx, T, g.w, g.s, n, k, g.ld, g.s_ld, ws, NULL);
-            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-            g_get(ya, dya, (size_t)(T * n) * 2);
-            for (size_t fi = 0; fi < sizeof bforms / sizeof bforms[0]; fi++) {
-                if (T > 256 && bforms[fi] == CUDA_MMA_DECODE) continue; /* decode rows */
-                void *dyf = g_out((size_t)(T * n) * 2, PZ_16);
-                cuda_linear_mma_tiling(bforms[fi], (int)g.fmt, dyf, dx, T, g.w, g.s, n, k, g.ld, g.s_ld, ws, NULL);
-                assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-                g_get(yf, dyf, (size_t)(T * n) * 2);
-                struct cmp c;
-                cmp_begin(&c, "linear form", "%s T=%lld %s", bnames[hi], (long long)T, bform_names[fi]);
-                for (int64_t i = 0; i < T * n; i++)
-                    cmp_bits(&c, i, yf[i], ya[i], bf16_to_f32(yf[i]), bf16_to_f32(ya[i]));
-                cmp_end(&c);
-                g_free(dyf);
-            }
-            g_free(dx), g_free(ws), g_free(dya);
-            free(x), free(ya), free(yf);
-        }
-        GPU->weight_release(&gpu_be, &g);
-        hw_free(&hb[hi]);
     }
 #endif
 }
