@@ -30,7 +30,7 @@
  *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
  *      FP8 also 128 x 64 and 64 x 64 (4 warps of 128 x 16 / 64 x 16, 168 / ~115 registers, three /
  *            four CTAs per SM), for calls whose 128 x 128 grid would leave SMs idle.
- *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages), likewise for 129-512 rows (bf16_tile).
+ *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages; forced only, CUDA_MMA_PREFILL_64x64, until timed).
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
@@ -947,12 +947,14 @@ typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
  * / 21.51 21.45 / 104.9 104.2 -> 11.78 11.60 / 15.97 15.95 / 21.32 21.43 / 103.7 104.0 ms. */
 typedef cfg<K_FP8, 1, 4, 2, 3, 128, 4> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
 typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
-/* BF16 64 x 64 (4 warps of 32 x 32, 5 stages: 40 KB), which CUDA_MMA_AUTO takes for BF16 calls of
- * CUDA_MMA_DECODE_AUTO_T to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid is short of FT_MIN_CTAS
- * (bf16_tile): a decode step's mHC mixes ([72, 20480], 20 k-chunks), router gate and compressor at
- * 129-512 rows, where the 128 x 128 tile's 30-80 CTAs each walked a k-chunk of 16 KB stages three
- * deep, ~20 µs a call whatever its bytes (Nsight at batch 256: 89 calls, 22.8 µs on average). The
- * same kernel and order contract as every tiling: the same bits. */
+/* BF16 64 x 64 (4 warps of 32 x 32, 5 stages: 40 KB), for a decode step's mHC mixes ([72, 20480],
+ * 20 k-chunks), router gate and compressor at 129-512 rows, where the 128 x 128 tile's 30-80 CTAs
+ * each walk a k-chunk of 16 KB stages three deep, ~20 µs a call whatever its bytes (Nsight at batch
+ * 256: 89 calls, 22.8 µs on average). The same kernel and order contract as every tiling: the same
+ * bits (test_linear_mma_forms). Only CUDA_MMA_PREFILL_64x64 takes it for now: CUDA_MMA_AUTO is to
+ * take it (for calls of CUDA_MMA_DECODE_AUTO_T to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid is
+ * short of FT_MIN_CTAS) once bench_linear_cuda --tiles and bench_step have timed it on a GPU, which
+ * no session has had since it was written. */
 typedef cfg<K_BF16, 2, 2, 4, 4, 64, 5> cfg_bf16_m64n64;
 
 /* Which FP8 tiling CUDA_MMA_AUTO gives a call. A CTA's time is one walk over its k-chunk whatever
@@ -1009,15 +1011,6 @@ static int fp8_tile(int64_t T, int64_t n, int64_t k) {
     if (T > CUDA_MMA_DECODE_AUTO_T) return FT_64x64;
     if (T >= 32 && (T + 63) / 64 * ((n + 63) / 64) * full >= FT_MIN_CTAS) return FT_64x64;
     return FT_DECODE;
-}
-
-/* Which BF16 tiling CUDA_MMA_AUTO gives a call above the decode tiling's rows: cfg_bf16_m64n64 up to
- * CUDA_MMA_NARROW_MAX_T rows where the 128 x 128 grid (one launch's full k-chunks) is short of
- * FT_MIN_CTAS, else 128 x 128 (prefill chunks, large grids). */
-static int bf16_tile(int64_t T, int64_t n, int64_t k) {
-    const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
-    if (T <= CUDA_MMA_NARROW_MAX_T && (T + 127) / 128 * ((n + 127) / 128) * full < FT_MIN_CTAS) return FT_64x64;
-    return FT_128x128;
 }
 
 /* Workspace: the quantized activations [T, k] bf16 (FP8/FP4), then, when k has more than one
@@ -1124,7 +1117,6 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         tiling = ptile == FT_DECODE ? CUDA_MMA_DECODE : CUDA_MMA_PREFILL;
     }
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
-    if (tiling == CUDA_MMA_AUTO && fmt == WF_BF16 && !decode && seam_ok) ptile = bf16_tile(T, n, k);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma", "the decode tiling takes T <= 256");
     if (!decode && !seam_ok)
