@@ -29,6 +29,7 @@ for rep in $(seq 1 "$REPS"); do
     timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda $BENCH_ARGS > "$out" 2>&1
     echo "$label run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
     specs+=("$label=$out")
+    tar -C "$W" -czf "$OUT/ab.tgz" . # after every run: a call cut short still brings back the runs done
   done
 done
 python3 tests/bench/step_alternated.py --copy-gbps "${gbps:-0}" --device "$device" --out "$W/alternated.csv" "${specs[@]}" ||

@@ -30,5 +30,6 @@ for label in "${labels[@]}"; do
     > "$W/${label}_timeline.txt" 2>&1 || echo "step_timeline.sh: $label: step_timeline.py failed"
   head -n 40 "$W/${label}_timeline.txt"
   gzip -f "$W/$label/kernel_trace.csv" 2>/dev/null
+  tar -C "$W" -czf "$OUT/timeline.tgz" . # after every label: a call cut short keeps the labels done
 done
-tar -C "$W" -czf "$OUT/timeline.tgz" . && rm -rf "$W"
+rm -rf "$W"
