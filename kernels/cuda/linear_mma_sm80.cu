@@ -1206,6 +1206,8 @@ __global__ void __launch_bounds__(256) mma_peak_kernel(float *out, int iters) {
 }
 
 extern "C" double cuda_linear_mma_peak_flops(int ilp, int blocks, int iters, float *ms) {
+    if (ilp != 2 && ilp != 4 && ilp != 8)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_peak_flops", "ilp must be 2, 4 or 8");
     float *d_out;
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaMalloc((void **)&d_out, 256 * sizeof(float)));
@@ -1224,8 +1226,7 @@ extern "C" double cuda_linear_mma_peak_flops(int ilp, int blocks, int iters, flo
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
     CUDA_CHECK(cudaFree(d_out));
-    const int ilp_run = ilp == 4 || ilp == 8 ? ilp : 2;
-    return 2.0 * 16 * 8 * 16 * (double)ilp_run * iters * 8.0 * blocks; /* 8 warps a CTA */
+    return 2.0 * 16 * 8 * 16 * (double)ilp * iters * 8.0 * blocks; /* 8 warps a CTA */
 }
 
 extern "C" int64_t cuda_linear_mma_decode_check(const uint16_t *t2, const uint16_t *t8, uint32_t *first) {
