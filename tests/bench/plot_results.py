@@ -26,6 +26,11 @@ cuda_attn.csv            -> cuda_attn.png: the sparse attention op (bench_attn) 
 cuda_moe.csv             -> cuda_moe.png: the routed experts op (bench_moe) next to PyTorch's loop over the
                             experts (torch_moe_baseline.py rows in the same file), ms a call per token
                             count and % of the copy bandwidth (each side's own weight bytes).
+cuda_step_timeline_*.csv -> the same name .png: where a decode step's wall time goes on the device's own
+                            clock (tests/gpu/step_timeline.sh's LABEL_summary.csv, copied here with the
+                            revision and card in its name): per batch, ms with no kernel running, with
+                            one, with two or more, next to bench_step's untraced ms; files whose name
+                            holds "_kernels" are the per-kernel tables and are not drawn.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -335,6 +340,32 @@ def main():
         fig.suptitle("routed experts, w1/w3 [2304, 5120], w2 [5120, 2304] (%s)" % r[0]["device"], fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(os.path.join(d, "cuda_moe.png"), dpi=110)
+
+    for name in sorted(os.listdir(d)):
+        if not (name.startswith("cuda_step_timeline_") and name.endswith(".csv")) or "_kernels" in name:
+            continue
+        r = rows(os.path.join(d, name))
+        if not r:
+            continue
+        fig, ax = plt.subplots(figsize=(7.5, 4.4))
+        xs = list(range(len(r)))
+        bottom = [0.0] * len(r)
+        for col, label, color in (("one_kernel_ms", "one kernel running (the chain waited on)", "tab:red"),
+                                  ("overlap_ms", "two or more at once", "tab:green"),
+                                  ("idle_ms", "no kernel running", "tab:gray")):
+            v = [float(x[col]) for x in r]
+            ax.bar(xs, v, bottom=bottom, color=color, label=label)
+            bottom = [b0 + v0 for b0, v0 in zip(bottom, v)]
+        bench = [(i, float(x["bench_ms"])) for i, x in enumerate(r) if x.get("bench_ms")]
+        if bench:
+            ax.plot([b[0] for b in bench], [b[1] for b in bench], "k_", ms=28, mew=2, label="bench_step, untraced")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(["batch %s" % x["batch"] for x in r])
+        ax.set_ylabel("ms a decode step")
+        ax.legend(fontsize=8)
+        ax.set_title("decode step timeline (%s)" % name[len("cuda_step_timeline_"):-4], fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, name[:-4] + ".png"), dpi=110)
 
 
 if __name__ == "__main__":
