@@ -16,13 +16,18 @@ cd "$(dirname "$0")/../.." || exit 2
 BATCHES=${BATCHES:-1,64}
 STEPS=${STEPS:-5}
 W=$(mktemp -d)
+# the CUPTI the library was built against (its activity records' layout is that header's), ahead of
+# the machine's own, and nothing else of carry/lib ahead of it
+CUPTI_DIR=$W/cupti; mkdir -p "$CUPTI_DIR"
+for f in carry/lib/libcupti.so*; do [ -e "$f" ] && ln -sf "$PWD/$f" "$CUPTI_DIR/"; done
 if [ -n "${LABELS:-}" ]; then read -r -a labels <<< "$LABELS"; else mapfile -t labels < carry/ab/LABELS; fi
 for label in "${labels[@]}"; do
   bin=$PWD/carry/ab/$label/bench_step
   args=(--backend cuda --ctx "${CTX:-64}" --batch "$BATCHES" --steps "$STEPS" --prefill "" --profiler-range)
   timeout "${T_RUN:-200}" "$bin" "${args[@]}" --csv "$W/${label}_plain.csv" > "$W/${label}_plain.txt" 2>&1
   mkdir -p "$W/$label"
-  (cd "$W/$label" && CUDA_INJECTION64_PATH=$OLDPWD/carry/ab/libcupti_trace.so timeout "${T_RUN:-200}" "$bin" "${args[@]}" \
+  (cd "$W/$label" && LD_LIBRARY_PATH=$CUPTI_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+    CUDA_INJECTION64_PATH=$OLDPWD/carry/ab/libcupti_trace.so timeout "${T_RUN:-200}" "$bin" "${args[@]}" \
     --csv "$W/${label}_traced.csv" > "$W/${label}_traced.txt" 2>&1)
   echo "$label: plain $(awk '/^decode /{printf "b%s %s ms; ", $2, $4}' "$W/${label}_plain.txt")traced $(awk '/^decode /{printf "b%s %s ms; ", $2, $4}' "$W/${label}_traced.txt")"
   python3 tests/bench/step_timeline.py --trace "$W/$label/kernel_trace.csv" --batches "$BATCHES" --steps "$STEPS" \
@@ -30,6 +35,6 @@ for label in "${labels[@]}"; do
     > "$W/${label}_timeline.txt" 2>&1 || echo "step_timeline.sh: $label: step_timeline.py failed"
   head -n 40 "$W/${label}_timeline.txt"
   gzip -f "$W/$label/kernel_trace.csv" 2>/dev/null
-  tar -C "$W" -czf "$OUT/timeline.tgz" . # after every label: a call cut short keeps the labels done
+  tar -C "$W" -czf "$OUT/timeline.tgz" --exclude=./cupti . # after every label: a call cut short keeps the labels done
 done
 rm -rf "$W"
