@@ -139,7 +139,7 @@ int main(int argc, char **argv) {
             uint16_t *x, *y;
             void *ws;
             CK(cudaMalloc((void **)&w, wb * copies));
-            CK(cudaMalloc((void **)&s, sb * copies + 16));
+            CK(cudaMalloc((void **)&s, sb * copies + 16)); /* + 16: BF16 has no scales, and a call still takes a pointer */
             CK(cudaMemset(w, 0x38, wb * copies)); /* e4m3 1.0 / e2m1 pairs: finite values */
             if (fp4) cuda_fp4_pack(w, (int64_t)(wb * copies), NULL); /* the kernels' layout, as weight_prepare's */
             CK(cudaMemset(s, 127, sb * copies));

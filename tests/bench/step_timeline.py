@@ -20,7 +20,7 @@ import argparse
 import csv
 import re
 import sys
-from collections import defaultdict
+from collections import Counter
 
 FIRST = "embed_kernel"
 
@@ -70,7 +70,7 @@ def split_steps(ks, steps):
 
 
 def sweep(t0, t1, ks):
-    """idle / one / overlap ns over [t0, t1); per name: exposed ns, idle ns in front, launches, summed ns"""
+    """idle / one / overlap ns over [t0, t1); Counters by name: exposed ns, idle ns in front, launches, summed ns"""
     ev = []
     for idx, (s, e, _, _) in enumerate(ks):
         ev.append((max(s, t0), 1, idx))
@@ -78,7 +78,7 @@ def sweep(t0, t1, ks):
     ev.sort(key=lambda x: (x[0], x[1]))
     running, t_prev = set(), t0
     idle = one = over = 0
-    exposed, before = defaultdict(int), defaultdict(int)
+    exposed, before = Counter(), Counter()
     for t, kind, idx in ev:
         dt = t - t_prev
         if dt > 0:
@@ -98,7 +98,7 @@ def sweep(t0, t1, ks):
         t_prev = max(t_prev, t)
     tail = t1 - t_prev if t1 > t_prev else 0  # after the step's last kernel: the host's sync and next launch
     idle += tail
-    launches, summed = defaultdict(int), defaultdict(int)
+    launches, summed = Counter(), Counter()
     for s, e, _, n in ks:
         launches[n] += 1
         summed[n] += e - s
@@ -110,8 +110,8 @@ def main():
     ap.add_argument("--trace", required=True)
     ap.add_argument("--batches", required=True, help="the batch sizes of bench_step's --batch, in order")
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--bench-csv", help="bench_step's --csv of the same run: its untraced-by-nothing ms per step, "
-                    "for the tracing's own cost (same binary, same run, the trace on)")
+    ap.add_argument("--bench-csv", help="bench_step's --csv of a plain run of the same binary: its untraced ms per "
+                    "step, beside the traced one (the tracing's own cost)")
     ap.add_argument("--summary", required=True)
     ap.add_argument("--kernels", required=True)
     ap.add_argument("--top", type=int, default=25)
@@ -134,26 +134,15 @@ def main():
         steps = split_steps(ks, a.steps)
         # the first step pays the window's start (the host's first launches): the later steps are the steady state
         use = steps[1:] if len(steps) > 1 else steps
-        tot = defaultdict(float)
-        exp_all, bef_all, lau_all, sum_all = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
-        streams = defaultdict(int)
+        tot = Counter()
+        exp_all, bef_all, lau_all, sum_all, streams = Counter(), Counter(), Counter(), Counter(), Counter()
         for t0, t1, sk in use:
             idle, tail, one, over, exposed, before, launches, summed = sweep(t0, t1, sk)
-            tot["wall"] += t1 - t0
-            tot["idle"] += idle
-            tot["tail"] += tail
-            tot["one"] += one
-            tot["over"] += over
-            tot["kernels"] += len(sk)
-            tot["ksum"] += sum(e - s for s, e, _, _ in sk)
-            for n, v in exposed.items():
-                exp_all[n] += v
-            for n, v in before.items():
-                bef_all[n] += v
-            for n, v in launches.items():
-                lau_all[n] += v
-            for n, v in summed.items():
-                sum_all[n] += v
+            tot.update(wall=t1 - t0, idle=idle, tail=tail, one=one, over=over, kernels=len(sk))
+            exp_all.update(exposed)
+            bef_all.update(before)
+            lau_all.update(launches)
+            sum_all.update(summed)
             for s, e, st, _ in sk:
                 streams[st] += e - s
         ns = len(use)
@@ -162,7 +151,7 @@ def main():
         srows.append({
             "batch": b, "steps_used": ns, "traced_ms": round(ms(tot["wall"]), 4),
             "bench_ms": bench_ms.get(b, ""), "kernels_per_step": round(tot["kernels"] / ns, 1),
-            "kernel_sum_ms": round(ms(tot["ksum"]), 4), "idle_ms": round(ms(tot["idle"]), 4), "of_which_after_last_ms": round(ms(tot["tail"]), 4),
+            "kernel_sum_ms": round(ms(sum(sum_all.values())), 4), "idle_ms": round(ms(tot["idle"]), 4), "of_which_after_last_ms": round(ms(tot["tail"]), 4),
             "one_kernel_ms": round(ms(tot["one"]), 4), "overlap_ms": round(ms(tot["over"]), 4),
             "idle_pct": round(100 * tot["idle"] / tot["wall"], 1),
             "one_kernel_pct": round(100 * tot["one"] / tot["wall"], 1),

@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 2
 [ -f carry/ab.tgz ] || { echo "step_timeline.sh: no carry/ab.tgz (tests/gpu/ab_pack.sh, and carry it)" >&2; exit 2; }
-[ -d carry/ab ] || tar -C carry -xzf carry/ab.tgz
+rm -rf carry/ab && tar -C carry -xzf carry/ab.tgz # afresh, as ab_run.sh: a warm machine keeps an older one
 . tests/gpu/carry_env.sh
 BATCHES=${BATCHES:-1,64}
 STEPS=${STEPS:-5}
