@@ -19,6 +19,7 @@ kernel name); prints both.
 import argparse
 import csv
 import re
+import subprocess
 import sys
 from collections import Counter
 
@@ -26,22 +27,57 @@ FIRST = "embed_kernel"
 
 
 def short(name):
-    """the kernel's name without its argument list and return type (templates kept)"""
-    n = re.sub(r"\(.*\)$", "", name).strip()
-    n = re.sub(r"^(void|auto)\s+", "", n)
-    return n
+    """the kernel's name without its argument list, return type and "(anonymous namespace)::"
+    (templates kept; a template argument may itself hold parentheses, "(kfmt)0")"""
+    n = name.replace("(anonymous namespace)::", "").strip()
+    if n.endswith(")"):
+        depth = 0
+        for i in range(len(n) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(n[i], 0)
+            if depth == 0:
+                n = n[:i].strip()
+                break
+    return re.sub(r"^(void|auto)\s+", "", n)
+
+
+def demangle(names):
+    """CUPTI names kernels as the linker does (_Z12embed_kernelILi8EEv...): c++filt reads them back
+    (one process for all); without it, a mangled name keeps only its first identifier"""
+    names = sorted(set(names))
+    mangled = [n for n in names if n.startswith("_Z")]
+    out = {n: n for n in names}
+    if not mangled:
+        return out
+    try:
+        r = subprocess.run(["c++filt"], input="\n".join(mangled) + "\n", capture_output=True, text=True, check=True)
+        lines = r.stdout.splitlines()
+        if len(lines) == len(mangled):
+            out.update(zip(mangled, lines))
+            return out
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    for n in mangled:
+        i = 3 if n.startswith("_ZN") else 2
+        while (m := re.match(r"\d+", n[i:])):
+            ident = n[i + m.end():i + m.end() + int(m.group())]
+            i += m.end() + len(ident)
+            if ident != "_GLOBAL__N_1":
+                out[n] = ident
+                break
+    return out
 
 
 def load(path):
-    marks, kernels = [], []
+    marks, raw = [], []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             s, e = int(r["start_ns"]), int(r["end_ns"])
             if r["kind"] == "kernel":
-                kernels.append((s, e, int(r["stream"]), short(r["name"])))
+                raw.append((s, e, int(r["stream"]), r["name"]))
             else:
                 marks.append((s, r["kind"] == "range_on"))
-    kernels.sort()
+    names = demangle(k[3] for k in raw)
+    kernels = sorted((s, e, st, short(names[n])) for s, e, st, n in raw)
     return marks, kernels
 
 

@@ -7,6 +7,8 @@
 #   (+1000: 100 idle after its last kernel), step 3 at its last kernel's end (+900).
 #   Per step on average: wall 950, idle 250 (50 after the last kernel), one kernel 600, overlap
 #   100; exposed: A 200, B 0; idle in front of C 100.
+# The steps' embed, A and C come mangled, as CUPTI names kernels (c++filt reads them back; C
+# in an anonymous namespace, which the kernel name drops).
 # A wrong sweep (idle counted under a running kernel, overlap charged to one kernel, the first
 # step kept) changes these numbers.
 set -u
@@ -22,10 +24,10 @@ k() { echo "kernel,$(($2 * U)),$(($3 * U)),$4,0,0,1,32,\"$1\""; } # NAME START E
     echo "range_on,$((base * U)),$((base * U)),0,0,0,0,0,\"\""
     k "void embed_kernel<8>(int)" $((base + 10)) $((base + 950)) 1 # the first step (skipped)
     for off in $((base + 1000)) $((base + 2000)); do
-      k "void embed_kernel<8>(int)" $off $((off + 100)) 1
-      k "void A_kernel<1, 2>(float*, int)" $((off + 200)) $((off + 500)) 1
+      k "_Z12embed_kernelILi8EEvi" $off $((off + 100)) 1
+      k "_Z8A_kernelILi1ELi2EEvPfi" $((off + 200)) $((off + 500)) 1
       k "B_kernel" $((off + 300)) $((off + 400)) 2
-      k "void C_kernel(int)" $((off + 600)) $((off + 900)) 1
+      k "_ZN12_GLOBAL__N_18C_kernelEi" $((off + 600)) $((off + 900)) 1
     done
     echo "range_off,$(((base + 3500) * U)),$(((base + 3500) * U)),0,0,0,0,0,\"\""
   done

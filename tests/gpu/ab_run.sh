@@ -19,7 +19,7 @@ device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $device"
 timeout 120 carry/ab/bench_linear_cuda "$W/copy.csv" 1 > "$W/copy.txt" 2>&1
 gbps=$(awk -F, 'NR == 2 {print $11}' "$W/copy.csv" 2>/dev/null)
-echo "copy: ${gbps:+$gbps GB/s}${gbps:-not measured}"
+if [ -n "$gbps" ]; then echo "copy: $gbps GB/s"; else echo "copy: not measured"; fi
 mapfile -t labels < carry/ab/LABELS
 specs=()
 for rep in $(seq 1 "$REPS"); do

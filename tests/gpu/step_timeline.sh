@@ -23,7 +23,10 @@ for f in carry/lib/libcupti.so*; do [ -e "$f" ] && ln -sf "$PWD/$f" "$CUPTI_DIR/
 if [ -n "${LABELS:-}" ]; then read -r -a labels <<< "$LABELS"; else mapfile -t labels < carry/ab/LABELS; fi
 for label in "${labels[@]}"; do
   bin=$PWD/carry/ab/$label/bench_step
-  args=(--backend cuda --ctx "${CTX:-64}" --batch "$BATCHES" --steps "$STEPS" --prefill "" --profiler-range)
+  # the preset by absolute path: the traced run works in its own folder, where neither the working
+  # directory's data/ nor the binary's ../../data (carry/data) is
+  args=(--backend cuda --preset "$PWD/data/presets/v41-flash.json" --ctx "${CTX:-64}" --batch "$BATCHES"
+        --steps "$STEPS" --prefill "" --profiler-range)
   timeout "${T_RUN:-200}" "$bin" "${args[@]}" --csv "$W/${label}_plain.csv" > "$W/${label}_plain.txt" 2>&1
   mkdir -p "$W/$label"
   (cd "$W/$label" && LD_LIBRARY_PATH=$CUPTI_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
