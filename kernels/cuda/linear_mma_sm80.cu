@@ -30,7 +30,7 @@
  *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
  *      FP8 also 128 x 64 and 64 x 64 (4 warps of 128 x 16 / 64 x 16, 168 / ~115 registers, three /
  *            four CTAs per SM), for calls whose 128 x 128 grid would leave SMs idle.
- *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages; forced only, CUDA_MMA_PREFILL_64x64, until timed).
+ *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages) for 129-512 rows where 128 x 128 has too few CTAs.
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
@@ -951,10 +951,14 @@ typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps 
  * 20 k-chunks), router gate and compressor at 129-512 rows, where the 128 x 128 tile's 30-80 CTAs
  * each walk a k-chunk of 16 KB stages three deep, ~20 µs a call whatever its bytes (Nsight at batch
  * 256: 89 calls, 22.8 µs on average). The same kernel and order contract as every tiling: the same
- * bits (test_linear_mma_forms). Only CUDA_MMA_PREFILL_64x64 takes it for now: CUDA_MMA_AUTO is to
- * take it (for calls of CUDA_MMA_DECODE_AUTO_T to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid is
- * short of FT_MIN_CTAS) once bench_linear_cuda --tiles and bench_step have timed it on a GPU, which
- * no session has had since it was written. */
+ * bits (test_linear_mma_forms). CUDA_MMA_AUTO takes it for calls of CUDA_MMA_DECODE_AUTO_T to
+ * CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid, counted over full k-chunks, is short of
+ * FT_MIN_CTAS (linear_mma_call). H100, bench_linear_cuda out.csv 256,512 --tiles (graph µs a call,
+ * 128 x 128 -> 64 x 64): hc_mix [72, 20480] at 256 rows 23.6 -> 16.9, at 512 23.9 -> 20.9; gate
+ * [384, 5120] 26.2 -> 14.1, 27.0 -> 17.8. bench_step --ctx 64 --batch 1,64,128,256 --steps 5
+ * --prefill 512, two runs alternated (ab_run.sh): batch 256 19.84 19.98 -> 19.51 19.44 ms, batch
+ * 1 / 64 / 128 and the 512-token prefill unchanged (4.01 4.04 / 11.10 10.99 / 15.11 15.18 / 35.1
+ * 35.0 -> 4.04 4.01 / 11.19 10.99 / 15.13 15.12 / 35.1 34.4). */
 typedef cfg<K_BF16, 2, 2, 4, 4, 64, 5> cfg_bf16_m64n64;
 
 /* Which FP8 tiling CUDA_MMA_AUTO gives a call. A CTA's time is one walk over its k-chunk whatever
@@ -1115,6 +1119,14 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         ptile = fp8_tile(T, n, k);
         if (!seam_ok && T <= MMA_DECODE_MAX_T) ptile = FT_DECODE;
         tiling = ptile == FT_DECODE ? CUDA_MMA_DECODE : CUDA_MMA_PREFILL;
+    }
+    /* BF16 at 129-512 rows: the 64 x 64 tile where the 128 x 128 grid is short (cfg_bf16_m64n64) */
+    if (tiling == CUDA_MMA_AUTO && fmt == WF_BF16 && seam_ok && T > CUDA_MMA_DECODE_AUTO_T && T <= CUDA_MMA_NARROW_MAX_T) {
+        const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
+        if ((T + 127) / 128 * ((n + 127) / 128) * full < FT_MIN_CTAS) {
+            ptile = FT_64x64;
+            tiling = CUDA_MMA_PREFILL;
+        }
     }
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)
