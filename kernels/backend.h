@@ -107,6 +107,15 @@ struct attn_rope {
     bool inverse;
 };
 
+/* The layer's part of attn_index: its window, where its ring and its compressed source live. */
+struct attn_index_par {
+    int64_t W;           /* window */
+    int64_t ring0;       /* key row of slot 0's ring; slot s's ring is W rows from ring0 + s·W */
+    const int32_t *src;  /* [T, ld_src] compressed ids (the top-k), -1 unused; backend memory */
+    int64_t ld_src, k;   /* row stride, entries taken per row */
+    int64_t src0, cap;   /* key row of slot 0's compressed cache, rows per slot */
+};
+
 /* What linear_post applies to the linear's bf16 output rows [T, n] (n = W->n), each step with its
  * own op's bits — a projection and the norm or RoPE after it as one op, so that a backend can run
  * the second in the pass that finishes the first (the CUDA backend folds the tensor-core linears'
@@ -316,11 +325,16 @@ struct backend_ops {
      * (the reference's host order, kept from the first CPU engine). n <= ld_s. */
     void (*cand_mask)(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
-    /* Index-list assembly: for row r < T and j < k, c = src[r·ld_src + j]:
-     * dst[r·ld_dst + at[2r] + j] = c < 0 ? -1 : c + at[2r+1]. at int32 [T, 2] (column, offset);
-     * at[2r] + k <= ld_dst; the rest of dst is left as it is. */
-    void (*idx_remap)(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                      const int32_t *at, int64_t T, int64_t k);
+    /* Index lists of sparse_attn (MODEL.md §3.6, attention.c): row r < T of dst [T, n_idx] from
+     * its geometry geo int32 [T, 5] (backend memory) = (p, start, chunk_row, slot, nw) — the row's
+     * position, its chunk's first position and first key row, its sequence slot, its window width —
+     * and the layer's par:
+     *   j < nw: window position qp = (nw < W ? max(0, p - W + 1) : p - W + 1) + j: -1 where qp < 0
+     *           or qp > p, else qp >= start ? chunk_row + qp - start : ring0 + slot·W + qp mod W;
+     *   nw <= j < nw + k: c = src[r·ld_src + j - nw]: c < 0 ? -1 : c + src0 + slot·cap;
+     *   the rest -1. nw + k <= n_idx; src may be NULL when k = 0. */
+    void (*attn_index)(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                       const struct attn_index_par *par);
 
     /* ---- MoE (MODEL.md §3.10) ---- */
     /* Router: z = x_f32 · gate_f32ᵀ / temp; s = sqrtf(softplus(z)) (z > 20 → z); selection =

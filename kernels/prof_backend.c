@@ -65,7 +65,7 @@ enum prof_op {
     PROF_COPY_SEGS,
     PROF_INDEX_TOPK,
     PROF_CAND_MASK,
-    PROF_IDX_REMAP,
+    PROF_ATTN_INDEX,
     PROF_ALLOC,
     PROF_FREE,
     PROF_SCRATCH,
@@ -73,7 +73,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "idx_remap", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -327,10 +327,10 @@ static void prof_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, cons
     PR(be)->inner->ops->cand_mask(PR(be)->inner, mask, ld_m, S, ld_s, p, T, topk_blocks, bs);
     prof_end(be, PROF_CAND_MASK, t0);
 }
-static void prof_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src, const int32_t *at, int64_t T, int64_t k) {
+static void prof_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T, const struct attn_index_par *par) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->idx_remap(PR(be)->inner, dst, ld_dst, src, ld_src, at, T, k);
-    prof_end(be, PROF_IDX_REMAP, t0);
+    PR(be)->inner->ops->attn_index(PR(be)->inner, dst, n_idx, geo, T, par);
+    prof_end(be, PROF_ATTN_INDEX, t0);
 }
 
 static const struct backend_ops prof_ops = {
@@ -374,7 +374,7 @@ static const struct backend_ops prof_ops = {
     .index_scores = prof_index_scores,
     .index_topk = prof_index_topk,
     .cand_mask = prof_cand_mask,
-    .idx_remap = prof_idx_remap,
+    .attn_index = prof_attn_index,
     .router = prof_router,
     .moe_experts = prof_moe_experts,
     .moe_combine = prof_moe_combine,

@@ -4,9 +4,11 @@
  * and top-k, or the top-k published by this layer's index source — then sparse attention with
  * sink, inverse RoPE and the grouped low-rank output. Host code only orchestrates: every number
  * is produced by the op table, the indexer's top-k too, so a forward never waits for the device.
- * The window part of the index lists is built on the host from the batch (its order is part of
- * the numerics: sparse_attn rounds P per block of 64 entries); the compressed part is the
- * backend's top-k, placed by idx_remap. sparse_attn reads every key row where it lives (the
+ * The index lists are built on the backend (attn_index) from the batch's geometry, uploaded once a
+ * forward: the window part in its order (part of the numerics: sparse_attn rounds P per block of
+ * 64 entries), then the compressed part from the backend's top-k. Built on the host a layer and
+ * uploaded, they stood in front of each layer's attention (H100 kernel timeline, 508787b:
+ * 13-16 µs idle a layer at batch 64 and 256). sparse_attn reads every key row where it lives (the
  * model's kv arena holds the rings, the compressed caches and the chunk's own rows), so nothing is
  * gathered per step; rows that do move (ring updates, compressor state, cache writes) go in one
  * copy_segs call per batch, not one copy per sequence. */
@@ -368,51 +370,23 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
      * ring, compressed rows in the KV source's cache. Per row the index list is [window |
      * compressed | -1 padding]; padding at the end of a row changes nothing. */
     int64_t n_idx = 0;
-    int64_t *nw = ds_malloc(sizeof(int64_t) * (size_t)b->n);
-    for (int i = 0; i < b->n; i++) {
-        const struct fwd_seq *s = &b->seqs[i];
-        bool ref_prefill = m->opt.window_layout == WINDOW_LAYOUT_REFERENCE && s->start == 0;
-        nw[i] = ref_prefill ? i64min(s->len, W) : W;
-        n_idx = i64max(n_idx, nw[i] + kc);
-    }
-    /* [T, n_idx] index rows, then [T, 2] (where the compressed part starts, its source rows'
-     * base) for idx_remap: one host block, so one upload carries both */
-    int32_t *idx = ds_malloc(sizeof(int32_t) * (size_t)(T * n_idx + 2 * T + 1));
-    int32_t *at = idx + T * n_idx;
+    for (int i = 0; i < b->n; i++) n_idx = i64max(n_idx, model_window_width(m, &b->seqs[i]) + kc);
+    /* the lists on the backend from the batch's geometry (uploaded once a forward, b->geo) */
     struct layer_cache *lc = &m->lc[l];
     const struct layer_cache *sc = src >= 0 ? &m->lc[src] : NULL;
+    const struct attn_index_par ip = {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0};
+    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx));
+    OPS->attn_index(m->be, idx_d, n_idx, b->geo, T, &ip);
+    /* the ring keeps the last W positions for later steps (copied after the attention, which
+     * reads the older positions in place) */
     struct seg_list ring = {0};
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
-        int64_t chunk_row = m->kv_cache_rows + b->row0[i], ring_row = lc->ring_row + (int64_t)s->slot * W;
-        for (int64_t t = 0; t < s->len; t++) {
-            int64_t p = s->start + t, row = b->row0[i] + t;
-            int32_t *ir = idx + row * n_idx;
-            int64_t e = 0;
-            for (int64_t w = 0; w < nw[i]; w++) {
-                /* reference prefill: positions from max(0, p-W+1) upwards, trailing -1;
-                 * decode: the W positions ending at p, oldest first, leading -1 */
-                int64_t qp = nw[i] < W ? i64max(0, p - W + 1) + w : p - W + 1 + w;
-                if (qp < 0 || qp > p)
-                    ir[e++] = -1;
-                else
-                    ir[e++] = (int32_t)(qp >= s->start ? chunk_row + (qp - s->start) : ring_row + qp % W);
-            }
-            /* the compressed part [nw, nw + kc) comes from the top-k on the backend (idx_remap) */
-            at[2 * row] = (int32_t)e;
-            at[2 * row + 1] = sc ? (int32_t)(sc->ckv_row + (int64_t)s->slot * sc->cap) : 0;
-            while (e < n_idx) ir[e++] = -1;
-        }
-        /* the ring keeps the last W positions for later steps (copied after the attention, which
-         * reads the older positions in place) */
         for (int64_t t = i64max(0, s->len - W); t < s->len; t++) {
             int64_t p = s->start + t;
             seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, (size_t)hd * 2);
         }
     }
-    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx + 2 * T + 1));
-    OPS->upload(m->be, idx_d, idx, sizeof(int32_t) * (size_t)(T * n_idx + (kc ? 2 * T : 0)));
-    if (kc) OPS->idx_remap(m->be, idx_d, n_idx, ctop, kc, idx_d + T * n_idx, T, kc);
     bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
     float scale = (float)pow((double)hd, -0.5);
     /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
@@ -421,8 +395,6 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     seg_flush(m, &ring);
     seg_free(&ring);
     attention_out(m, l, b, o, out);
-    free(nw);
-    free(idx);
     model_tfree(m, idx_d);
     model_fbuf_free(m, b, o);
     return 0;

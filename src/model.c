@@ -624,6 +624,11 @@ static void moe_finish(struct model *m, int l, struct batch *b, const int32_t *i
     OPS->moe_combine(m->be, out, all, idx, sh, ld_sh, b->T, c->role[l].n_active, D, fw->n_local, m->tp_size);
 }
 
+int64_t model_window_width(const struct model *m, const struct fwd_seq *s) {
+    const int64_t W = m->cfg->window;
+    return m->opt.window_layout == WINDOW_LAYOUT_REFERENCE && s->start == 0 ? (s->len < W ? s->len : W) : W;
+}
+
 /* Whether this step's experts cross the TP group by column owner (enum moe_exchange). */
 static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
     int64_t P = m->tp_size, D = m->cfg->dim;
@@ -1021,12 +1026,19 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     int64_t T = b.T, D = c->dim, hc = c->hc_mult;
-    b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)T);
+    /* positions [T], then the rows' attn_index geometry [T, AIX_COLS]: one upload */
+    b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)(T * (1 + AIX_COLS)));
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < n; i++)
         for (int64_t t = 0; t < seqs[i].len; t++) {
             int64_t r = b.row0[i] + t;
             b.pos_h[r] = (int32_t)(seqs[i].start + t);
+            int32_t *g = b.pos_h + T + r * AIX_COLS;
+            g[AIX_P] = b.pos_h[r];
+            g[AIX_START] = (int32_t)seqs[i].start;
+            g[AIX_CHUNK_ROW] = (int32_t)(m->kv_cache_rows + b.row0[i]);
+            g[AIX_SLOT] = seqs[i].slot;
+            g[AIX_NW] = (int32_t)model_window_width(m, &seqs[i]);
             tok[r] = seqs[i].tokens[t];
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];
@@ -1034,8 +1046,9 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
     /* decode steps only: their batch sizes repeat, so each records once; a prefill chunk's row
      * count (or a batch mixing chunks with decode rows) seldom comes twice */
     b.graphs = m->opt.graphs && OPS->graph_begin && T <= MODEL_GRAPH_ROWS_MAX && T == n;
-    b.pos = model_fbuf(m, &b, FB_POS, sizeof(int32_t) * (size_t)T, false);
-    OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)T);
+    b.pos = model_fbuf(m, &b, FB_POS, sizeof(int32_t) * (size_t)(T * (1 + AIX_COLS)), false);
+    OPS->upload(m->be, b.pos, b.pos_h, sizeof(int32_t) * (size_t)(T * (1 + AIX_COLS)));
+    b.geo = b.pos + T;
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
     b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
 

@@ -3,6 +3,7 @@
 #ifndef DS_MODEL_INTERNAL_H
 #define DS_MODEL_INTERNAL_H
 
+#include "attn_index_core.h"
 #include "model.h"
 
 /* Buffers that cross the edge of a graph segment (model_graph_begin). In a forward that runs its
@@ -82,6 +83,7 @@ struct batch {
     int64_t *row0;     /* [n] host */
     int32_t *pos_h;    /* [T] host positions */
     int32_t *pos;      /* [T] backend positions */
+    int32_t *geo;      /* [T, AIX_COLS] backend: each row's geometry for attn_index (kernels/attn_index_core.h) */
     /* per-forward products shared between layers (owned by the forward) */
     int32_t **topk;    /* [n_layers] index sources: backend [T, topk_w[l]] compressed ids, -1 unused */
     int64_t *topk_w;   /* [n_layers] (host) */
@@ -89,6 +91,10 @@ struct batch {
     int64_t cand_w;
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
 };
+
+/* The window width of a sequence chunk's index lists: W, or in the reference layout's prefill
+ * (from position 0) min(len, W). */
+int64_t model_window_width(const struct model *m, const struct fwd_seq *s);
 
 /* A segment-edge buffer of at least `bytes` (zero-filled when `zero`, else unwritten), and its
  * release, which leaves a persistent one in place. */

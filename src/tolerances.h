@@ -82,7 +82,7 @@
  *    casts: no freedom at all. */
 #define TOL_GPU_DATA_EXACT 0
 #define TOL_GPU_QDQ_EXACT 0
-/* index_topk, cand_mask (and idx_remap, an integer add): comparisons and moves only, and both
+/* index_topk, cand_mask (and attn_index, integer adds): comparisons and moves only, and both
  * backends run the same selection code (kernels/topk_core.h), so the same sets, order and masks
  * bit for bit; copy_segs is data movement. */
 #define TOL_GPU_INDEX_SELECT_EXACT 0

@@ -1,11 +1,12 @@
-/* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and the index-list
- * remap: every row runs kernels/topk_core.h's block-parallel selection as a block of one thread —
+/* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and sparse_attn's
+ * index lists (attn_index, kernels/attn_index_core.h's entries): every row of the first two runs kernels/topk_core.h's block-parallel selection as a block of one thread —
  * the code the CUDA kernels run with a block of 128 — so a top-k set is the same on both backends by
  * construction, and the golden fixtures check the formulation the GPU runs. Rows are independent
  * (OpenMP over rows only). */
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_index_core.h"
 #include "cpu_internal.h"
 #include "log.h"
 #include "topk_core.h"
@@ -81,11 +82,11 @@ void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const flo
     }
 }
 
-void cpu_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                      const int32_t *at, int64_t T, int64_t k) {
-    for (int64_t r = 0; r < T; r++)
-        for (int64_t j = 0; j < k; j++) {
-            int32_t c = src[r * ld_src + j];
-            dst[r * ld_dst + at[2 * r] + j] = c < 0 ? -1 : c + at[2 * r + 1];
-        }
+void cpu_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                       const struct attn_index_par *par) {
+    for (int64_t r = 0; r < T; r++) {
+        const int32_t *g = geo + r * AIX_COLS, *srow = par->k ? par->src + r * par->ld_src : NULL;
+        for (int64_t j = 0; j < n_idx; j++)
+            dst[r * n_idx + j] = attn_index_entry(g, j, par->W, par->ring0, srow, par->k, par->src0, par->cap);
+    }
 }

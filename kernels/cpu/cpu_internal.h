@@ -79,8 +79,8 @@ void cpu_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const f
                        const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
 void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
-void cpu_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                      const int32_t *at, int64_t T, int64_t k);
+void cpu_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                       const struct attn_index_par *par);
 
 /* ---- cpu_moe.c ---- */
 /* The router's selection for one token from its gate logits z [E] (cpu_op_router's per-row step,

@@ -1,6 +1,6 @@
-/* The indexer's selection on the GPU (index_topk, cand_mask) and the index-list remap, so a
- * forward never brings the scores back to the host for the top-k (it did: one device wait per
- * index layer, and the host then built the lists).
+/* The indexer's selection on the GPU (index_topk, cand_mask) and sparse_attn's index lists
+ * (attn_index), so a forward never brings the scores back to the host for the top-k (it did: one
+ * device wait per index layer, and the host then built the lists), nor builds a list a layer.
  *
  * The selection itself is kernels/topk_core.h, the very code the CPU backend runs: libstdc++'s
  * introselect in torch's tie order, written so that each Hoare partition's scan is spread over the
@@ -14,6 +14,7 @@
  * Grid: one block of IDX_THREADS per row. Results are bit-identical to the CPU backend: there is no
  * arithmetic, only comparisons and moves. */
 #include "cuda_internal.h"
+#include "attn_index_core.h"
 #include "topk_core.h"
 
 #define IDX_THREADS 128
@@ -87,13 +88,14 @@ cand_mask_kernel(uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s, cons
     for (int64_t j = threadIdx.x; j < ld_m; j += blockDim.x) out[j] = j < n ? keep[j / bs] : 0;
 }
 
-__global__ void idx_remap_kernel(int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src, const int32_t *at,
-                                 int64_t T, int64_t k) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= T * k) return;
-    int64_t r = i / k, j = i % k;
-    int32_t c = src[r * ld_src + j];
-    dst[r * ld_dst + at[2 * r] + j] = c < 0 ? -1 : c + at[2 * r + 1];
+/* one thread an entry: the row's geometry and top-k row are read by every thread of the row, from L1 */
+__global__ void attn_index_kernel(int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T, int64_t W,
+                                  int64_t ring0, const int32_t *src, int64_t ld_src, int64_t k, int64_t src0,
+                                  int64_t cap) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * n_idx) return;
+    const int64_t r = i / n_idx, j = i % n_idx;
+    dst[i] = attn_index_entry(geo + r * AIX_COLS, j, W, ring0, k ? src + r * ld_src : NULL, k, src0, cap);
 }
 
 void cuda_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const float *S, int64_t ld_s,
@@ -122,10 +124,11 @@ void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const fl
     cuda_be_scratch_free(be, scratch);
 }
 
-void cuda_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                       const int32_t *at, int64_t T, int64_t k) {
-    int64_t n = T * k;
+void cuda_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                        const struct attn_index_par *par) {
+    const int64_t n = T * n_idx;
     if (n <= 0) return;
-    idx_remap_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cuda_be_stream(be)>>>(dst, ld_dst, src, ld_src, at, T, k);
+    attn_index_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cuda_be_stream(be)>>>(
+        dst, n_idx, geo, T, par->W, par->ring0, par->src, par->ld_src, par->k, par->src0, par->cap);
     KERNEL_CHECK();
 }

@@ -132,8 +132,8 @@ void cuda_op_index_topk(struct backend *be, int32_t *top, int64_t ld_top, const 
                         const int32_t *p, const uint8_t *mask, int64_t ld_m, int64_t T);
 void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
                        const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
-void cuda_op_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                       const int32_t *at, int64_t T, int64_t k);
+void cuda_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                        const struct attn_index_par *par);
 
 /* ---- cuda_moe.cu ---- */
 void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,

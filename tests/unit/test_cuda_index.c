@@ -1,5 +1,5 @@
 /* The CUDA backend against the CPU reference backend: the indexer's selection ops (index_topk,
- * cand_mask), the index-list assembly (idx_remap) and the batched device copy (copy_segs); the
+ * cand_mask), sparse_attn's index lists (attn_index) and the batched device copy (copy_segs); the
  * router's two selection kernels against each other and the CPU's scan (test_router_select); and
  * the head's row ops (argmax, row_topk, row_lse: the draws and log-probabilities where the logits
  * are). All are comparisons and moves only, or (row_lse) the same terms in the same order, so the
@@ -19,8 +19,9 @@
  * even where both backends agree, and under DS_CUDA_OPS_ON_CPU: index_topk selects exactly
  * min(k, n) entries, ascending, none ranking below an unselected one, and hides those >= visible;
  * cand_mask keeps whole blocks, min(topk_blocks, blocks) of them less the -inf ones, the best by
- * block maximum, always the last visible one; idx_remap and copy_segs write their ranges and
- * nothing else (the poison around them survives). The harness is cuda_ops_common.h. */
+ * block maximum, always the last visible one; attn_index's lists are the ones the host built
+ * before it (window, compressed part, padding); copy_segs writes its ranges and nothing else (the
+ * poison around them survives). The harness is cuda_ops_common.h. */
 #include "cuda_ops_common.h"
 #ifdef DS_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -29,9 +30,10 @@
 #include "cuda/cuda_router.h"
 #include "lse_core.h"
 #endif
+#include "attn_index_core.h"
 
 _Static_assert(TOL_GPU_DATA_EXACT == 0 && TOL_GPU_INDEX_SELECT_EXACT == 0,
-               "copy_segs, idx_remap, index_topk and cand_mask are compared bit for bit");
+               "copy_segs, attn_index, index_topk and cand_mask are compared bit for bit");
 
 /* A violation of the op's contract by the CPU result (reported by cmp_end as a self-check failure). */
 static void self_fail(struct cmp *c, const char *fmt, ...) {
@@ -411,59 +413,97 @@ static void test_cand_then_topk(void **st) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * idx_remap */
+ * attn_index */
 
-static void idx_remap_case(int64_t T, int64_t k, int64_t ld_src, int64_t ld_dst) {
+/* A batch of sequence chunks as attention.c lays it out: sequence i has slot slot[i], its chunk
+ * positions start[i] .. start[i] + len[i] - 1 at rows row0[i] ..; the window is W wide, or (the
+ * reference layout's prefill, from position 0) min(len, W). The expected lists are written the way
+ * the host wrote them before attn_index (per sequence, per position, window then compressed part
+ * then padding), not by kernels/attn_index_core.h, so the check is independent of the code under
+ * test. */
+static void attn_index_case(int n, int64_t W, int64_t k, int64_t pad, bool ref_layout, bool decode) {
     char what[160], tag[200];
-    snprintf(what, sizeof what, "T=%lld k=%lld ld_src=%lld ld_dst=%lld", (long long)T, (long long)k, (long long)ld_src,
-             (long long)ld_dst);
-    snprintf(tag, sizeof tag, "idx_remap %s", what);
+    snprintf(what, sizeof what, "seqs=%d W=%lld k=%lld pad=%lld %s%s", n, (long long)W, (long long)k, (long long)pad,
+             ref_layout ? "reference layout" : "ring layout", decode ? ", decode" : ", chunks");
+    snprintf(tag, sizeof tag, "attn_index %s", what);
     seed_tag(tag);
-    int32_t *src = NEW(int32_t, T * ld_src), *at = NEW(int32_t, 2 * T);
-    for (int64_t i = 0; i < T * ld_src; i++) {
-        double u = urand();
-        src[i] = u < 0.3 ? -1 : u < 0.33 ? -(int32_t)(2 + irand(1000)) : (int32_t)irand(1 << 20);
+    int64_t *start = NEW(int64_t, n), *len = NEW(int64_t, n), *row0 = NEW(int64_t, n), *slot = NEW(int64_t, n);
+    int64_t T = 0, nw_max = 0;
+    for (int i = 0; i < n; i++) {
+        len[i] = decode ? 1 : 1 + irand(2 * W);
+        start[i] = (rnd64() & 3) == 0 ? 0 : irand(5 * W); /* some chunks from position 0 */
+        slot[i] = 2 * i + irand(2);                        /* distinct slots, not in order */
+        row0[i] = T;
+        T += len[i];
+        const int64_t nw = ref_layout && start[i] == 0 ? imin(len[i], W) : W;
+        nw_max = nw > nw_max ? nw : nw_max;
     }
-    for (int64_t r = 0; r < T; r++) {
-        at[2 * r] = (int32_t)irand(ld_dst - k); /* column + k < ld_dst: something after the range too */
-        at[2 * r + 1] = (rnd64() & 3) ? (int32_t)irand(1 << 24) : 0;
+    const int64_t n_idx = nw_max + k + pad, ld_src = k + 3, chunk0 = 100000, ring0 = 5000, src0 = 900000, cap = 777;
+    int32_t *geo = NEW(int32_t, T * AIX_COLS), *src = NEW(int32_t, T * ld_src), *want = NEW(int32_t, T * n_idx);
+    for (int64_t i = 0; i < T * ld_src; i++) src[i] = (rnd64() & 3) == 0 ? -1 : (int32_t)irand(cap);
+    for (int i = 0; i < n; i++) {
+        const int64_t nw = ref_layout && start[i] == 0 ? imin(len[i], W) : W;
+        for (int64_t t = 0; t < len[i]; t++) {
+            const int64_t p = start[i] + t, r = row0[i] + t;
+            int32_t *g = geo + r * AIX_COLS, *ir = want + r * n_idx;
+            g[AIX_P] = (int32_t)p, g[AIX_START] = (int32_t)start[i], g[AIX_CHUNK_ROW] = (int32_t)(chunk0 + row0[i]);
+            g[AIX_SLOT] = (int32_t)slot[i], g[AIX_NW] = (int32_t)nw;
+            int64_t e = 0;
+            for (int64_t w = 0; w < nw; w++) {
+                const int64_t qp = nw < W ? (p - W + 1 > 0 ? p - W + 1 : 0) + w : p - W + 1 + w;
+                ir[e++] = qp < 0 || qp > p ? -1
+                          : qp >= start[i] ? (int32_t)(chunk0 + row0[i] + qp - start[i])
+                                           : (int32_t)(ring0 + slot[i] * W + qp % W);
+            }
+            for (int64_t j = 0; j < k; j++) {
+                const int32_t c = src[r * ld_src + j];
+                ir[e++] = c < 0 ? -1 : (int32_t)(c + src0 + slot[i] * cap);
+            }
+            while (e < n_idx) ir[e++] = -1;
+        }
     }
-    size_t db = sizeof(int32_t) * (size_t)(T * ld_dst);
-    int32_t *dc = NEW(int32_t, T * ld_dst), *dg = NEW(int32_t, T * ld_dst);
+    const struct attn_index_par pc = {W, ring0, k ? src : NULL, ld_src, k, src0, cap};
+    size_t db = sizeof(int32_t) * (size_t)(T * n_idx);
+    int32_t *dc = NEW(int32_t, T * n_idx), *dg = NEW(int32_t, T * n_idx);
     poison_host(dc, db, PZ_32I);
-    CPU->idx_remap(&cpu_be, dc, ld_dst, src, ld_src, at, T, k);
-    void *ds = g_in(src, sizeof(int32_t) * (size_t)(T * ld_src)), *da = g_in(at, sizeof(int32_t) * (size_t)(2 * T));
+    CPU->attn_index(&cpu_be, dc, n_idx, geo, T, &pc);
+    void *dgeo = g_in(geo, sizeof(int32_t) * (size_t)(T * AIX_COLS)), *ds = g_in(src, sizeof(int32_t) * (size_t)(T * ld_src));
     void *dd = g_out(db, PZ_32I);
-    GPU->idx_remap(&gpu_be, dd, ld_dst, ds, ld_src, da, T, k);
+    struct attn_index_par pg = pc;
+    pg.src = k ? ds : NULL;
+    GPU->attn_index(&gpu_be, dd, n_idx, dgeo, T, &pg);
     g_get(dg, dd, db);
+    g_free(dgeo);
     g_free(ds);
-    g_free(da);
     g_free(dd);
     struct cmp c;
-    cmp_begin(&c, "idx_remap", "%s", what);
-    cmp_i32_exact(&c, dg, dc, T * ld_dst);
-    for (int64_t r = 0; r < T; r++)
-        for (int64_t j = 0; j < ld_dst; j++) {
-            int64_t i = j - at[2 * r];
-            int32_t s = i >= 0 && i < k ? src[r * ld_src + i] : 0;
-            uint32_t want = i >= 0 && i < k ? (uint32_t)(s < 0 ? -1 : s + at[2 * r + 1]) : POISON32I;
-            if ((uint32_t)dc[r * ld_dst + j] != want)
-                self_fail(&c, "row %lld column %lld: %#x, must be %#x (%s)", (long long)r, (long long)j,
-                          (unsigned)dc[r * ld_dst + j], (unsigned)want, i >= 0 && i < k ? "remapped" : "untouched");
+    cmp_begin(&c, "attn_index", "%s", what);
+    cmp_i32_exact(&c, dg, dc, T * n_idx);
+    for (int64_t i = 0; i < T * n_idx; i++)
+        if (dc[i] != want[i]) {
+            self_fail(&c, "row %lld entry %lld: %d, must be %d", (long long)(i / n_idx), (long long)(i % n_idx), dc[i],
+                      want[i]);
+            break;
         }
     cmp_end(&c);
+    free(start);
+    free(len);
+    free(row0);
+    free(slot);
+    free(geo);
     free(src);
-    free(at);
+    free(want);
     free(dc);
     free(dg);
 }
 
-static void test_idx_remap(void **st) {
+static void test_attn_index(void **st) {
     NEED_GPU(st);
-    for (int t = 0; t < 3; t++) idx_remap_case(T_TOPK[t], INDEX_TOPK, INDEX_TOPK, WINDOW + INDEX_TOPK + 3);
-    idx_remap_case(17, 37, 40, 100);
-    idx_remap_case(3, 1, 1, 2);
-    idx_remap_case(5, 300, 512, 301);
+    for (int t = 0; t < 3; t++) attn_index_case((int)T_TOPK[t], WINDOW, INDEX_TOPK, 0, false, true);
+    attn_index_case(64, WINDOW, 0, 0, false, true); /* a window-only layer */
+    attn_index_case(3, WINDOW, INDEX_TOPK, 5, true, false);
+    attn_index_case(5, 16, 37, 2, true, false);
+    attn_index_case(4, 16, 0, 1, false, false);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -895,7 +935,7 @@ int main(void) {
         cmocka_unit_test(test_index_topk_heap_select),
         cmocka_unit_test(test_cand_mask),
         cmocka_unit_test(test_cand_then_topk),
-        cmocka_unit_test(test_idx_remap),
+        cmocka_unit_test(test_attn_index),
         cmocka_unit_test(test_copy_segs),
         cmocka_unit_test(test_memory_reuse_and_ring),
         cmocka_unit_test(test_router_select),

@@ -459,11 +459,11 @@ static void chk_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const
     outside("cand_mask");
     g_cpu->cand_mask(IN, mask, ld_m, S, ld_s, p, T, tb, bs);
 }
-static void chk_idx_remap(struct backend *be, int32_t *dst, int64_t ld_dst, const int32_t *src, int64_t ld_src,
-                          const int32_t *at, int64_t T, int64_t k) {
+static void chk_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                           const struct attn_index_par *par) {
     (void)be;
-    outside("idx_remap");
-    g_cpu->idx_remap(IN, dst, ld_dst, src, ld_src, at, T, k);
+    outside("attn_index");
+    g_cpu->attn_index(IN, dst, n_idx, geo, T, par);
 }
 static void chk_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
     (void)be;
@@ -484,7 +484,7 @@ static struct backend_ops checker_ops(const struct backend_ops *cpu) {
     o.qdq_fp4_32 = chk_qdq_fp4_32, o.qdq_fp4_16 = chk_qdq_fp4_16, o.hc_init = chk_hc_init, o.embed = chk_embed;
     o.engram_gather = chk_engram_gather, o.engram_gate = chk_engram_gate, o.sparse_attn = chk_sparse_attn;
     o.compress_pool = chk_compress_pool, o.index_scores = chk_index_scores, o.index_topk = chk_index_topk;
-    o.cand_mask = chk_cand_mask, o.idx_remap = chk_idx_remap, o.interleave = chk_interleave;
+    o.cand_mask = chk_cand_mask, o.attn_index = chk_attn_index, o.interleave = chk_interleave;
     o.graph_begin = chk_graph_begin, o.graph_end = chk_graph_end;
     o.branch_begin = chk_branch_begin, o.branch_end = chk_branch_end, o.branch_join = chk_branch_join;
     return o;
