@@ -693,8 +693,9 @@ int main(int argc, char **argv) {
     be.ops->sync(&be);
     double t_new = now_s() - t0;
     B.be = &be;
-    B.X_out = ds_malloc((size_t)(T_max * cfg.hc_mult * cfg.dim) * sizeof(bf16_t));
-    B.P_out = ds_malloc((size_t)(T_max * cfg.hc_mult) * sizeof(float));
+    /* page-locked where the backend has it, as the engine's pipeline hand-off (dist.c, struct mb) */
+    B.X_out = engine_host_alloc(&be, (size_t)(T_max * cfg.hc_mult * cfg.dim) * sizeof(bf16_t));
+    B.P_out = engine_host_alloc(&be, (size_t)(T_max * cfg.hc_mult) * sizeof(float));
 
     printf("# bench_step: %s, TP%d x PP%d rank 0 (tp_rank 0, stage 0: layers %d-%d, embedding, no head), "
            "backend %s\n",
@@ -903,8 +904,8 @@ int main(int argc, char **argv) {
     free(seqs);
     free(rows);
     free(dist);
-    free(B.X_out);
-    free(B.P_out);
+    engine_host_free(&be, B.X_out);
+    engine_host_free(&be, B.P_out);
     model_free(B.m);
     engine_backend_free(&be, &ef);
     engram_consts_free(&ec);
