@@ -1,5 +1,6 @@
-/* One entry of sparse_attn's index lists (backend.h's attn_index), the same code for the CPU
- * backend's loop and the CUDA backend's kernel, so the two cannot drift: the window part from the
+/* One entry of sparse_attn's index lists (backend.h's attn_index) and the ring row of a chunk row
+ * (ring_store), the same code for the CPU backend's loops and the CUDA backend's kernels, so the
+ * two cannot drift. The lists: the window part from the
  * row's geometry (position, chunk start, chunk key row, slot, window width), the compressed part
  * from the top-k row, -1 past both. The lists were built on the host per layer and uploaded
  * (T x n_idx ints a layer); the geometry is uploaded once a forward, with the positions. */
@@ -14,8 +15,16 @@
 #define ATTN_INDEX_FN static inline
 #endif
 
-/* geometry columns of a row (attn_index's geo [T, 5]) */
-enum { AIX_P, AIX_START, AIX_CHUNK_ROW, AIX_SLOT, AIX_NW, AIX_COLS };
+/* geometry columns of a row (attn_index's and ring_store's geo [T, AIX_COLS]): AIX_END is the
+ * chunk's end (start + len), for ring_store */
+enum { AIX_P, AIX_START, AIX_CHUNK_ROW, AIX_SLOT, AIX_NW, AIX_END, AIX_COLS };
+
+/* Where ring_store puts the row with geometry g: its ring row (slot·W + p mod W) where it is one of
+ * its chunk's last W positions, else -1 (an earlier row of the chunk owns that ring row). */
+ATTN_INDEX_FN int64_t ring_store_row(const int32_t *g, int64_t W) {
+    const int64_t p = g[AIX_P];
+    return p >= (int64_t)g[AIX_END] - W ? (int64_t)g[AIX_SLOT] * W + p % W : -1;
+}
 
 /* Entry j of the row with geometry g: W the window, ring0 the key row of slot 0's ring; srow the
  * row's k compressed ids (NULL when k = 0), src0 + slot·cap the key row of its slot's first. */

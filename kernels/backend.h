@@ -326,8 +326,9 @@ struct backend_ops {
     void (*cand_mask)(struct backend *be, uint8_t *mask, int64_t ld_m, const float *S, int64_t ld_s,
                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
     /* Index lists of sparse_attn (MODEL.md §3.6, attention.c): row r < T of dst [T, n_idx] from
-     * its geometry geo int32 [T, 5] (backend memory) = (p, start, chunk_row, slot, nw) — the row's
-     * position, its chunk's first position and first key row, its sequence slot, its window width —
+     * its geometry geo int32 [T, AIX_COLS] (backend memory; kernels/attn_index_core.h) = (p, start,
+     * chunk_row, slot, nw, end) — the row's position, its chunk's first position and first key
+     * row, its sequence slot, its window width, its chunk's end —
      * and the layer's par:
      *   j < nw: window position qp = (nw < W ? max(0, p - W + 1) : p - W + 1) + j: -1 where qp < 0
      *           or qp > p, else qp >= start ? chunk_row + qp - start : ring0 + slot·W + qp mod W;
@@ -335,6 +336,11 @@ struct backend_ops {
      *   the rest -1. nw + k <= n_idx; src may be NULL when k = 0. */
     void (*attn_index)(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
                        const struct attn_index_par *par);
+    /* The window ring's update after a layer's attention: row r < T of kv [T, hd] bf16 goes to
+     * ring row slot·W + p mod W (ring [slots·W, hd]) where p >= end - W (the chunk's last W
+     * positions; geo as attn_index's, AIX_END its chunk's end); other ring rows are untouched. */
+    void (*ring_store)(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                       int64_t hd);
 
     /* ---- MoE (MODEL.md §3.10) ---- */
     /* Router: z = x_f32 · gate_f32ᵀ / temp; s = sqrtf(softplus(z)) (z > 20 → z); selection =

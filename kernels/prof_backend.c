@@ -66,6 +66,7 @@ enum prof_op {
     PROF_INDEX_TOPK,
     PROF_CAND_MASK,
     PROF_ATTN_INDEX,
+    PROF_RING_STORE,
     PROF_ALLOC,
     PROF_FREE,
     PROF_SCRATCH,
@@ -73,7 +74,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "ring_store", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -332,6 +333,11 @@ static void prof_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, con
     PR(be)->inner->ops->attn_index(PR(be)->inner, dst, n_idx, geo, T, par);
     prof_end(be, PROF_ATTN_INDEX, t0);
 }
+static void prof_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W, int64_t hd) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->ring_store(PR(be)->inner, ring, kv, geo, T, W, hd);
+    prof_end(be, PROF_RING_STORE, t0);
+}
 
 static const struct backend_ops prof_ops = {
     .name = "profiled",
@@ -375,6 +381,7 @@ static const struct backend_ops prof_ops = {
     .index_topk = prof_index_topk,
     .cand_mask = prof_cand_mask,
     .attn_index = prof_attn_index,
+    .ring_store = prof_ring_store,
     .router = prof_router,
     .moe_experts = prof_moe_experts,
     .moe_combine = prof_moe_combine,

@@ -10,8 +10,9 @@
  * uploaded, they stood in front of each layer's attention (H100 kernel timeline, 508787b:
  * 13-16 µs idle a layer at batch 64 and 256). sparse_attn reads every key row where it lives (the
  * model's kv arena holds the rings, the compressed caches and the chunk's own rows), so nothing is
- * gathered per step; rows that do move (ring updates, compressor state, cache writes) go in one
- * copy_segs call per batch, not one copy per sequence. */
+ * gathered per step; rows that do move go in one call per batch, not one copy per sequence: the
+ * ring updates by ring_store from the same geometry, compressor state and cache writes by
+ * copy_segs. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -377,23 +378,15 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     const struct attn_index_par ip = {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0};
     int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx));
     OPS->attn_index(m->be, idx_d, n_idx, b->geo, T, &ip);
-    /* the ring keeps the last W positions for later steps (copied after the attention, which
-     * reads the older positions in place) */
-    struct seg_list ring = {0};
-    for (int i = 0; i < b->n; i++) {
-        const struct fwd_seq *s = &b->seqs[i];
-        for (int64_t t = i64max(0, s->len - W); t < s->len; t++) {
-            int64_t p = s->start + t;
-            seg_push(&ring, lc->ring + ((size_t)s->slot * W + p % W) * hd, kv + (b->row0[i] + t) * hd, (size_t)hd * 2);
-        }
-    }
     bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
     float scale = (float)pow((double)hd, -0.5);
     /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
     const struct attn_rope inv = {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true};
     be_sparse_attn_rope(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale, &inv);
-    seg_flush(m, &ring);
-    seg_free(&ring);
+    /* the ring keeps the last W positions for later steps: written after the attention, which
+     * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
+     * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff) */
+    OPS->ring_store(m->be, lc->ring, kv, b->geo, T, W, hd);
     attention_out(m, l, b, o, out);
     model_tfree(m, idx_d);
     model_fbuf_free(m, b, o);

@@ -1026,7 +1026,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         return -1;
     }
     int64_t T = b.T, D = c->dim, hc = c->hc_mult;
-    /* positions [T], then the rows' attn_index geometry [T, AIX_COLS]: one upload */
+    /* positions [T], then the rows' geometry for attn_index and ring_store [T, AIX_COLS]: one upload */
     b.pos_h = ds_malloc(sizeof(int32_t) * (size_t)(T * (1 + AIX_COLS)));
     int32_t *tok = ds_malloc(sizeof(int32_t) * (size_t)T);
     for (int i = 0; i < n; i++)
@@ -1039,6 +1039,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
             g[AIX_CHUNK_ROW] = (int32_t)(m->kv_cache_rows + b.row0[i]);
             g[AIX_SLOT] = seqs[i].slot;
             g[AIX_NW] = (int32_t)model_window_width(m, &seqs[i]);
+            g[AIX_END] = (int32_t)(seqs[i].start + seqs[i].len);
             tok[r] = seqs[i].tokens[t];
             if (m->ec && m->ec->token_map)
                 m->slots[seqs[i].slot].hist[seqs[i].start + t] = m->ec->token_map[seqs[i].tokens[t]];

@@ -119,6 +119,7 @@ static const struct backend_ops cpu_ops = {
     .index_topk = cpu_op_index_topk,
     .cand_mask = cpu_op_cand_mask,
     .attn_index = cpu_op_attn_index,
+    .ring_store = cpu_op_ring_store,
     .router = cpu_op_router,
     .moe_experts = cpu_op_moe_experts,
     .shared_expert = cpu_op_shared_expert,

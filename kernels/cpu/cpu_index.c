@@ -1,5 +1,5 @@
 /* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and sparse_attn's
- * index lists (attn_index, kernels/attn_index_core.h's entries): every row of the first two runs kernels/topk_core.h's block-parallel selection as a block of one thread —
+ * index lists and window ring (attn_index, ring_store: kernels/attn_index_core.h): every row of the first two runs kernels/topk_core.h's block-parallel selection as a block of one thread —
  * the code the CUDA kernels run with a block of 128 — so a top-k set is the same on both backends by
  * construction, and the golden fixtures check the formulation the GPU runs. Rows are independent
  * (OpenMP over rows only). */
@@ -88,5 +88,13 @@ void cpu_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const in
         const int32_t *g = geo + r * AIX_COLS, *srow = par->k ? par->src + r * par->ld_src : NULL;
         for (int64_t j = 0; j < n_idx; j++)
             dst[r * n_idx + j] = attn_index_entry(g, j, par->W, par->ring0, srow, par->k, par->src0, par->cap);
+    }
+}
+
+void cpu_op_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                       int64_t hd) {
+    for (int64_t r = 0; r < T; r++) {
+        const int64_t q = ring_store_row(geo + r * AIX_COLS, W);
+        if (q >= 0) memcpy(ring + q * hd, kv + r * hd, sizeof(bf16_t) * (size_t)hd);
     }
 }

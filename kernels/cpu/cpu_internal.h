@@ -81,6 +81,8 @@ void cpu_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const flo
                       const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
 void cpu_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
                        const struct attn_index_par *par);
+void cpu_op_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                       int64_t hd);
 
 /* ---- cpu_moe.c ---- */
 /* The router's selection for one token from its gate logits z [E] (cpu_op_router's per-row step,

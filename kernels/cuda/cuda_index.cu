@@ -1,5 +1,5 @@
 /* The indexer's selection on the GPU (index_topk, cand_mask) and sparse_attn's index lists
- * (attn_index), so a forward never brings the scores back to the host for the top-k (it did: one
+ * (attn_index) and window ring (ring_store), so a forward never brings the scores back to the host for the top-k (it did: one
  * device wait per index layer, and the host then built the lists), nor builds a list a layer.
  *
  * The selection itself is kernels/topk_core.h, the very code the CPU backend runs: libstdc++'s
@@ -122,6 +122,24 @@ void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const fl
         mask, ld_m, S, ld_s, p, topk_blocks, bs, nb_max, scratch, row_bytes);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, scratch);
+}
+
+/* a block a row, 16 bytes a thread (hd·2 is a multiple of 16: checked by the caller) */
+__global__ void ring_store_kernel(uint4 *ring, const uint4 *kv, const int32_t *geo, int64_t W, int64_t n16) {
+    const int64_t r = blockIdx.x, q = ring_store_row(geo + r * AIX_COLS, W);
+    if (q < 0) return;
+    for (int64_t c = threadIdx.x; c < n16; c += blockDim.x) ring[q * n16 + c] = kv[r * n16 + c];
+}
+
+void cuda_op_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                        int64_t hd) {
+    if (T <= 0 || hd <= 0) return;
+    if ((hd * 2) % 16 || ((uintptr_t)ring & 15) || ((uintptr_t)kv & 15) || T > 0x7fffffff)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "ring_store", "rows of a multiple of 16 bytes, 16-byte aligned");
+    const int64_t n16 = hd * 2 / 16;
+    ring_store_kernel<<<(unsigned)T, (unsigned)(n16 < 128 ? n16 : 128), 0, cuda_be_stream(be)>>>(
+        (uint4 *)ring, (const uint4 *)kv, geo, W, n16);
+    KERNEL_CHECK();
 }
 
 void cuda_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,

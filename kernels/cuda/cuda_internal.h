@@ -134,6 +134,8 @@ void cuda_op_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const fl
                        const int32_t *p, int64_t T, int64_t topk_blocks, int64_t bs);
 void cuda_op_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
                         const struct attn_index_par *par);
+void cuda_op_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                        int64_t hd);
 
 /* ---- cuda_moe.cu ---- */
 void cuda_op_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,

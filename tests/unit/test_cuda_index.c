@@ -20,7 +20,8 @@
  * min(k, n) entries, ascending, none ranking below an unselected one, and hides those >= visible;
  * cand_mask keeps whole blocks, min(topk_blocks, blocks) of them less the -inf ones, the best by
  * block maximum, always the last visible one; attn_index's lists are the ones the host built
- * before it (window, compressed part, padding); copy_segs writes its ranges and nothing else (the
+ * before it (window, compressed part, padding); ring_store writes a chunk's last W rows where
+ * the host list put them and no other ring row; copy_segs writes its ranges and nothing else (the
  * poison around them survives). The harness is cuda_ops_common.h. */
 #include "cuda_ops_common.h"
 #ifdef DS_HAVE_CUDA
@@ -33,7 +34,7 @@
 #include "attn_index_core.h"
 
 _Static_assert(TOL_GPU_DATA_EXACT == 0 && TOL_GPU_INDEX_SELECT_EXACT == 0,
-               "copy_segs, attn_index, index_topk and cand_mask are compared bit for bit");
+               "copy_segs, attn_index, ring_store, index_topk and cand_mask are compared bit for bit");
 
 /* A violation of the op's contract by the CPU result (reported by cmp_end as a self-check failure). */
 static void self_fail(struct cmp *c, const char *fmt, ...) {
@@ -447,7 +448,7 @@ static void attn_index_case(int n, int64_t W, int64_t k, int64_t pad, bool ref_l
             const int64_t p = start[i] + t, r = row0[i] + t;
             int32_t *g = geo + r * AIX_COLS, *ir = want + r * n_idx;
             g[AIX_P] = (int32_t)p, g[AIX_START] = (int32_t)start[i], g[AIX_CHUNK_ROW] = (int32_t)(chunk0 + row0[i]);
-            g[AIX_SLOT] = (int32_t)slot[i], g[AIX_NW] = (int32_t)nw;
+            g[AIX_SLOT] = (int32_t)slot[i], g[AIX_NW] = (int32_t)nw, g[AIX_END] = (int32_t)(start[i] + len[i]);
             int64_t e = 0;
             for (int64_t w = 0; w < nw; w++) {
                 const int64_t qp = nw < W ? (p - W + 1 > 0 ? p - W + 1 : 0) + w : p - W + 1 + w;
@@ -495,6 +496,72 @@ static void attn_index_case(int n, int64_t W, int64_t k, int64_t pad, bool ref_l
     free(want);
     free(dc);
     free(dg);
+}
+
+/* ring_store: chunks of 1 to 3W rows (so some rows are not among their chunk's last W and must
+ * not be stored); the expected ring is written per sequence as attention.c's host list was (its
+ * last min(len, W) rows to slot·W + p mod W), every other ring row keeps its poison. */
+static void ring_store_case(int n, int64_t W, int64_t hd, bool decode) {
+    char what[160], tag[200];
+    snprintf(what, sizeof what, "seqs=%d W=%lld hd=%lld%s", n, (long long)W, (long long)hd, decode ? ", decode" : ", chunks");
+    snprintf(tag, sizeof tag, "ring_store %s", what);
+    seed_tag(tag);
+    const int slots = 2 * n + 1;
+    int64_t T = 0, *len = NEW(int64_t, n), *start = NEW(int64_t, n);
+    for (int i = 0; i < n; i++) {
+        len[i] = decode ? 1 : 1 + irand(3 * W);
+        start[i] = irand(4 * W);
+        T += len[i];
+    }
+    int32_t *geo = NEW(int32_t, T * AIX_COLS);
+    uint16_t *kv = NEW(uint16_t, T * hd), *want = NEW(uint16_t, slots * W * hd);
+    for (int64_t i = 0; i < T * hd; i++) kv[i] = (uint16_t)rnd64();
+    size_t rb = sizeof(uint16_t) * (size_t)(slots * W * hd);
+    poison_host(want, rb, PZ_16);
+    for (int i = 0, r = 0; i < n; i++) {
+        const int slot = 2 * i + (int)irand(2);
+        for (int64_t t = 0; t < len[i]; t++, r++) {
+            int32_t *g = geo + (int64_t)r * AIX_COLS;
+            g[AIX_P] = (int32_t)(start[i] + t), g[AIX_START] = (int32_t)start[i], g[AIX_CHUNK_ROW] = 0;
+            g[AIX_SLOT] = slot, g[AIX_NW] = (int32_t)W, g[AIX_END] = (int32_t)(start[i] + len[i]);
+            if (t >= len[i] - W) memcpy(want + ((int64_t)slot * W + (start[i] + t) % W) * hd, kv + (int64_t)r * hd, (size_t)hd * 2);
+        }
+    }
+    uint16_t *rc = NEW(uint16_t, slots * W * hd), *rg = NEW(uint16_t, slots * W * hd);
+    poison_host(rc, rb, PZ_16);
+    CPU->ring_store(&cpu_be, rc, kv, geo, T, W, hd);
+    void *dkv = g_in(kv, sizeof(uint16_t) * (size_t)(T * hd)), *dgeo = g_in(geo, sizeof(int32_t) * (size_t)(T * AIX_COLS));
+    void *dr = g_out(rb, PZ_16);
+    GPU->ring_store(&gpu_be, dr, dkv, dgeo, T, W, hd);
+    g_get(rg, dr, rb);
+    g_free(dkv);
+    g_free(dgeo);
+    g_free(dr);
+    struct cmp c;
+    cmp_begin(&c, "ring_store", "%s", what);
+    for (int64_t i = 0; i < slots * W * hd; i++) cmp_bits(&c, i, rg[i], rc[i], rg[i], rc[i]);
+    for (int64_t i = 0; i < slots * W * hd; i++)
+        if (rc[i] != want[i]) {
+            self_fail(&c, "ring row %lld column %lld: %#x, must be %#x", (long long)(i / hd), (long long)(i % hd),
+                      (unsigned)rc[i], (unsigned)want[i]);
+            break;
+        }
+    cmp_end(&c);
+    free(len);
+    free(start);
+    free(geo);
+    free(kv);
+    free(want);
+    free(rc);
+    free(rg);
+}
+
+static void test_ring_store(void **st) {
+    NEED_GPU(st);
+    for (int t = 0; t < 3; t++) ring_store_case((int)T_TOPK[t], WINDOW, 512, true);
+    ring_store_case(256, WINDOW, 512, true);
+    ring_store_case(4, 16, 64, false);
+    ring_store_case(3, 8, 8, false);
 }
 
 static void test_attn_index(void **st) {
@@ -936,6 +1003,7 @@ int main(void) {
         cmocka_unit_test(test_cand_mask),
         cmocka_unit_test(test_cand_then_topk),
         cmocka_unit_test(test_attn_index),
+        cmocka_unit_test(test_ring_store),
         cmocka_unit_test(test_copy_segs),
         cmocka_unit_test(test_memory_reuse_and_ring),
         cmocka_unit_test(test_router_select),

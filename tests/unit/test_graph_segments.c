@@ -465,6 +465,12 @@ static void chk_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, cons
     outside("attn_index");
     g_cpu->attn_index(IN, dst, n_idx, geo, T, par);
 }
+static void chk_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                           int64_t hd) {
+    (void)be;
+    outside("ring_store");
+    g_cpu->ring_store(IN, ring, kv, geo, T, W, hd);
+}
 static void chk_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
     (void)be;
     outside("interleave");
@@ -484,7 +490,7 @@ static struct backend_ops checker_ops(const struct backend_ops *cpu) {
     o.qdq_fp4_32 = chk_qdq_fp4_32, o.qdq_fp4_16 = chk_qdq_fp4_16, o.hc_init = chk_hc_init, o.embed = chk_embed;
     o.engram_gather = chk_engram_gather, o.engram_gate = chk_engram_gate, o.sparse_attn = chk_sparse_attn;
     o.compress_pool = chk_compress_pool, o.index_scores = chk_index_scores, o.index_topk = chk_index_topk;
-    o.cand_mask = chk_cand_mask, o.attn_index = chk_attn_index, o.interleave = chk_interleave;
+    o.cand_mask = chk_cand_mask, o.attn_index = chk_attn_index, o.ring_store = chk_ring_store, o.interleave = chk_interleave;
     o.graph_begin = chk_graph_begin, o.graph_end = chk_graph_end;
     o.branch_begin = chk_branch_begin, o.branch_end = chk_branch_end, o.branch_join = chk_branch_join;
     return o;
