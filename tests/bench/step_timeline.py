@@ -12,7 +12,8 @@ at its first kernel (the embedding, FIRST) and its time split into
 and each kernel name is charged its exposed time (running alone; a kernel on the step's critical
 chain that nothing overlaps is all exposed) and the idle gap in front of it (the wait before it
 started with the GPU empty). Writes SUMMARY (a row per batch size) and KERNELS (a row per batch and
-kernel name); prints both.
+kernel name), and with --gaps GAPS a row per batch and pair (kernel, the kernel whose end left the
+GPU empty before it): where the step waits on the host; prints them.
 
   step_timeline.py --trace kernel_trace.csv --batches 1,64 --steps 5 --summary s.csv --kernels k.csv
 """
@@ -106,15 +107,16 @@ def split_steps(ks, steps):
 
 
 def sweep(t0, t1, ks):
-    """idle / one / overlap ns over [t0, t1); Counters by name: exposed ns, idle ns in front, launches, summed ns"""
+    """idle / one / overlap ns over [t0, t1); Counters by name: exposed ns, idle ns in front, launches, summed ns;
+    and by (name, the kernel whose end left the GPU empty before it): idle ns and gaps"""
     ev = []
     for idx, (s, e, _, _) in enumerate(ks):
         ev.append((max(s, t0), 1, idx))
         ev.append((min(e, t1), -1, idx))
     ev.sort(key=lambda x: (x[0], x[1]))
-    running, t_prev = set(), t0
+    running, t_prev, last = set(), t0, None
     idle = one = over = 0
-    exposed, before = Counter(), Counter()
+    exposed, before, pair_ns, pair_n = Counter(), Counter(), Counter(), Counter()
     for t, kind, idx in ev:
         dt = t - t_prev
         if dt > 0:
@@ -122,6 +124,9 @@ def sweep(t0, t1, ks):
                 idle += dt
                 if kind == 1:
                     before[ks[idx][3]] += dt
+                    if last is not None:
+                        pair_ns[(ks[idx][3], last)] += dt
+                        pair_n[(ks[idx][3], last)] += 1
             elif len(running) == 1:
                 one += dt
                 exposed[ks[next(iter(running))][3]] += dt
@@ -131,6 +136,8 @@ def sweep(t0, t1, ks):
             running.add(idx)
         else:
             running.discard(idx)
+            if not running:
+                last = ks[idx][3]
         t_prev = max(t_prev, t)
     tail = t1 - t_prev if t1 > t_prev else 0  # after the step's last kernel: the host's sync and next launch
     idle += tail
@@ -138,7 +145,7 @@ def sweep(t0, t1, ks):
     for s, e, _, n in ks:
         launches[n] += 1
         summed[n] += e - s
-    return idle, tail, one, over, exposed, before, launches, summed
+    return idle, tail, one, over, exposed, before, launches, summed, pair_ns, pair_n
 
 
 def main():
@@ -150,6 +157,9 @@ def main():
                     "step, beside the traced one (the tracing's own cost)")
     ap.add_argument("--summary", required=True)
     ap.add_argument("--kernels", required=True)
+    ap.add_argument("--gaps", help="also a row per batch and (kernel, the kernel whose end left the GPU empty "
+                    "before it): the idle time between them, where the step waits on the host (a segment's "
+                    "end, an upload, a collective)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",") if b]
@@ -164,7 +174,7 @@ def main():
             for r in csv.DictReader(f):
                 if r.get("kind") == "decode":
                     bench_ms[int(r["batch_or_tokens"])] = float(r["ms"])
-    srows, krows = [], []
+    srows, krows, grows = [], [], []
     for b, (w0, w1) in zip(batches, win):
         ks = [k for k in kernels if w0 <= k[0] < w1]
         steps = split_steps(ks, a.steps)
@@ -172,8 +182,11 @@ def main():
         use = steps[1:] if len(steps) > 1 else steps
         tot = Counter()
         exp_all, bef_all, lau_all, sum_all, streams = Counter(), Counter(), Counter(), Counter(), Counter()
+        gap_ns, gap_n = Counter(), Counter()
         for t0, t1, sk in use:
-            idle, tail, one, over, exposed, before, launches, summed = sweep(t0, t1, sk)
+            idle, tail, one, over, exposed, before, launches, summed, pair_ns, pair_n = sweep(t0, t1, sk)
+            gap_ns.update(pair_ns)
+            gap_n.update(pair_n)
             tot.update(wall=t1 - t0, idle=idle, tail=tail, one=one, over=over, kernels=len(sk))
             exp_all.update(exposed)
             bef_all.update(before)
@@ -203,7 +216,12 @@ def main():
                 "idle_before_us": round(bef_all[n] / ns / 1e3, 1),
                 "exposed_plus_idle_pct": round(100 * (exp_all[n] + bef_all[n]) / tot["wall"], 1),
             })
-    for path, rows in ((a.summary, srows), (a.kernels, krows)):
+        for (n, after) in sorted(gap_ns, key=lambda p: -gap_ns[p]):
+            grows.append({"batch": b, "kernel": n, "after": after,
+                          "idle_us": round(gap_ns[(n, after)] / ns / 1e3, 1),
+                          "gaps_per_step": round(gap_n[(n, after)] / ns, 1)})
+    outs = [(a.summary, srows), (a.kernels, krows)] + ([(a.gaps, grows)] if a.gaps else [])
+    for path, rows in outs:
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
             w.writeheader()
@@ -215,6 +233,10 @@ def main():
         for r in [r for r in krows if r["batch"] == b][: a.top]:
             print(f"  {r['kernel'][:60]:60s} {r['launches_per_step']:7} {r['sum_us']:9} {r['exposed_us']:9} "
                   f"{r['idle_before_us']:9} {r['exposed_plus_idle_pct']:6}%")
+        if a.gaps:
+            print(f"batch {b}: idle µs a step between a kernel and the one whose end left the GPU empty, gaps a step")
+            for r in [r for r in grows if r["batch"] == b][:8]:
+                print(f"  {r['idle_us']:9} {r['gaps_per_step']:6}  {r['kernel'][:45]:45s} after {r['after'][:45]}")
     return 0
 
 

@@ -10,7 +10,8 @@
 # The steps' embed, A and C come mangled, as CUPTI names kernels (c++filt reads them back; C
 # in an anonymous namespace, which the kernel name drops).
 # A wrong sweep (idle counted under a running kernel, overlap charged to one kernel, the first
-# step kept) changes these numbers.
+# step kept, a gap charged after the kernel that started last instead of the one that ended last)
+# changes these numbers.
 set -u
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/dsbatch_timeline.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
@@ -33,7 +34,7 @@ k() { echo "kernel,$(($2 * U)),$(($3 * U)),$4,0,0,1,32,\"$1\""; } # NAME START E
   done
 } > "$TMP/trace.csv"
 if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 3 --summary "$TMP/s.csv" \
-  --kernels "$TMP/k.csv" > "$TMP/out" 2>&1; then ok "step_timeline.py runs on a two-window trace"; else
+  --kernels "$TMP/k.csv" --gaps "$TMP/g.csv" > "$TMP/out" 2>&1; then ok "step_timeline.py runs on a two-window trace"; else
   not_ok "step_timeline.py runs on a two-window trace" "$(cat "$TMP/out")"; exit 0; fi
 check() {
   local name=$1 want=$2 got=$3
@@ -42,6 +43,8 @@ check() {
 # field C of the row whose batch is B (and kernel K): the names hold commas, so csv reads them
 col() { python3 -c 'import csv,sys; print(next((r[sys.argv[3]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2]), ""))' "$TMP/s.csv" "$1" "$2"; }
 kcol() { python3 -c 'import csv,sys; print(next((r[sys.argv[4]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2] and r["kernel"] == sys.argv[3]), ""))' "$TMP/k.csv" "$1" "$2" "$3"; }
+# the gap row of kernel K after kernel P: its idle µs a step and gaps a step ("" when there is none)
+gcol() { python3 -c 'import csv,sys; print(next((r[sys.argv[5]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2] and r["kernel"] == sys.argv[3] and r["after"] == sys.argv[4]), ""))' "$TMP/g.csv" "$1" "$2" "$3" "$4"; }
 for b in 1 8; do
   check "batch $b: wall per step" 0.95 "$(col $b traced_ms)"
   check "batch $b: idle per step" 0.25 "$(col $b idle_ms)"
@@ -52,6 +55,10 @@ for b in 1 8; do
   check "batch $b: B's exposed time (always beside A)" 0.0 "$(kcol $b B_kernel exposed_us)"
   check "batch $b: C's idle in front" 100.0 "$(kcol $b C_kernel idle_before_us)"
   check "batch $b: embed launches per step" 1.0 "$(kcol $b 'embed_kernel<8>' launches_per_step)"
+  # C waits after A, the kernel whose end left the GPU empty (B started later than A but ended first)
+  check "batch $b: the gap before C is after A" "100.0 1.0" "$(gcol $b C_kernel 'A_kernel<1, 2>' idle_us) $(gcol $b C_kernel 'A_kernel<1, 2>' gaps_per_step)"
+  check "batch $b: no gap is charged after B" "" "$(gcol $b C_kernel B_kernel idle_us)"
+  check "batch $b: the gap before A is after the embedding" 100.0 "$(gcol $b 'A_kernel<1, 2>' 'embed_kernel<8>' idle_us)"
 done
 # a window without the step count's embed launches is an error, not a silent split
 if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 2 --summary "$TMP/s2.csv" \
