@@ -1,9 +1,9 @@
 /* One entry of sparse_attn's index lists (backend.h's attn_index) and the ring row of a chunk row
  * (ring_store), the same code for the CPU backend's loops and the CUDA backend's kernels, so the
- * two cannot drift. The lists: the window part from the
- * row's geometry (position, chunk start, chunk key row, slot, window width), the compressed part
- * from the top-k row, -1 past both. The lists were built on the host per layer and uploaded
- * (T x n_idx ints a layer); the geometry is uploaded once a forward, with the positions. */
+ * two cannot drift. A list: the window part from the row's geometry (position, chunk start, chunk
+ * key row, slot, window width), the compressed part from the top-k row, -1 past both. The lists
+ * were built on the host per layer and uploaded (T x n_idx ints a layer); the geometry is uploaded
+ * once a forward, with the positions. */
 #ifndef DS_ATTN_INDEX_CORE_H
 #define DS_ATTN_INDEX_CORE_H
 

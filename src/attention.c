@@ -373,8 +373,7 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     int64_t n_idx = 0;
     for (int i = 0; i < b->n; i++) n_idx = i64max(n_idx, model_window_width(m, &b->seqs[i]) + kc);
     /* the lists on the backend from the batch's geometry (uploaded once a forward, b->geo) */
-    struct layer_cache *lc = &m->lc[l];
-    const struct layer_cache *sc = src >= 0 ? &m->lc[src] : NULL;
+    const struct layer_cache *lc = &m->lc[l], *sc = src >= 0 ? &m->lc[src] : NULL;
     const struct attn_index_par ip = {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0};
     int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx));
     OPS->attn_index(m->be, idx_d, n_idx, b->geo, T, &ip);

@@ -360,8 +360,8 @@ static void mb_free(struct backend *be, struct mb *b) {
     free(b->seqs);
     free(b->ws);
     free(b->tok);
-    if (b->X) engine_host_free(be, b->X);
-    if (b->P) engine_host_free(be, b->P);
+    engine_host_free(be, b->X);
+    engine_host_free(be, b->P);
     free(b->key);
 }
 

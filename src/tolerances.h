@@ -72,9 +72,9 @@
 #define TOL_GPU_DIV_ROUNDINGS 2
 
 /* Exact (0 ulp):
- *  - memory ops (copy_segs too), weight_prepare (incl. the dequant_bf16 copy: e4m3 · 2^k is exact in fp32, then one
- *    RNE), tensor_prepare, hc_init, embed, engram_gather (e4m3 · e8m0 exact, one RNE), interleave:
- *    data movement;
+ *  - memory ops (copy_segs, ring_store too), weight_prepare (incl. the dequant_bf16 copy: e4m3 ·
+ *    2^k is exact in fp32, then one RNE), tensor_prepare, hc_init, embed, engram_gather (e4m3 ·
+ *    e8m0 exact, one RNE), interleave: data movement;
  *  - argmax: comparisons only, under a total order (value, then the lower index), so any reduction
  *    tree picks the same entry;
  *  - qdq_fp8_32 / qdq_fp4_32 / qdq_fp4_16: integer exponent arithmetic, a division by a power of two

@@ -1,8 +1,9 @@
-/* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and sparse_attn's
- * index lists and window ring (attn_index, ring_store: kernels/attn_index_core.h): every row of the first two runs kernels/topk_core.h's block-parallel selection as a block of one thread —
- * the code the CUDA kernels run with a block of 128 — so a top-k set is the same on both backends by
- * construction, and the golden fixtures check the formulation the GPU runs. Rows are independent
- * (OpenMP over rows only). */
+/* The indexer's selection ops on the CPU backend (index_topk, cand_mask) and sparse_attn's index
+ * lists and window ring (attn_index, ring_store: kernels/attn_index_core.h, the entries the CUDA
+ * kernels compute too). Every row of the selection runs kernels/topk_core.h's block-parallel
+ * selection as a block of one thread — the code the CUDA kernels run with a block of 128 — so a
+ * top-k set is the same on both backends by construction, and the golden fixtures check the
+ * formulation the GPU runs. Rows are independent (OpenMP over rows only). */
 #include <stdlib.h>
 #include <string.h>
 

@@ -430,8 +430,9 @@ static void *cu_host_alloc(struct backend *be, size_t bytes) {
     (void)cudaGetLastError();
     static int said;
     if (!said++)
-        log_warn("cudaHostAlloc of %zu bytes failed (%s): downloads (logits, the pipeline's stream) go to pageable memory (slower)", bytes,
-                 cudaGetErrorString(e));
+        log_warn("cudaHostAlloc of %zu bytes failed (%s): downloads (logits, the pipeline's stream) go to pageable "
+                 "memory (slower)",
+                 bytes, cudaGetErrorString(e));
     return ds_malloc(bytes);
 }
 

@@ -1,6 +1,7 @@
 /* The indexer's selection on the GPU (index_topk, cand_mask) and sparse_attn's index lists
- * (attn_index) and window ring (ring_store), so a forward never brings the scores back to the host for the top-k (it did: one
- * device wait per index layer, and the host then built the lists), nor builds a list a layer.
+ * (attn_index) and window ring (ring_store), so a forward never brings the scores back to the host
+ * for the top-k (it did: one device wait per index layer, and the host then built the lists), nor
+ * builds a list or a copy list a layer.
  *
  * The selection itself is kernels/topk_core.h, the very code the CPU backend runs: libstdc++'s
  * introselect in torch's tie order, written so that each Hoare partition's scan is spread over the

@@ -43,8 +43,8 @@ void cuda_linear_mma(int fmt, uint16_t *y, const uint16_t *x, int64_t T, const v
  * CUDA_MMA_DECODE the decode tiling (T <= 256), CUDA_MMA_PREFILL the 128 x 128 tiling at any T;
  * FP8 only, CUDA_MMA_DECODE_MT1 / _MT2 / _MT4 the decode tiling with one, two or four m16 tiles a
  * CTA whatever T (<= 256; at T <= 8 too, instead of the split kernel) and CUDA_MMA_PREFILL_128x64
- * / _64x64 those tiles at any T (_64x64 for BF16 too, which CUDA_MMA_AUTO does not take yet), for
- * benchmarks that choose the forms' row ranges. Every choice gives a row the same bits. */
+ * / _64x64 those tiles at any T (_64x64 for BF16 too), for benchmarks that choose the forms' row
+ * ranges. Every choice gives a row the same bits. */
 enum {
     CUDA_MMA_AUTO = 0,
     CUDA_MMA_DECODE = 1,

@@ -953,7 +953,7 @@ typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps 
  * 256: 89 calls, 22.8 µs on average). The same kernel and order contract as every tiling: the same
  * bits (test_linear_mma_forms). CUDA_MMA_AUTO takes it for calls of CUDA_MMA_DECODE_AUTO_T to
  * CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid, counted over full k-chunks, is short of
- * FT_MIN_CTAS (linear_mma_call). H100, bench_linear_cuda out.csv 256,512 --tiles (graph µs a call,
+ * FT_MIN_CTAS (bf16_narrow). H100, bench_linear_cuda out.csv 256,512 --tiles (graph µs a call,
  * 128 x 128 -> 64 x 64): hc_mix [72, 20480] at 256 rows 23.6 -> 16.9, at 512 23.9 -> 20.9; gate
  * [384, 5120] 26.2 -> 14.1, 27.0 -> 17.8. bench_step --ctx 64 --batch 1,64,128,256 --steps 5
  * --prefill 512, two runs alternated (ab_run.sh): batch 256 19.84 19.98 -> 19.51 19.44 ms, batch
@@ -1008,13 +1008,22 @@ typedef cfg<K_BF16, 2, 2, 4, 4, 64, 5> cfg_bf16_m64n64;
  * long scoreboard 0.50, not selected 0.36, math pipe 0.35, short scoreboard 0.34. */
 #define FT_MIN_CTAS 200
 enum { FT_DECODE, FT_128x128, FT_128x64, FT_64x64 };
+/* a call's full k-chunks (at least 1): the CTAs a grid has per output tile */
+static int64_t full_chunks(int64_t k) { return k / 32 / KCH > 0 ? k / 32 / KCH : 1; }
 static int fp8_tile(int64_t T, int64_t n, int64_t k) {
-    const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
+    const int64_t full = full_chunks(k);
     if (T > CUDA_MMA_NARROW_MAX_T) return FT_128x128;
     if (T > 64 && (T + 127) / 128 * ((n + 63) / 64) * full >= FT_MIN_CTAS) return FT_128x64;
     if (T > CUDA_MMA_DECODE_AUTO_T) return FT_64x64;
     if (T >= 32 && (T + 63) / 64 * ((n + 63) / 64) * full >= FT_MIN_CTAS) return FT_64x64;
     return FT_DECODE;
+}
+
+/* Whether CUDA_MMA_AUTO gives a BF16 call the 64 x 64 tile (cfg_bf16_m64n64): CUDA_MMA_DECODE_AUTO_T
+ * to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid, over full k-chunks, is short of FT_MIN_CTAS */
+static bool bf16_narrow(int64_t T, int64_t n, int64_t k) {
+    return T > CUDA_MMA_DECODE_AUTO_T && T <= CUDA_MMA_NARROW_MAX_T &&
+           (T + 127) / 128 * ((n + 127) / 128) * full_chunks(k) < FT_MIN_CTAS;
 }
 
 /* Workspace: the quantized activations [T, k] bf16 (FP8/FP4), then, when k has more than one
@@ -1120,13 +1129,9 @@ static void linear_mma_call(int tiling, int fmt, uint16_t *y, const uint16_t *x,
         if (!seam_ok && T <= MMA_DECODE_MAX_T) ptile = FT_DECODE;
         tiling = ptile == FT_DECODE ? CUDA_MMA_DECODE : CUDA_MMA_PREFILL;
     }
-    /* BF16 at 129-512 rows: the 64 x 64 tile where the 128 x 128 grid is short (cfg_bf16_m64n64) */
-    if (tiling == CUDA_MMA_AUTO && fmt == WF_BF16 && seam_ok && T > CUDA_MMA_DECODE_AUTO_T && T <= CUDA_MMA_NARROW_MAX_T) {
-        const int64_t full = k / 32 / KCH > 0 ? k / 32 / KCH : 1;
-        if ((T + 127) / 128 * ((n + 127) / 128) * full < FT_MIN_CTAS) {
-            ptile = FT_64x64;
-            tiling = CUDA_MMA_PREFILL;
-        }
+    if (tiling == CUDA_MMA_AUTO && fmt == WF_BF16 && seam_ok && bf16_narrow(T, n, k)) {
+        ptile = FT_64x64;
+        tiling = CUDA_MMA_PREFILL;
     }
     const bool decode = tiling == CUDA_MMA_DECODE || (tiling == CUDA_MMA_AUTO && T <= CUDA_MMA_DECODE_AUTO_T);
     if (tiling == CUDA_MMA_DECODE && T > MMA_DECODE_MAX_T)

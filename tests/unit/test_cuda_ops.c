@@ -719,8 +719,8 @@ static void mma_forms_case(const char *name, const struct qweight *g, const int6
  * kernel's; 24, 40, 64, 130: one, two or four m16 tiles and more than one row tile; 300: the tiles
  * with a part-filled last row tile, the decode forms left out), a real shape, a weight slice (row
  * stride above k) and odd sizes. Then BF16 weights through the tilings BF16 has (decode, 128 x 128,
- * 64 x 64, the last forced only for now) at the mHC mixes' pieces [72, 20480] (20 k-chunks), the
- * router gate's [384, 5120] and an odd [37, 160]. */
+ * 64 x 64) at the mHC mixes' pieces [72, 20480] (20 k-chunks), the router gate's [384, 5120] and
+ * an odd [37, 160]. */
 static void test_linear_mma_forms(void **st) {
     NEED_GPU(st);
 #ifndef DS_HAVE_CUDA
