@@ -1019,10 +1019,12 @@ static int fp8_tile(int64_t T, int64_t n, int64_t k) {
     return FT_DECODE;
 }
 
-/* Whether CUDA_MMA_AUTO gives a BF16 call the 64 x 64 tile (cfg_bf16_m64n64): CUDA_MMA_DECODE_AUTO_T
- * to CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid, over full k-chunks, is short of FT_MIN_CTAS */
+/* Whether CUDA_MMA_AUTO gives a BF16 call the 64 x 64 tile (cfg_bf16_m64n64): above
+ * BF16_NARROW_MIN_T, up to CUDA_MMA_NARROW_MAX_T rows, where the 128 x 128 grid over full k-chunks is
+ * short of FT_MIN_CTAS. Below it the decode tiling (one CTA a 16-row tile of n and a k-chunk). */
+#define BF16_NARROW_MIN_T 64
 static bool bf16_narrow(int64_t T, int64_t n, int64_t k) {
-    return T > CUDA_MMA_DECODE_AUTO_T && T <= CUDA_MMA_NARROW_MAX_T &&
+    return T > BF16_NARROW_MIN_T && T <= CUDA_MMA_NARROW_MAX_T &&
            (T + 127) / 128 * ((n + 127) / 128) * full_chunks(k) < FT_MIN_CTAS;
 }
 
