@@ -187,18 +187,22 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
     float w_scale = (float)(pow((double)id, -0.5) * pow((double)c->index_n_heads, -0.5));
 
     /* every sequence's rows scored into one [T, nk_max] buffer; the selection runs on the backend
-     * from per-row parameters, so nothing comes back to the host mid-forward */
+     * from per-row parameters, so nothing comes back to the host mid-forward. The per-row tables go
+     * up as one upload (each upload is a copy the stream waits for: four a layer left the GPU idle
+     * ~17 µs before index_scores at batch 256, H100 timeline of e378f8d): [T] key-cache pointers,
+     * then [T] visible counts, [T] key counts, [T, TOPK_P_COUNT] selection parameters. */
     float *S_d = model_tmp(m, (size_t)(T * nk_max + 1) * 4);
-    int32_t *vis_h = ds_malloc(sizeof(int32_t) * (size_t)(T + 1));
-    int32_t *prm = ds_calloc((size_t)(T * TOPK_P_COUNT + 1), sizeof(int32_t));
+    const size_t tb_ptr = sizeof(const bf16_t *) * (size_t)T, tb_i32 = sizeof(int32_t) * (size_t)T;
+    const size_t tb_bytes = tb_ptr + 2 * tb_i32 + tb_i32 * TOPK_P_COUNT;
+    uint8_t *tb = ds_calloc(1, tb_bytes);
+    const bf16_t **krow = (const bf16_t **)tb;           /* [T] */
+    int32_t *vis_h = (int32_t *)(tb + tb_ptr);           /* [T] */
+    int32_t *nkrow = vis_h + T;                          /* [T] */
+    int32_t *prm = nkrow + T;                            /* [T, TOPK_P_COUNT] */
     for (int i = 0; i < b->n; i++)
         for (int64_t t = 0; t < b->seqs[i].len; t++)
             vis_h[b->row0[i] + t] = (int32_t)((b->seqs[i].start + t + 1) / ratio);
-    int32_t *vis_d = model_tmp(m, sizeof(int32_t) * (size_t)(T + 1));
-    OPS->upload(m->be, vis_d, vis_h, sizeof(int32_t) * (size_t)T);
     /* one index_scores call for the batch: each row names its sequence's key cache and count */
-    const bf16_t **krow = ds_calloc((size_t)T + 1, sizeof *krow);
-    int32_t *nkrow = ds_calloc((size_t)T + 1, sizeof *nkrow);
     for (int i = 0; i < b->n; i++) {
         const struct fwd_seq *s = &b->seqs[i];
         int64_t nk = (s->start + s->len) / ratio, r0 = b->row0[i];
@@ -224,15 +228,12 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
             pr[TOPK_P_VISIBLE] = (int32_t)vis;
         }
     }
-    const bf16_t **krow_d = model_tmp(m, sizeof *krow * (size_t)T);
-    int32_t *nkrow_d = model_tmp(m, sizeof(int32_t) * (size_t)T);
-    OPS->upload(m->be, krow_d, krow, sizeof *krow * (size_t)T);
-    OPS->upload(m->be, nkrow_d, nkrow, sizeof(int32_t) * (size_t)T);
+    uint8_t *tb_d = model_tmp(m, tb_bytes);
+    OPS->upload(m->be, tb_d, tb, tb_bytes);
+    free(tb);
+    const bf16_t **krow_d = (const bf16_t **)tb_d;
+    int32_t *vis_d = (int32_t *)(tb_d + tb_ptr), *nkrow_d = vis_d + T, *prm_d = nkrow_d + T;
     OPS->index_scores(m->be, S_d, nk_max, iq, ihl * id, NULL, krow_d, nkrow_d, wr, w_scale, vis_d, T, ihl, id, nk_max);
-    free(krow);
-    free(nkrow);
-    int32_t *prm_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
-    OPS->upload(m->be, prm_d, prm, sizeof(int32_t) * (size_t)(T * TOPK_P_COUNT));
     const uint8_t *mask = NULL;
     int64_t ld_m = 0;
     if (r->is_candidate_source) {
@@ -246,12 +247,7 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         ld_m = b->cand_w;
     }
     OPS->index_topk(m->be, top, kmax, S_d, nk_max, prm_d, mask, ld_m, T);
-    free(prm);
-    free(vis_h);
-    model_tfree(m, prm_d);
-    model_tfree(m, krow_d);
-    model_tfree(m, nkrow_d);
-    model_tfree(m, vis_d);
+    model_tfree(m, tb_d);
     model_tfree(m, S_d);
     model_tfree(m, iq);
     model_tfree(m, wr);
@@ -289,7 +285,8 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
  * 5.448 5.502 / 11.00 11.03 / 19.61 19.67: the host runs ahead of the GPU, so a launch from it
  * costs the step little more than one from a graph. With one rank there is nothing to gather:
- * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). */
+ * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). out is
+ * [attention_out_blocks(m), T, D / that] (model_internal.h). */
 static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
@@ -315,7 +312,9 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
             OPS->linear(m->be, ol, uf, T, &aw->wo_b);
             model_graph_end(m);
         }
-        model_tp_gather_cols(m, out, ol, T, (size_t)Dl * 2, "attention out");
+        /* out as the all-gather leaves it, [tp, T, Dl] (attention_out_blocks): the expand after the
+         * block reads the column blocks in place, no interleave into [T, D] (a launch a layer) */
+        m->opt.tp->ops->allgather(m->opt.tp, ol, out, (size_t)(T * Dl) * 2, "attention out");
     }
     model_fbuf_free(m, b, u);
     if (!one) {
