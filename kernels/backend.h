@@ -254,9 +254,11 @@ struct backend_ops {
     void (*hc_collapse)(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                         int64_t D, const bf16_t *norm_w, float eps);
     /* Xo[t,k,:] = bf16( post[t,k]·y[t,:] + (((c[0][k]·X0 + c[1][k]·X1) + c[2][k]·X2) + ...) ), fp32.
-     * Xo must not alias X. */
+     * Xo must not alias X. y_blocks >= 1 divides D: y is [y_blocks, T, D / y_blocks], column block j
+     * of every row together (what a TP all-gather of row-split outputs leaves, read in place of an
+     * interleave into [T, D]); 1 is the plain [T, D]. */
     void (*hc_expand)(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
-                      const float *comb, int64_t T, int64_t hc, int64_t D);
+                      const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks);
     /* X[t,c,:] = e[t,:] for c < hc; pre[t] = one-hot(0). */
     void (*hc_init)(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
                     int64_t D);

@@ -244,9 +244,9 @@ static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, con
     PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D, norm_w, eps);
     prof_end(be, PROF_HC_COLLAPSE, t0);
 }
-static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post, const float *comb, int64_t T, int64_t hc, int64_t D) {
+static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post, const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks) {
     double t0 = prof_begin(be);
-    PR(be)->inner->ops->hc_expand(PR(be)->inner, Xo, y, X, post, comb, T, hc, D);
+    PR(be)->inner->ops->hc_expand(PR(be)->inner, Xo, y, X, post, comb, T, hc, D, y_blocks);
     prof_end(be, PROF_HC_EXPAND, t0);
 }
 static void prof_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc, int64_t D) {

@@ -686,7 +686,8 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
          * every rank sums all of D from everyone's [T, k, D]. By owner (moe_by_owner): the slots
          * are packed into np column blocks (snd [np, T, k, Dc]), an all-to-all hands rank r block
          * r of every rank (into ye, free by then), rank r sums its Dc columns (oc [T, Dc]), and an
-         * all-gather (og [np, T, Dc]) and an interleave rebuild o [T, D]. */
+         * all-gather (og [np, T, Dc]) hands every rank all columns, which the expand reads as they
+         * lie (y_blocks; an interleave into [T, D] was one more launch a layer). */
         const int64_t np = m->tp_size, Dc = D / np;
         const bool one = np == 1, owner = moe_by_owner(m, T, k);
         int32_t *idx = model_fbuf(m, b, FB_MOE_IDX, sizeof(int32_t) * (size_t)(T * k), false);
@@ -706,7 +707,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
-            OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D);
+            OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D, attention_out_blocks(m));
             OPS->hc_collapse(m->be, y, X1, apre, T, hc, D, lw->ffn_norm, eps); /* and ffn_norm */
             /* the FFN's mixes (P for the next block, post and comb for the expand below) beside
              * the routed path too, with the shared expert */
@@ -730,8 +731,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             }
             tp->ops->allgather(tp, oc, og, (size_t)(T * Dc) * 2, "moe output (column blocks)");
             kf.w[0] = GSEG_FFN_OUT;
-            issue = model_graph_begin(m, b, &kf);
-            if (issue) OPS->interleave(m->be, o, og, np, T, (size_t)Dc * 2);
+            issue = model_graph_begin(m, b, &kf); /* the expand reads og's column blocks as they are */
         } else if (!one) {
             if (issue) model_graph_end(m);
             tp->ops->allgather(tp, ye, all, (size_t)(T * k * D) * 2, "moe experts");
@@ -742,7 +742,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             moe_finish(m, l, b, idx, all, sh, D, D, o);
         }
         if (issue) {
-            OPS->hc_expand(m->be, X, o, X1, post, comb, T, hc, D);
+            OPS->hc_expand(m->be, X, owner ? og : o, X1, post, comb, T, hc, D, owner ? np : 1);
             model_graph_end(m);
         }
         void *mb[] = {all != ye ? all : NULL, ye, sh, idx, wts, oc, og};

@@ -153,12 +153,14 @@ void seg_free(struct seg_list *l);
 /* attention.c, in parts so the projections can join the block's graph segment: the chunk's K=V
  * rows (x [T, D] normed input -> [T, hd] at attention_kv_rows) and the query chain (x -> qr
  * [T, q_lora] normed, q [T, Hl, hd] post-RoPE), two independent chains that only read x (the block
- * runs them on a branch), then the rest -> out [T, D] (after the TP gathers). */
+ * runs them on a branch), then the rest -> out [T, D] (after the TP gathers), in column blocks as the
+ * last gather leaves it: out is [attention_out_blocks(m), T, D / that], which hc_expand reads. */
 bf16_t *attention_kv_rows(struct model *m);
 void attention_project_kv(struct model *m, int layer, struct batch *b, const bf16_t *x);
 void attention_project_q(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q);
 int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks);
+static inline int64_t attention_out_blocks(const struct model *m) { return m->tp_size; }
 
 static inline int64_t i64min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t i64max(int64_t a, int64_t b) { return a > b ? a : b; }

@@ -192,7 +192,10 @@ void cpu_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const fl
 }
 
 void cpu_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
-                      const float *comb, int64_t T, int64_t hc, int64_t D) {
+                      const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks) {
+    if (y_blocks < 1 || D % y_blocks)
+        ds_die("hc_expand: y_blocks %lld does not divide D %lld", (long long)y_blocks, (long long)D);
+    const int64_t Db = D / y_blocks; /* y [y_blocks, T, Db] */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16_t *xr = X + t * hc * D;
@@ -203,7 +206,8 @@ void cpu_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf1
             for (int64_t d = 0; d < D; d++) {
                 float mix = c[k] * bf16_to_f32(xr[d]);
                 for (int64_t j = 1; j < hc; j++) mix += c[j * hc + k] * bf16_to_f32(xr[j * D + d]);
-                o[d] = bf16_from_f32(pk * bf16_to_f32(y[t * D + d]) + mix);
+                const bf16_t yv = y[(d / Db * T + t) * Db + d % Db];
+                o[d] = bf16_from_f32(pk * bf16_to_f32(yv) + mix);
             }
         }
     }

@@ -111,7 +111,7 @@ void cuda_op_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                          int64_t D, const bf16_t *norm_w, float eps);
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
-                       const float *comb, int64_t T, int64_t hc, int64_t D);
+                       const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks);
 void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
                      int64_t D);
 

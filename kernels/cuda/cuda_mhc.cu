@@ -664,13 +664,19 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
     if (norm_w) cuda_op_rmsnorm(be, y, y, norm_w, T, D, eps, NULL);
 }
 
+/* y's element (t, d) when y is [D / Db, T, Db] (the op's y_blocks; Db = D: [T, D]). A VEC-wide run
+ * from d stays in one block: VEC divides Db. */
+__device__ __forceinline__ int64_t hc_y_at(int64_t t, int64_t d, int64_t T, int64_t Db) {
+    return (d / Db * T + t) * Db + d % Db;
+}
+
 /* Thread (t, k, VEC d's): output copy k reads column k of C over the input copies (L1 serves the
  * other k's reads of the same X). */
 template <int VEC>
 __global__ void __launch_bounds__(EW_THREADS)
     hc_expand_kernel(uint16_t *__restrict__ Xo, const uint16_t *__restrict__ y, const uint16_t *__restrict__ X,
                      const float *__restrict__ post, const float *__restrict__ comb, int64_t T, int64_t hc,
-                     int64_t D) {
+                     int64_t D, int64_t Db) {
     const int64_t nv = D / VEC, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= T * hc * nv) return;
     const int64_t d = (g % nv) * VEC, tk = g / nv, k = tk % hc, t = tk / hc;
@@ -687,8 +693,8 @@ __global__ void __launch_bounds__(EW_THREADS)
 #pragma unroll
         for (int i = 0; i < VEC; i++) mix[i] = __fadd_rn(mix[i], __fmul_rn(cj, xv[i]));
     }
-    const float pk = post[t * hc + k]; /* post [T, hc] */
-    load_bf<VEC>(y + t * D + d, xv);   /* y [T, D] bf16 */
+    const float pk = post[t * hc + k];           /* post [T, hc] */
+    load_bf<VEC>(y + hc_y_at(t, d, T, Db), xv); /* y [D / Db, T, Db] bf16 */
 #pragma unroll
     for (int i = 0; i < VEC; i++) mix[i] = __fadd_rn(__fmul_rn(pk, xv[i]), mix[i]);
     store_bf<VEC>(Xo + tk * D + d, mix); /* Xo [T, hc, D] bf16 */
@@ -700,7 +706,8 @@ __global__ void __launch_bounds__(EW_THREADS)
 template <int HC>
 __global__ void __launch_bounds__(EW_THREADS)
     hc_expand_all_kernel(uint16_t *__restrict__ Xo, const uint16_t *__restrict__ y, const uint16_t *__restrict__ X,
-                         const float *__restrict__ post, const float *__restrict__ comb, int64_t T, int64_t D) {
+                         const float *__restrict__ post, const float *__restrict__ comb, int64_t T, int64_t D,
+                         int64_t Db) {
     const int64_t nv = D / 8, g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= T * nv) return;
     const int64_t d = (g % nv) * 8, t = g / nv;
@@ -709,7 +716,7 @@ __global__ void __launch_bounds__(EW_THREADS)
     float xv[HC][8], yv[8];
 #pragma unroll
     for (int j = 0; j < HC; j++) load_bf<8>(xr + j * D, xv[j]);
-    load_bf<8>(y + t * D + d, yv); /* y [T, D] bf16 */
+    load_bf<8>(y + hc_y_at(t, d, T, Db), yv); /* y [D / Db, T, Db] bf16 */
 #pragma unroll
     for (int k = 0; k < HC; k++) {
         float mix[8];
@@ -729,17 +736,21 @@ __global__ void __launch_bounds__(EW_THREADS)
 }
 
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
-                       const float *comb, int64_t T, int64_t hc, int64_t D) {
+                       const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks) {
+    if (y_blocks < 1 || D % y_blocks)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "hc_expand", "y_blocks does not divide D");
     if (T <= 0 || D <= 0 || hc <= 0) return;
-    if (hc == 4 && D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
+    const int64_t Db = D / y_blocks;
+    const bool vec = Db % 8 == 0 && al16(Xo) && al16(y) && al16(X);
+    if (hc == 4 && vec)
         hc_expand_all_kernel<4><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
-            Xo, y, X, post, comb, T, D);
-    else if (D % 8 == 0 && al16(Xo) && al16(y) && al16(X))
+            Xo, y, X, post, comb, T, D, Db);
+    else if (vec)
         hc_expand_kernel<8><<<ew_blocks(T * hc * D / 8, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
-            Xo, y, X, post, comb, T, hc, D);
+            Xo, y, X, post, comb, T, hc, D, Db);
     else
         hc_expand_kernel<1><<<ew_blocks(T * hc * D, EW_THREADS), EW_THREADS, 0, cuda_be_stream(be)>>>(
-            Xo, y, X, post, comb, T, hc, D);
+            Xo, y, X, post, comb, T, hc, D, Db);
     KERNEL_CHECK();
 }
 

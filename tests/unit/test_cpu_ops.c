@@ -521,9 +521,22 @@ static void test_hc_collapse_expand_init(void **state) {
      * Xo[0] = 1·y + (1·X0 + 3·X1) = [2, 5]; Xo[1] = 0.5·y + (2·X0 + 4·X1) = [2.5, 5]. */
     bf16_t ye[2] = {B(1), B(2)}, Xe[4] = {B(1), B(0), B(0), B(1)}, Xo[4];
     float post[2] = {1.0f, 0.5f}, comb[4] = {1, 2, 3, 4};
-    OPS->hc_expand(&be, Xo, ye, Xe, post, comb, 1, 2, 2);
+    OPS->hc_expand(&be, Xo, ye, Xe, post, comb, 1, 2, 2, 1);
     float eo[4] = {2, 5, 2.5f, 5};
     for (int i = 0; i < 4; i++) assert_true(F(Xo[i]) == eo[i]);
+    /* y in column blocks (y_blocks 2 of width 1, two rows: y [2, T, 1]) reads element (t, d) at
+     * (d·T + t): rows y0 = [1, 2], y1 = [4, 8] lie as [1, 4, 2, 8]; the plain layout's answer */
+    {
+        bf16_t y2[4] = {B(1), B(2), B(4), B(8)}, y2b[4] = {B(1), B(4), B(2), B(8)};
+        bf16_t X2[8] = {B(1), B(0), B(0), B(1), B(2), B(1), B(1), B(2)}, Xp[8], Xb[8];
+        float post2[4] = {1.0f, 0.5f, 0.25f, 2.0f}, comb2[8] = {1, 2, 3, 4, 0.5f, 1, 1.5f, 2};
+        OPS->hc_expand(&be, Xp, y2, X2, post2, comb2, 2, 2, 2, 1);
+        OPS->hc_expand(&be, Xb, y2b, X2, post2, comb2, 2, 2, 2, 2);
+        assert_memory_equal(Xb, Xp, sizeof Xp);
+        /* and the blocks read as plain rows would give another answer (the layout matters) */
+        OPS->hc_expand(&be, Xb, y2b, X2, post2, comb2, 2, 2, 2, 1);
+        assert_true(memcmp(Xb, Xp, sizeof Xp) != 0);
+    }
 
     bf16_t e[4] = {B(1), B(2), B(3), B(4)}, Xi[16];
     float pre[8];

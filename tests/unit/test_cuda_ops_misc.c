@@ -846,14 +846,37 @@ static void hc_elementwise_case(int64_t T, int64_t D) {
     cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
     /* expand */
-    CPU->hc_expand(&cpu_be, oc, y, X, post, comb, T, hc, D);
+    CPU->hc_expand(&cpu_be, oc, y, X, post, comb, T, hc, D, 1);
     dout = g_out((size_t)(T * hc * D) * 2, PZ_16);
-    GPU->hc_expand(&gpu_be, dout, dy, dX, dpost, dcomb, T, hc, D);
+    GPU->hc_expand(&gpu_be, dout, dy, dX, dpost, dcomb, T, hc, D, 1);
     g_get(og, dout, (size_t)(T * hc * D) * 2);
     g_free(dout);
     cmp_begin(&c, "hc_expand", "D=%lld T=%lld", (long long)D, (long long)T);
     cmp_bf16_exact(&c, og, oc, T * hc * D);
     cmp_end(&c);
+    /* y in column blocks, as a TP all-gather leaves it ([nb, T, D / nb]; 8 blocks: a TP8 group's,
+     * blocks of a multiple of 8 columns on the vector kernels, else the scalar one): the plain
+     * layout's bits, the CPU's blocked form too */
+    for (int64_t nb = 2; nb <= 8; nb *= 2) {
+        if (D % nb) continue;
+        const int64_t Db = D / nb;
+        bf16_t *yb = NEW(bf16_t, T * D), *ob = NEW(bf16_t, T * hc * D);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++) yb[(d / Db * T + t) * Db + d % Db] = y[t * D + d];
+        CPU->hc_expand(&cpu_be, ob, yb, X, post, comb, T, hc, D, nb);
+        void *dyb = g_in(yb, (size_t)(T * D) * 2);
+        dout = g_out((size_t)(T * hc * D) * 2, PZ_16);
+        GPU->hc_expand(&gpu_be, dout, dyb, dX, dpost, dcomb, T, hc, D, nb);
+        g_get(og, dout, (size_t)(T * hc * D) * 2);
+        g_free(dout);
+        g_free(dyb);
+        cmp_begin(&c, "hc_expand blocked", "D=%lld T=%lld blocks=%lld", (long long)D, (long long)T, (long long)nb);
+        cmp_bf16_exact(&c, og, oc, T * hc * D);
+        cmp_bf16_exact(&c, ob, oc, T * hc * D);
+        cmp_end(&c);
+        free(yb);
+        free(ob);
+    }
     /* init */
     float *prc = NEW(float, T * hc), *prg = NEW(float, T * hc);
     CPU->hc_init(&cpu_be, oc, prc, e, T, hc, D);

@@ -323,15 +323,15 @@ static void chk_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, cons
     g_cpu->hc_collapse(IN, y, X, p, T, hc, D, norm_w, eps);
 }
 static void chk_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
-                          const float *comb, int64_t T, int64_t hc, int64_t D) {
+                          const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks) {
     (void)be;
     op(8);
     WR(Xo), RD(y), RD(X), RD(post), RD(comb);
     if (g_open) {
         mix_ptr(Xo), mix_ptr(y), mix_ptr(X), mix_ptr(post), mix_ptr(comb);
-        mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D);
+        mix((uint64_t)T), mix((uint64_t)hc), mix((uint64_t)D), mix((uint64_t)y_blocks);
     }
-    g_cpu->hc_expand(IN, Xo, y, X, post, comb, T, hc, D);
+    g_cpu->hc_expand(IN, Xo, y, X, post, comb, T, hc, D, y_blocks);
 }
 static void chk_router(struct backend *be, int32_t *idx, float *wts, const bf16_t *x, int64_t T,
                        const struct qweight *gate, const float *bias, int64_t k, float temp, bool norm, float rs) {
