@@ -345,20 +345,25 @@ static void cu_branch_join(struct backend *be) {
     c->n_deferred = 0;
 }
 
-/* n device copies in one launch: the host list is cut into pieces of at most COPY_PIECE bytes (so a
+/* n device copies in one launch: each copy is cut into pieces of at most COPY_PIECE bytes (so a
  * long cache range spreads over many blocks) and each block copies pieces, in 16-byte words where
- * the piece is aligned to them. Up to COPY_INLINE pieces (a decode step's ring rows and TP
- * gathers) travel in the kernel's parameters; more go up in one upload first. The parameters save
- * that host-to-device copy ahead of the kernel, ~90 of them a decode step. */
+ * the piece is aligned to them. Up to COPY_INLINE copies (a decode step's cache rows and TP
+ * gathers) travel whole in the kernel's parameters, with the index of each one's first piece, and
+ * a block finds its piece's copy there; more copies go up as a list of pieces in one upload first.
+ * The parameters save that host-to-device copy ahead of the kernel, ~90 of them a decode step;
+ * counting pieces rather than copies against COPY_INLINE, as before 2026-12-07, sent a few long
+ * copies through the upload (the bench's MoE exchange stand-in at batch 256: 8 copies of 2 MB, 240
+ * pieces, the GPU idle ~13 µs before each of 20 launches a step: H100 timeline of 302a171). */
 #define COPY_PIECE (64 * 1024)
-#define COPY_INLINE 64 /* 64 x 24 bytes: within the classic 4 KB of kernel parameters */
+#define COPY_INLINE 64 /* 64 x 24 + 65 x 4 bytes: within the classic 4 KB of kernel parameters */
 struct copy_piece {
     uint8_t *dst;
     const uint8_t *src;
     uint64_t bytes;
 };
 struct copy_inline {
-    struct copy_piece pc[COPY_INLINE];
+    struct copy_piece pc[COPY_INLINE]; /* whole copies */
+    uint32_t first[COPY_INLINE + 1];   /* copy j's pieces are [first[j], first[j + 1]) */
 };
 
 static void cu_upload(struct backend *be, void *dst, const void *src_host, size_t bytes);
@@ -389,7 +394,13 @@ __global__ void copy_segs_kernel(const struct copy_piece *pc, int64_t n) {
 }
 
 __global__ void copy_segs_inline_kernel(const struct copy_inline p, int n) {
-    for (int i = blockIdx.x; i < n; i += gridDim.x) copy_piece_block(p.pc[i]);
+    const uint32_t np = p.first[n];
+    int j = 0; /* the pieces a block takes increase, so its copy index only moves forward */
+    for (uint32_t i = blockIdx.x; i < np; i += gridDim.x) {
+        while (p.first[j + 1] <= i) j++;
+        const uint64_t off = (uint64_t)(i - p.first[j]) * COPY_PIECE, left = p.pc[j].bytes - off;
+        copy_piece_block((struct copy_piece){p.pc[j].dst + off, p.pc[j].src + off, left < COPY_PIECE ? left : COPY_PIECE});
+    }
 }
 
 static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
@@ -397,18 +408,26 @@ static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_
     int64_t np = 0;
     for (int64_t i = 0; i < n; i++) np += (int64_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
     if (!np) return;
-    struct copy_inline in;
-    struct copy_piece *h = np <= COPY_INLINE ? in.pc : (struct copy_piece *)ds_malloc(sizeof *h * (size_t)np);
+    if (n <= COPY_INLINE && np <= 0x7fffffff) {
+        struct copy_inline in;
+        int m = 0; /* the copies with bytes (an empty one would own no piece) */
+        in.first[0] = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (!segs[i].bytes) continue;
+            in.pc[m] = (struct copy_piece){(uint8_t *)segs[i].dst, (const uint8_t *)segs[i].src, segs[i].bytes};
+            in.first[m + 1] = in.first[m] + (uint32_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
+            m++;
+        }
+        copy_segs_inline_kernel<<<(unsigned)(np < 65535 ? np : 65535), 256, 0, cb(be)->stream>>>(in, m);
+        KERNEL_CHECK();
+        return;
+    }
+    struct copy_piece *h = (struct copy_piece *)ds_malloc(sizeof *h * (size_t)np);
     int64_t at = 0;
     for (int64_t i = 0; i < n; i++)
         for (size_t o = 0; o < segs[i].bytes; o += COPY_PIECE)
             h[at++] = (struct copy_piece){(uint8_t *)segs[i].dst + o, (const uint8_t *)segs[i].src + o,
                                           segs[i].bytes - o < COPY_PIECE ? segs[i].bytes - o : COPY_PIECE};
-    if (np <= COPY_INLINE) {
-        copy_segs_inline_kernel<<<(unsigned)np, 256, 0, cb(be)->stream>>>(in, (int)np);
-        KERNEL_CHECK();
-        return;
-    }
     struct copy_piece *d = (struct copy_piece *)cuda_be_scratch_raw(be, sizeof *h * (size_t)np);
     cu_upload(be, d, h, sizeof *h * (size_t)np);
     free(h);

@@ -657,7 +657,7 @@ static void test_copy_segs(void **st) {
     b1[0] = 1;
     b1[1] = 300;
     copy_segs_case("64 segments of 1..300 bytes, odd offsets", b1, a1, 64);
-    /* 64 pieces go in the kernel's parameters, 65 through an upload: both sides of the bound */
+    /* 64 copies go in the kernel's parameters, 65 through an upload: both sides of the bound */
     size_t b65[65];
     bool a65[65];
     for (int i = 0; i < 65; i++) {
@@ -680,6 +680,15 @@ static void test_copy_segs(void **st) {
         a2[n2++] = i & 1;
     }
     copy_segs_case("0..300000 bytes, aligned and odd", b2, a2, n2);
+    /* few long copies, many pieces each, in the parameters (the TP stand-in's exchange at batch
+     * 256: 8 copies of ~2 MB): a block's pieces cross from one copy into the next */
+    size_t b4[9];
+    bool a4[9];
+    for (int i = 0; i < 9; i++) {
+        b4[i] = i == 4 ? 0 : (size_t)(1 << 21) + (size_t)irand(70000);
+        a4[i] = i != 6;
+    }
+    copy_segs_case("9 copies of 0 or ~2 MB, ~270 pieces", b4, a4, 9);
     /* more pieces than the launch's 65,535 blocks (its grid-stride loop) */
     int64_t n3 = 70000;
     size_t *b3 = NEW(size_t, n3);
