@@ -277,7 +277,8 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
 }
 
 /* The heads' output o [T, Hl·hd] (after its inverse RoPE) to the sublayer's out [T, D]: wo_a by
- * group, the groups gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are
+ * group, the groups gathered over the TP group, this rank's rows of wo_b, gathered; ahead of them
+ * (first in the segment) the window ring's update from this forward's rows. Its shapes are
  * fixed at a given T (unlike the index lists before it), so in a decode step it replays as graph
  * segments: one, or two around the first gather where the TP group's collectives come between.
  * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
@@ -296,10 +297,18 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
     bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);         /* [T, Gl·o_lora] */
     bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);    /* [T, K] all ranks' */
     bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
+    const struct layer_cache *lc = &m->lc[l];
+    const bf16_t *kv = attention_kv_rows(m);
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
-    const void *k_p[] = {o, u, uf, ol, out};
+    const void *k_p[] = {o, u, uf, ol, out, lc->ring, kv, b->geo};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
     if (model_graph_begin(m, b, &k)) {
+        /* the ring keeps the last W positions for later steps: written after the attention, which
+         * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
+         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff); the first op of this
+         * segment, not an eager launch of its own between the attention and the segment (its
+         * shapes are fixed at a given T) */
+        OPS->ring_store(m->be, lc->ring, kv, b->geo, T, c->window, c->head_dim);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
         if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
         model_graph_end(m);
@@ -330,7 +339,6 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T, hd = c->head_dim, W = c->window;
     int64_t Hl = aw->wq_b.n / hd;
-    bf16_t *kv = attention_kv_rows(m);
 
     /* compressed branch: sources write their caches first, then index sources choose rows */
     int src = r->ratio > 0 ? r->kv_src : -1;
@@ -381,11 +389,7 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
     const struct attn_rope inv = {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true};
     be_sparse_attn_rope(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale, &inv);
-    /* the ring keeps the last W positions for later steps: written after the attention, which
-     * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
-     * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff) */
-    OPS->ring_store(m->be, lc->ring, kv, b->geo, T, W, hd);
-    attention_out(m, l, b, o, out);
+    attention_out(m, l, b, o, out); /* and the window ring's update */
     model_tfree(m, idx_d);
     model_fbuf_free(m, b, o);
     return 0;

@@ -383,6 +383,24 @@ static void chk_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, i
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix((uint64_t)G), mix_w(W);
     g_cpu->grouped_linear(IN, y, x, T, G, W);
 }
+/* the window rings' update: the first op of the attention output's segment (its shapes are the
+ * step's T, its rows come from the batch geometry on the backend) */
+static void chk_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
+                           int64_t hd) {
+    (void)be;
+    op(17);
+    WR(ring), RD(kv), RD(geo);
+    if (g_open) mix_ptr(ring), mix_ptr(kv), mix_ptr(geo), mix((uint64_t)T), mix((uint64_t)W), mix((uint64_t)hd);
+    g_cpu->ring_store(IN, ring, kv, geo, T, W, hd);
+}
+/* the TP gathers' interleave runs between segments; the MoE owner exchange's packing inside one */
+static void chk_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
+    (void)be;
+    op(18);
+    WR(dst), RD(src);
+    if (g_open) mix_ptr(dst), mix_ptr(src), mix((uint64_t)S), mix((uint64_t)T), mix((uint64_t)bytes);
+    g_cpu->interleave(IN, dst, src, S, T, bytes);
+}
 
 /* ---- the ops the model keeps outside segments (their arguments follow the step's context) ---- */
 static void chk_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
@@ -464,17 +482,6 @@ static void chk_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, cons
     (void)be;
     outside("attn_index");
     g_cpu->attn_index(IN, dst, n_idx, geo, T, par);
-}
-static void chk_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
-                           int64_t hd) {
-    (void)be;
-    outside("ring_store");
-    g_cpu->ring_store(IN, ring, kv, geo, T, W, hd);
-}
-static void chk_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
-    (void)be;
-    outside("interleave");
-    g_cpu->interleave(IN, dst, src, S, T, bytes);
 }
 
 static struct backend_ops checker_ops(const struct backend_ops *cpu) {
