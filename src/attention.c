@@ -157,6 +157,25 @@ static void write_compressed_kv(struct model *m, int l, struct batch *b, bf16_t 
     seg_free(&sl);
 }
 
+static int64_t round_up(int64_t v, int64_t step) { return (v + step - 1) / step * step; }
+
+/* Where index source l's top-k rows [T, ld] go: a temporary of the forward, or with graphs rows of
+ * the persistent FB_TOPK (one block of T x index_topk rounded up per index source, by its rank
+ * among them), so that the attention in a later segment reads them at an address its key keeps. */
+static int32_t *topk_rows(struct model *m, struct batch *b, int l, int64_t ld) {
+    const struct model_config *c = m->cfg;
+    int64_t T = b->T;
+    if (!b->graphs) return model_tmp(m, sizeof(int32_t) * (size_t)(T * ld + 1));
+    int64_t cap = round_up(c->index_topk, MODEL_GRAPH_WIDTH_STEP), nsrc = 0, j = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (!c->role[i].is_index_source) continue;
+        if (i < l) j++;
+        nsrc++;
+    }
+    int32_t *all = model_fbuf(m, b, FB_TOPK, sizeof(int32_t) * (size_t)(nsrc * T * cap), false);
+    return all + j * T * cap;
+}
+
 /* Indexer of an index source (§3.7): scores every visible compressed row, applies candidate
  * blocks, publishes the top-k rows for this forward's batch in b->topk[l]. */
 static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr) {
@@ -172,10 +191,13 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         nk_max = i64max(nk_max, nk);
         kmax = i64max(kmax, i64min(c->index_topk, nk));
     }
-    /* a forward with nothing to select still publishes its (empty) rows for the layers reading them */
-    int32_t *top = model_tmp(m, sizeof(int32_t) * (size_t)(T * kmax + 1));
+    /* a forward with nothing to select still publishes its (empty) rows for the layers reading them;
+     * with graphs the stride is rounded up (MODEL_GRAPH_WIDTH_STEP; index_topk fills -1 past k) */
+    int64_t ld = b->graphs && kmax > 0 ? round_up(kmax, MODEL_GRAPH_WIDTH_STEP) : kmax;
+    int32_t *top = topk_rows(m, b, l, ld);
     b->topk[l] = top;
-    b->topk_w[l] = kmax;
+    b->topk_w[l] = ld;
+    b->topk_k[l] = kmax;
     if (kmax == 0) return;
 
     bf16_t *iq = model_tmp(m, (size_t)T * ihl * id * 2);
@@ -246,7 +268,7 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
         mask = b->cand;
         ld_m = b->cand_w;
     }
-    OPS->index_topk(m->be, top, kmax, S_d, nk_max, prm_d, mask, ld_m, T);
+    OPS->index_topk(m->be, top, ld, S_d, nk_max, prm_d, mask, ld_m, T);
     model_tfree(m, tb_d);
     model_tfree(m, S_d);
     model_tfree(m, iq);
@@ -288,7 +310,18 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
  * costs the step little more than one from a graph. With one rank there is nothing to gather:
  * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). out is
  * [attention_out_blocks(m), T, D / that] (model_internal.h). */
-static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf16_t *out) {
+/* The attention itself, the first ops of attention_out's segment: the index lists from the batch
+ * geometry (ip, n_idx wide), sparse_attn over them into o with its inverse RoPE. */
+struct attn_core {
+    const bf16_t *q;         /* [T, Hl, hd] */
+    int64_t Hl, n_idx;
+    struct attn_index_par ip;
+    const float *sink;
+    float scale;
+    struct attn_rope inv;
+};
+
+static void attention_out(struct model *m, int l, struct batch *b, const struct attn_core *ac, bf16_t *o, bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T;
@@ -300,14 +333,23 @@ static void attention_out(struct model *m, int l, struct batch *b, bf16_t *o, bf
     const struct layer_cache *lc = &m->lc[l];
     const bf16_t *kv = attention_kv_rows(m);
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
-    const void *k_p[] = {o, u, uf, ol, out, lc->ring, kv, b->geo};
+    const void *k_p[] = {o, u, uf, ol, out, lc->ring, kv, b->geo, ac->q, m->kv, ac->ip.src, ac->sink};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
+    const int64_t k_w[] = {ac->n_idx, ac->ip.ld_src, ac->ip.k, ac->ip.ring0, ac->ip.src0, ac->ip.cap};
+    for (size_t i = 0; i < sizeof k_w / sizeof *k_w; i++) graph_key_word(&k, (uint64_t)k_w[i]);
     if (model_graph_begin(m, b, &k)) {
+        /* the index lists and the attention (with graphs their widths are rounded up, so the
+         * key changes every 64 entries of context, not every step: MODEL_GRAPH_WIDTH_STEP); as
+         * eager launches between segments each left the GPU idle 1.3-2.0 µs before it at batch 1
+         * (H100 timeline of 2ca5d88) */
+        int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * ac->n_idx));
+        OPS->attn_index(m->be, idx_d, ac->n_idx, b->geo, T, &ac->ip);
+        be_sparse_attn_rope(m->be, o, ac->q, m->kv, idx_d, T, ac->Hl, c->head_dim, ac->n_idx, ac->sink, ac->scale,
+                            &ac->inv);
+        model_tfree(m, idx_d);
         /* the ring keeps the last W positions for later steps: written after the attention, which
          * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
-         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff); the first op of this
-         * segment, not an eager launch of its own between the attention and the segment (its
-         * shapes are fixed at a given T) */
+         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff) */
         OPS->ring_store(m->be, lc->ring, kv, b->geo, T, c->window, c->head_dim);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
         if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
@@ -358,16 +400,18 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     if (r->is_index_source) {
         run_indexer(m, l, b, x, qr);
         if (hooks && hooks->topk) {
-            /* replay/verify look at the sets on the host: the one download this path adds */
-            size_t nb = sizeof(int32_t) * (size_t)(T * b->topk_w[l]);
-            int32_t *h = ds_malloc(nb + 4);
-            OPS->download(m->be, h, b->topk[l], nb);
-            hooks->topk(hooks->ctx, l, h, T, b->topk_w[l]);
+            /* replay/verify look at the sets on the host: the one download this path adds; rows of
+             * topk_k entries (a wider stride's -1 tail dropped) */
+            int64_t ld = b->topk_w[l], kk = b->topk_k[l];
+            int32_t *h = ds_malloc(sizeof(int32_t) * (size_t)(T * ld) + 4);
+            OPS->download(m->be, h, b->topk[l], sizeof(int32_t) * (size_t)(T * ld));
+            for (int64_t t = 0; t < T && kk < ld; t++) memmove(h + t * kk, h + t * ld, sizeof(int32_t) * (size_t)kk);
+            hooks->topk(hooks->ctx, l, h, T, kk);
             free(h);
         }
     }
     const int32_t *ctop = src >= 0 ? b->topk[r->topk_src] : NULL;
-    int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0;
+    int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0; /* the top-k rows' stride, all of it taken */
     if (src >= 0 && !ctop) {
         ds_err_set("layer %d: top-k source layer %d did not run in this forward", l, r->topk_src);
         return -1;
@@ -379,18 +423,19 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
      * compressed | -1 padding]; padding at the end of a row changes nothing. */
     int64_t n_idx = 0;
     for (int i = 0; i < b->n; i++) n_idx = i64max(n_idx, model_window_width(m, &b->seqs[i]) + kc);
+    if (b->graphs) n_idx = round_up(n_idx, MODEL_GRAPH_WIDTH_STEP);
     /* the lists on the backend from the batch's geometry (uploaded once a forward, b->geo) */
     const struct layer_cache *lc = &m->lc[l], *sc = src >= 0 ? &m->lc[src] : NULL;
-    const struct attn_index_par ip = {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0};
-    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * n_idx));
-    OPS->attn_index(m->be, idx_d, n_idx, b->geo, T, &ip);
-    bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
-    float scale = (float)pow((double)hd, -0.5);
     /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
-    const struct attn_rope inv = {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true};
-    be_sparse_attn_rope(m->be, o, q, m->kv, idx_d, T, Hl, hd, n_idx, aw->attn_sink, scale, &inv);
-    attention_out(m, l, b, o, out); /* and the window ring's update */
-    model_tfree(m, idx_d);
+    const struct attn_core ac = {q,
+                                 Hl,
+                                 n_idx,
+                                 {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0},
+                                 aw->attn_sink,
+                                 (float)pow((double)hd, -0.5),
+                                 {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true}};
+    bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
+    attention_out(m, l, b, &ac, o, out); /* the attention, the window ring's update, the output */
     model_fbuf_free(m, b, o);
     return 0;
 }

@@ -75,10 +75,12 @@ struct graph_key graph_key_new(const struct model *m, enum graph_seg seg, int la
     return k;
 }
 
-void graph_key_ptr(struct graph_key *k, const void *p) {
+void graph_key_word(struct graph_key *k, uint64_t v) {
     if (k->n == GRAPH_KEY_MAX) ds_die("internal: graph segment key %llu holds more than %d words", (unsigned long long)k->w[0], GRAPH_KEY_MAX);
-    k->w[k->n++] = (uint64_t)(uintptr_t)p;
+    k->w[k->n++] = v;
 }
+
+void graph_key_ptr(struct graph_key *k, const void *p) { graph_key_word(k, (uint64_t)(uintptr_t)p); }
 
 bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k) {
     if (!b->graphs || !OPS->graph_begin) return true;
@@ -1052,6 +1054,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
     b.geo = b.pos + T;
     b.topk = ds_calloc((size_t)c->n_layers, sizeof *b.topk);
     b.topk_w = ds_calloc((size_t)c->n_layers, sizeof *b.topk_w);
+    b.topk_k = ds_calloc((size_t)c->n_layers, sizeof *b.topk_k);
 
     int32_t *tok_d = model_tmp(m, sizeof(int32_t) * (size_t)T);
     OPS->upload(m->be, tok_d, tok, sizeof(int32_t) * (size_t)T);
@@ -1144,12 +1147,13 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
     if (rc == 0)
         for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
     for (int l = 0; l < c->n_layers; l++) {
-        model_tfree(m, b.topk[l]);
+        if (!b.graphs) model_tfree(m, b.topk[l]); /* with graphs: rows of FB_TOPK */
         model_tfree(m, erows[l]);
     }
     free(erows);
     free(b.topk);
     free(b.topk_w);
+    free(b.topk_k);
     model_tfree(m, b.cand);
     free(b.row0);
     free(b.pos_h);

@@ -17,8 +17,18 @@ enum fbuf_id {
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
     FB_MOE_SH,                              /* the shared expert's output */
     FB_MOE_OC, FB_MOE_OG,                   /* the owner exchange's column-block sums, gathered */
+    FB_TOPK,                                /* the index sources' top-k rows (attention.c's topk_rows) */
     FB_N
 };
+
+/* In a forward that runs its segments as graphs, the attention (index lists, sparse_attn) is part
+ * of its output's segment, so the widths it takes are rounded up to a multiple of this: the top-k
+ * rows' stride and the index lists' width grow with the context a few entries at a time, and a
+ * width in a segment's key that changed every step would record the segment again every step.
+ * The extra entries are -1 at the end of a row, which changes no bit (sparse_attn: the blocks of 64
+ * entries the kernels walk hold the same valid entries in the same places; test_sparse_attn_padding
+ * on the GPU, test_graph_segments against graphs off on the CPU). */
+#define MODEL_GRAPH_WIDTH_STEP 64
 struct fbuf {
     void *p;
     size_t cap;
@@ -86,7 +96,8 @@ struct batch {
     int32_t *geo;      /* [T, AIX_COLS] backend: each row's geometry for attn_index, ring_store (kernels/attn_index_core.h) */
     /* per-forward products shared between layers (owned by the forward) */
     int32_t **topk;    /* [n_layers] index sources: backend [T, topk_w[l]] compressed ids, -1 unused */
-    int64_t *topk_w;   /* [n_layers] (host) */
+    int64_t *topk_w;   /* [n_layers] (host) row stride of topk[l] */
+    int64_t *topk_k;   /* [n_layers] (host) entries a row may hold (<= topk_w; the rest -1) */
     uint8_t *cand;     /* candidate source: backend [T, cand_w] mask */
     int64_t cand_w;
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
@@ -106,13 +117,14 @@ void model_fbuf_free(struct model *m, const struct batch *b, void *p);
  * weights), then every buffer address its ops touch that the layer's weights do not fix (the
  * caller's promise of backend.h's graph_begin). */
 enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID, GSEG_ATTN_OUT, GSEG_ATTN_WOB };
-#define GRAPH_KEY_MAX 24
+#define GRAPH_KEY_MAX 32 /* the CUDA backend keeps up to 32 words (cuda_graph.cu KEY_MAX) */
 struct graph_key {
     uint64_t w[GRAPH_KEY_MAX];
     int n;
 };
 struct graph_key graph_key_new(const struct model *m, enum graph_seg seg, int layer, const struct batch *b);
 void graph_key_ptr(struct graph_key *k, const void *p);
+void graph_key_word(struct graph_key *k, uint64_t v); /* a scalar the segment's ops take */
 /* true: issue the segment's ops, then call model_graph_end; false: the backend ran its recording.
  * Forwards that do not run graphs (b->graphs false, or a backend without them) always get true. */
 bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k);

@@ -729,9 +729,58 @@ static void test_batch_invariance_index_scores(void **st) {
     free_index(&x);
 }
 
+/* Padding at the end of the index lists changes no bit: a decode step in a graph segment runs the
+ * attention over lists widened to a multiple of 64 with -1 entries (attention.c), where an eager
+ * step has them as wide as the batch needs; the two must agree bit for bit, on every kernel form
+ * (the exact kernels, the two-pass tensor-core kernels at 1-64 rows, the one pass at 128). */
+static void test_sparse_attn_padding(void **st) {
+    NEED_GPU(st);
+    enum { N0 = 200, N1 = 320, ROWS = 128 };
+    struct attn_in a = make_attn("sparse_attn padding", ROWS, H_LOCAL, HD, N0, WINDOW + 2048);
+    int32_t *wide = NEW(int32_t, ROWS * N1);
+    for (int64_t t = 0; t < ROWS; t++)
+        for (int64_t i = 0; i < N1; i++) wide[t * N1 + i] = i < N0 ? a.idx[t * N0 + i] : -1;
+    const size_t ob = (size_t)(ROWS * H_LOCAL * HD) * 2;
+    void *dq = g_in(a.q, ob), *dkv = g_in(a.kv, (size_t)(a.nkv * HD) * 2), *d0 = g_in(a.idx, (size_t)(ROWS * N0) * 4),
+         *d1 = g_in(wide, (size_t)(ROWS * N1) * 4);
+    const void *ds = g_tensor(a.sink, H_LOCAL * 4, false);
+    bf16_t *o0 = NEW(bf16_t, ROWS * H_LOCAL * HD), *o1 = NEW(bf16_t, ROWS * H_LOCAL * HD);
+    const int64_t Ts[] = {1, 8, 64, ROWS};
+    for (int mma = 0; mma < 2; mma++) {
+        mma_switch(mma);
+        for (int i = 0; i < 4; i++) {
+            const int64_t T = Ts[i];
+            void *dout = g_out(ob, PZ_16);
+            GPU->sparse_attn(&gpu_be, dout, dq, dkv, d0, T, H_LOCAL, HD, N0, ds, a.scale);
+            g_get(o0, dout, (size_t)(T * H_LOCAL * HD) * 2);
+            g_free(dout);
+            dout = g_out(ob, PZ_16);
+            GPU->sparse_attn(&gpu_be, dout, dq, dkv, d1, T, H_LOCAL, HD, N1, ds, a.scale);
+            g_get(o1, dout, (size_t)(T * H_LOCAL * HD) * 2);
+            g_free(dout);
+            struct cmp c;
+            cmp_begin(&c, "sparse_attn padded lists", "%s T=%lld, %d -> %d entries", mma ? "mma" : "exact", (long long)T,
+                      N0, N1);
+            cmp_bf16_exact(&c, o1, o0, T * H_LOCAL * HD);
+            cmp_end(&c);
+        }
+    }
+    mma_switch(false);
+    g_free(dq);
+    g_free(dkv);
+    g_free(d0);
+    g_free(d1);
+    GPU->tensor_release(&gpu_be, ds);
+    free(o0);
+    free(o1);
+    free(wide);
+    free_attn(&a);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sparse_attn),
+        cmocka_unit_test(test_sparse_attn_padding),
         cmocka_unit_test(test_sparse_attn_forms),
         cmocka_unit_test(test_sparse_attn_rope),
         cmocka_unit_test(test_compress_pool),

@@ -383,6 +383,32 @@ static void chk_grouped_linear(struct backend *be, bf16_t *y, const bf16_t *x, i
     if (g_open) mix_ptr(y), mix_ptr(x), mix((uint64_t)T), mix((uint64_t)G), mix_w(W);
     g_cpu->grouped_linear(IN, y, x, T, G, W);
 }
+/* the attention's index lists and the attention: in the attention output's segment, at widths
+ * rounded up so that the key holds across steps (MODEL_GRAPH_WIDTH_STEP) */
+static void chk_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
+                           const struct attn_index_par *par) {
+    (void)be;
+    op(19);
+    WR(dst), RD(geo);
+    if (par->src) RD(par->src);
+    if (g_open) {
+        mix_ptr(dst), mix_ptr(geo), mix((uint64_t)n_idx), mix((uint64_t)T), mix((uint64_t)par->W);
+        mix((uint64_t)par->ring0), mix_ptr(par->src), mix((uint64_t)par->ld_src), mix((uint64_t)par->k);
+        mix((uint64_t)par->src0), mix((uint64_t)par->cap);
+    }
+    g_cpu->attn_index(IN, dst, n_idx, geo, T, par);
+}
+static void chk_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
+                            int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
+    (void)be;
+    op(20);
+    WR(o), RD(q), RD(kv), RD(idx);
+    if (g_open) {
+        mix_ptr(o), mix_ptr(q), mix_ptr(kv), mix_ptr(idx), mix((uint64_t)T), mix((uint64_t)H), mix((uint64_t)hd);
+        mix((uint64_t)n_idx), mix_ptr(sink), mix_f(scale);
+    }
+    g_cpu->sparse_attn(IN, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
+}
 /* the window rings' update: the first op of the attention output's segment (its shapes are the
  * step's T, its rows come from the batch geometry on the backend) */
 static void chk_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, const int32_t *geo, int64_t T, int64_t W,
@@ -446,12 +472,6 @@ static void chk_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, con
     outside("engram_gate");
     g_cpu->engram_gate(IN, X, kv, w, T, hc, D, eps);
 }
-static void chk_sparse_attn(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
-                            int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale) {
-    (void)be;
-    outside("sparse_attn");
-    g_cpu->sparse_attn(IN, o, q, kv, idx, T, H, hd, n_idx, sink, scale);
-}
 static void chk_compress_pool(struct backend *be, bf16_t *lat, const float *kv, const float *sc, int64_t G, int64_t r,
                               int64_t n) {
     (void)be;
@@ -476,12 +496,6 @@ static void chk_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, const
     (void)be;
     outside("cand_mask");
     g_cpu->cand_mask(IN, mask, ld_m, S, ld_s, p, T, tb, bs);
-}
-static void chk_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
-                           const struct attn_index_par *par) {
-    (void)be;
-    outside("attn_index");
-    g_cpu->attn_index(IN, dst, n_idx, geo, T, par);
 }
 
 static struct backend_ops checker_ops(const struct backend_ops *cpu) {
