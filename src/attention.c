@@ -298,10 +298,21 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
     be_linear_post(m->be, q, qr, T, &aw->wq_b, &qrope);
 }
 
-/* The heads' output o [T, Hl·hd] (after its inverse RoPE) to the sublayer's out [T, D]: wo_a by
- * group, the groups gathered over the TP group, this rank's rows of wo_b, gathered; ahead of them
- * (first in the segment) the window ring's update from this forward's rows. Its shapes are
- * fixed at a given T (unlike the index lists before it), so in a decode step it replays as graph
+/* The attention itself, the first ops of attention_out's segment: the index lists from the batch
+ * geometry (ip, n_idx wide), sparse_attn over them into o with its inverse RoPE. */
+struct attn_core {
+    const bf16_t *q; /* [T, Hl, hd] */
+    int64_t Hl, n_idx;
+    struct attn_index_par ip;
+    const float *sink;
+    float scale;
+    struct attn_rope inv;
+};
+
+/* The attention (ac) into the heads' output o [T, Hl·hd] (after its inverse RoPE), the window
+ * ring's update from this forward's rows, then o to the sublayer's out: wo_a by group, the groups
+ * gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are fixed at a given T
+ * and the rounded widths (MODEL_GRAPH_WIDTH_STEP), so in a decode step it replays as graph
  * segments: one, or two around the first gather where the TP group's collectives come between.
  * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
  * quant, the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
@@ -310,18 +321,8 @@ void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *
  * costs the step little more than one from a graph. With one rank there is nothing to gather:
  * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). out is
  * [attention_out_blocks(m), T, D / that] (model_internal.h). */
-/* The attention itself, the first ops of attention_out's segment: the index lists from the batch
- * geometry (ip, n_idx wide), sparse_attn over them into o with its inverse RoPE. */
-struct attn_core {
-    const bf16_t *q;         /* [T, Hl, hd] */
-    int64_t Hl, n_idx;
-    struct attn_index_par ip;
-    const float *sink;
-    float scale;
-    struct attn_rope inv;
-};
-
-static void attention_out(struct model *m, int l, struct batch *b, const struct attn_core *ac, bf16_t *o, bf16_t *out) {
+static void attention_out(struct model *m, int l, struct batch *b, const struct attn_core *ac, bf16_t *o,
+                          bf16_t *out) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
     int64_t T = b->T;

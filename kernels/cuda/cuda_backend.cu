@@ -399,7 +399,8 @@ __global__ void copy_segs_inline_kernel(const struct copy_inline p, int n) {
     for (uint32_t i = blockIdx.x; i < np; i += gridDim.x) {
         while (p.first[j + 1] <= i) j++;
         const uint64_t off = (uint64_t)(i - p.first[j]) * COPY_PIECE, left = p.pc[j].bytes - off;
-        copy_piece_block((struct copy_piece){p.pc[j].dst + off, p.pc[j].src + off, left < COPY_PIECE ? left : COPY_PIECE});
+        const uint64_t bytes = left < COPY_PIECE ? left : COPY_PIECE;
+        copy_piece_block((struct copy_piece){p.pc[j].dst + off, p.pc[j].src + off, bytes});
     }
 }
 

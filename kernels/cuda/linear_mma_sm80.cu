@@ -30,7 +30,7 @@
  *            (FP8) / 31.5 KB (FP4) of shared memory, 255 registers (no spills), two CTAs per SM.
  *      FP8 also 128 x 64 and 64 x 64 (4 warps of 128 x 16 / 64 x 16, 168 / ~115 registers, three /
  *            four CTAs per SM), for calls whose 128 x 128 grid would leave SMs idle.
- *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages) for 129-512 rows where 128 x 128 has too few CTAs.
+ *      BF16 also 64 x 64 (4 warps of 32 x 32, 5 stages) for 65-512 rows where 128 x 128 has too few CTAs.
  *    A fragments (x or the quantized workspace): ldmatrix.x4 from XOR-swizzled rows (chunk c of
  *    row r at c ^ (r/2 % 4): conflict-free). BF16 B: ldmatrix.x4 likewise. FP8/FP4 B: each lane
  *    (g, t) reads the raw bytes of k 8t..8t+7 of its n row (8 bytes FP8, 4 bytes FP4; conflict-free
@@ -948,12 +948,13 @@ typedef cfg<K_FP4, 1, 4, 4, 2> cfg_fp4;
 typedef cfg<K_FP8, 1, 4, 2, 3, 128, 4> cfg_fp8_n64;         /* 128 x 64: 4 warps of 128 x 16, 168 registers, 3 CTAs an SM */
 typedef cfg<K_FP8, 1, 4, 2, 4, 64, 4> cfg_fp8_m64n64;       /* 64 x 64: 4 warps of 64 x 16, ~115 registers, 4 CTAs an SM */
 /* BF16 64 x 64 (4 warps of 32 x 32, 5 stages: 40 KB), for a decode step's mHC mixes ([72, 20480],
- * 20 k-chunks), router gate and compressor at 129-512 rows, where the 128 x 128 tile's 30-80 CTAs
+ * 20 k-chunks), router gate and compressor at 65-512 rows, where the 128 x 128 tile's 30-80 CTAs
  * each walk a k-chunk of 16 KB stages three deep, ~20 µs a call whatever its bytes (Nsight at batch
  * 256: 89 calls, 22.8 µs on average). The same kernel and order contract as every tiling: the same
- * bits (test_linear_mma_forms). CUDA_MMA_AUTO takes it for calls of CUDA_MMA_DECODE_AUTO_T to
+ * bits (test_linear_mma_forms). CUDA_MMA_AUTO takes it for calls above BF16_NARROW_MIN_T up to
  * CUDA_MMA_NARROW_MAX_T rows whose 128 x 128 grid, counted over full k-chunks, is short of
- * FT_MIN_CTAS (bf16_narrow). H100, bench_linear_cuda out.csv 256,512 --tiles (graph µs a call,
+ * FT_MIN_CTAS (bf16_narrow; above CUDA_MMA_DECODE_AUTO_T = 128 rows when the numbers here were
+ * taken). H100, bench_linear_cuda out.csv 256,512 --tiles (graph µs a call,
  * 128 x 128 -> 64 x 64): hc_mix [72, 20480] at 256 rows 23.6 -> 16.9, at 512 23.9 -> 20.9; gate
  * [384, 5120] 26.2 -> 14.1, 27.0 -> 17.8. bench_step --ctx 64 --batch 1,64,128,256 --steps 5
  * --prefill 512, two runs alternated (ab_run.sh): batch 256 19.84 19.98 -> 19.51 19.44 ms, batch
@@ -1021,7 +1022,13 @@ static int fp8_tile(int64_t T, int64_t n, int64_t k) {
 
 /* Whether CUDA_MMA_AUTO gives a BF16 call the 64 x 64 tile (cfg_bf16_m64n64): above
  * BF16_NARROW_MIN_T, up to CUDA_MMA_NARROW_MAX_T rows, where the 128 x 128 grid over full k-chunks is
- * short of FT_MIN_CTAS. Below it the decode tiling (one CTA a 16-row tile of n and a k-chunk). */
+ * short of FT_MIN_CTAS; up to it the decode tiling. H100, graph µs a call (bench_linear_cuda
+ * out.csv T,.. and --tiles; results/cuda_linear_auto_32_64_h100.csv, cuda_linear_tiles_32_64_h100.csv,
+ * cuda_linear_tiles_64_128_h100.csv), decode / 64 x 64: hc_mix [72, 20480] at 32, 48, 64 rows 10.6 /
+ * 11.3, 11.0 / 11.6, 11.4 / 12.3, the gate [384, 5120] 9.3 / 9.9, 9.6 / 10.4, 10.0 / 10.9; at 128
+ * rows 64 x 64 takes 12.2 and 11.0 (128 x 128: 20.9 and 22.4). From 129 rows before 65529e5; with
+ * 65-128 and two other changes, bench_step at batch 128 14.19 14.28 -> 14.05 14.13 ms (two runs
+ * alternated with 5335d12, results/cuda_step_alternated.csv). */
 #define BF16_NARROW_MIN_T 64
 static bool bf16_narrow(int64_t T, int64_t n, int64_t k) {
     return T > BF16_NARROW_MIN_T && T <= CUDA_MMA_NARROW_MAX_T &&
