@@ -188,7 +188,9 @@ static void router_weights(const int32_t *idx, int64_t k, const iv_t *s_iv, bool
  * moe_combine: exact */
 
 /* ld_sh > D: the shared expert's rows are ld_sh wide and the combine reads their last D columns in
- * place (a TP rank's block of the owner exchange); 0 means D. */
+ * place (a TP rank's block of the owner exchange); 0 means D. E_TIES: ids drawn with repeats from
+ * a few experts, so the order's ties (the lower slot first) decide the sums' order. */
+static bool g_combine_ties;
 static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P, int64_t parts, bool with_sh,
                              int64_t ld_sh) {
     char tag[128];
@@ -204,8 +206,12 @@ static void moe_combine_case(int64_t T, int64_t k, int64_t D, int64_t per_part, 
     for (int64_t t = 0; t < T; t++)
         for (int64_t s = 0; s < k; s++) {
             int32_t e;
-            do e = (int32_t)irand(E);
-            while (i32_in(idx + t * k, s, e));
+            if (g_combine_ties) { /* two experts in each of parts 0-2 */
+                e = (int32_t)irand(3) * (int32_t)per_part + (int32_t)irand(2);
+            } else {
+                do e = (int32_t)irand(E);
+                while (i32_in(idx + t * k, s, e));
+            }
             idx[t * k + s] = e;
         }
     bf16_t *sh = NEW(bf16_t, T * ld_sh), *oc = NEW(bf16_t, T * D), *og = NEW(bf16_t, T * D);
@@ -247,6 +253,12 @@ static void test_moe_combine(void **st) {
     /* one rank's column block of the owner exchange (TP8: D / 8 columns, sh rows D wide) */
     for (int i = 0; i < NT_REAL; i++) moe_combine_case(T_REAL[i], TOPK, DIM / 8, E_LOCAL, 8, 8, true, DIM);
     moe_combine_case(40, 4, 136, 5, 3, 8, true, 141); /* rows not 16-byte aligned: the narrow kernel */
+    /* repeated expert ids in a token's slots, both kernels: the lower slot first */
+    g_combine_ties = true;
+    moe_combine_case(1, TOPK, DIM, E_LOCAL, 8, 8, true, 0);
+    moe_combine_case(64, TOPK, DIM, E_LOCAL, 8, 8, true, 0);
+    moe_combine_case(5, 8, 136, 5, 2, 8, false, 0);
+    g_combine_ties = false;
 }
 
 /* =============================================================================================
