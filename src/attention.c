@@ -331,10 +331,11 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
     bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);         /* [T, Gl·o_lora] */
     bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);    /* [T, K] all ranks' */
     bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
+    bf16_t *ug = one ? u : model_fbuf(m, b, FB_ATTN_UG, (size_t)(T * K) * 2, false);    /* [tp, T, Gl·o_lora] */
     const struct layer_cache *lc = &m->lc[l];
     const bf16_t *kv = attention_kv_rows(m);
     struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
-    const void *k_p[] = {o, u, uf, ol, out, lc->ring, kv, b->geo, ac->q, m->kv, ac->ip.src, ac->sink};
+    const void *k_p[] = {o, u, uf, ol, out, ug, lc->ring, kv, b->geo, ac->q, m->kv, ac->ip.src, ac->sink};
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
     const int64_t k_w[] = {ac->n_idx, ac->ip.ld_src, ac->ip.k, ac->ip.ring0, ac->ip.src0, ac->ip.cap};
     for (size_t i = 0; i < sizeof k_w / sizeof *k_w; i++) graph_key_word(&k, (uint64_t)k_w[i]);
@@ -357,10 +358,14 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
         model_graph_end(m);
     }
     if (!one) {
-        /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b */
-        model_tp_gather_cols(m, uf, u, T, (size_t)aw->wo_a.n * 2, "attention groups");
+        /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b; the
+         * interleave of the gathered blocks into rows is the segment's first op (as an eager launch
+         * between the gather and the segment it left the GPU idle ~1.3 µs more a layer at batch 1,
+         * H100 timeline of 63e839c) */
+        m->opt.tp->ops->allgather(m->opt.tp, u, ug, (size_t)T * aw->wo_a.n * 2, "attention groups");
         k.w[0] = GSEG_ATTN_WOB;
         if (model_graph_begin(m, b, &k)) {
+            OPS->interleave(m->be, uf, ug, m->tp_size, T, (size_t)aw->wo_a.n * 2);
             OPS->linear(m->be, ol, uf, T, &aw->wo_b);
             model_graph_end(m);
         }
@@ -372,6 +377,7 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
     if (!one) {
         model_fbuf_free(m, b, uf);
         model_fbuf_free(m, b, ol);
+        model_fbuf_free(m, b, ug);
     }
 }
 

@@ -14,6 +14,7 @@ enum fbuf_id {
     FB_APRE, FB_POST, FB_COMB, FB_Y, FB_O,  /* the block's mixes and its sublayers' input and output */
     FB_QR, FB_Q,                            /* attention's low-rank query and heads */
     FB_ATTN_O, FB_ATTN_U, FB_ATTN_UF, FB_ATTN_OL, /* attention's heads out, wo_a's out (own, gathered), wo_b's */
+    FB_ATTN_UG,                             /* wo_a's out as the all-gather leaves it, [tp, T, Gl·o_lora] */
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
     FB_MOE_SH,                              /* the shared expert's output */
     FB_MOE_OC, FB_MOE_OG,                   /* the owner exchange's column-block sums, gathered */
@@ -101,6 +102,7 @@ struct batch {
     uint8_t *cand;     /* candidate source: backend [T, cand_w] mask */
     int64_t cand_w;
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
+    int attn_in_next;  /* the layer whose attention input the last block's last segment issued, or -1 */
 };
 
 /* The window width of a sequence chunk's index lists: W, or in the reference layout's prefill
