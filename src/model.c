@@ -639,9 +639,48 @@ static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
     return (size_t)((P - 1) * T * k * D) * 2 >= MOE_OWNER_MIN_BYTES;
 }
 
+/* The attention's input of block l (its first segment's ops): the collapse with attn_norm, the
+ * query chain on a branch beside the mixes and the window K=V rows. Delayed mHC: the collapse takes
+ * the previous block's pre, so this block's mixes (read by the FFN's collapse and by the expands)
+ * are off the critical path: they run with the window K=V rows, beside the query chain on the
+ * branch. H200, bench_step decode ms at batch 1 / 8 / 64, three runs alternated: mixes before the
+ * collapse (no overlap) 5.68, 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8, 18.9, 18.8; mixes and K=V rows
+ * on the branch 5.51, 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the
+ * branch (the longer chain keeps the main lane's priority) 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 /
+ * 18.0, 18.2, 18.0 (the FFN's mixes beside the routed experts in all but the first). */
+static void block_attn_in(struct model *m, int l, struct batch *b, const bf16_t *X, float *apre, float *post,
+                          float *comb, bf16_t *y, bf16_t *qr, bf16_t *q, const float *P) {
+    const struct model_config *c = m->cfg;
+    const struct layer_weights *lw = &m->w->layers[l];
+    int64_t T = b->T, D = c->dim, hc = c->hc_mult;
+    float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
+    OPS->hc_collapse(m->be, y, X, P, T, hc, D, lw->attn_norm, eps); /* and attn_norm */
+    model_branch_begin(m);
+    attention_project_q(m, l, b, y, qr, q);
+    model_branch_end(m);
+    OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
+                  c->hc_sinkhorn_iters, eps, hc_eps);
+    attention_project_kv(m, l, b, y);
+    model_branch_join(m);
+}
+
+/* The layer whose attention input (block_attn_in) joins block l's last segment, or -1: with
+ * graphs, no hooks (a hook may read or force the stream between blocks) and a next layer on this
+ * stage without Engram (its gate changes the stream before the block). Two graphs launched back
+ * to back left the GPU idle ~1.3 µs between them, before 37 of a step's 40 blocks' collapses at
+ * batch 1 (H100 timeline of 63e839c). */
+static int next_attn_in(const struct model *m, int l, const struct batch *b, const struct fwd_hooks *hooks) {
+    const struct model_config *c = m->cfg;
+    if (!b->graphs || hooks) return -1;
+    for (int n = l + 1; n < c->n_layers; n++)
+        if (m->w->layers[n].present) return c->role[n].engram_idx >= 0 ? -1 : n;
+    return -1;
+}
+
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
  * index lists and cache copies, the TP collectives) are graph segments: replayed as one launch in
- * a decode step (model_graph_begin), their keys naming every buffer their ops touch. */
+ * a decode step (model_graph_begin), their keys naming every buffer their ops touch. The last one
+ * also holds the next block's attention input where next_attn_in allows (b->attn_in_next). */
 static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf16_t *X1, float *P,
                          const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
@@ -661,25 +700,12 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     struct graph_key ka = graph_key_new(m, GSEG_ATTN_IN, l, b);
     const void *ka_p[] = {X, P, apre, post, comb, y, qr, q, kvr, b->pos};
     for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
-    if (model_graph_begin(m, b, &ka)) {
-        /* delayed mHC: the collapse takes the previous block's pre, so this block's mixes (read
-         * by the FFN's collapse and by the expands) are off the critical path: they run with the
-         * window K=V rows, beside the query chain on the branch. H200, bench_step decode ms at
-         * batch 1 / 8 / 64, three runs alternated: mixes before the collapse (no overlap) 5.68,
-         * 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8, 18.9, 18.8; mixes and K=V rows on the branch 5.51,
-         * 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the branch (the
-         * longer chain keeps the main lane's priority) 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 / 18.0,
-         * 18.2, 18.0 (the FFN's mixes beside the routed experts in all but the first). */
-        OPS->hc_collapse(m->be, y, X, P, T, hc, D, lw->attn_norm, eps); /* and attn_norm */
-        model_branch_begin(m);
-        attention_project_q(m, l, b, y, qr, q);
-        model_branch_end(m);
-        OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
-                      c->hc_sinkhorn_iters, eps, hc_eps);
-        attention_project_kv(m, l, b, y);
-        model_branch_join(m);
+    if (b->attn_in_next != l && model_graph_begin(m, b, &ka)) { /* else the block before issued it */
+        block_attn_in(m, l, b, X, apre, post, comb, y, qr, q, P);
         model_graph_end(m);
     }
+    const int nx = next_attn_in(m, l, b, hooks);
+    b->attn_in_next = -1;
     int rc = attention_forward(m, l, b, y, qr, q, o, hooks);
     if (rc == 0) {
         /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards.
@@ -707,6 +733,11 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
         const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh, oc, og};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
+        if (nx >= 0) { /* the next block's attention input in the last segment: its layer and buffers */
+            const void *kn_p[] = {qr, q, kvr, b->pos};
+            graph_key_word(&kf, (uint64_t)nx);
+            for (size_t i = 0; i < sizeof kn_p / sizeof *kn_p; i++) graph_key_ptr(&kf, kn_p[i]);
+        }
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
             OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D, attention_out_blocks(m));
@@ -745,8 +776,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         }
         if (issue) {
             OPS->hc_expand(m->be, X, owner ? og : o, X1, post, comb, T, hc, D, owner ? np : 1);
+            if (nx >= 0) block_attn_in(m, nx, b, X, apre, post, comb, y, qr, q, P);
             model_graph_end(m);
         }
+        b->attn_in_next = nx;
         void *mb[] = {all != ye ? all : NULL, ye, sh, idx, wts, oc, og};
         for (size_t i = 0; i < sizeof mb / sizeof *mb; i++)
             if (mb[i]) model_fbuf_free(m, b, mb[i]);
@@ -1017,7 +1050,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         ds_err_set("model_forward_draws: a sequence asks for the logits of every position");
         return -1;
     }
-    struct batch b = {.seqs = seqs, .n = n};
+    struct batch b = {.seqs = seqs, .n = n, .attn_in_next = -1};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
     for (int i = 0; i < n; i++) {
         b.row0[i] = b.T;
