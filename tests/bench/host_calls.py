@@ -15,6 +15,7 @@ block is reused). A profile that does not count a kind leaves it out.
 """
 import csv
 import os
+import re
 import sys
 
 MEM = {"copy": "copies", "copy_segs": "copies", "upload": "uploads", "download": "downloads", "alloc": "alloc",
@@ -23,12 +24,15 @@ KINDS = ["ops", "copies", "uploads", "downloads", "alloc", "scratch"]
 
 
 def load(path):
+    """Calls per step by batch and kind, from the plain decode runs (decode_bN; bench_step also
+    profiles decode_bN_host, the same steps drawing on the host, which this leaves out)."""
     out = {}
     with open(path) as f:
         for r in csv.DictReader(f):
-            if not r["run"].startswith("decode_b") or r["op"].startswith("_"):
+            m = re.fullmatch(r"decode_b(\d+)", r["run"])
+            if not m or r["op"].startswith("_"):
                 continue
-            b = int(r["run"][len("decode_b"):])
+            b = int(m.group(1))
             kind = MEM.get(r["op"], "ops")
             if kind is None:
                 continue
