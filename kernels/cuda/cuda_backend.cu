@@ -95,6 +95,11 @@ struct cuda_be {
     struct cuda_graphs *graphs;
     bool capturing;
     long graph_allocs;
+    /* the recordings' temporaries (cuda_be_scratch_raw while capturing): one arena that every
+     * recording takes from the start, [garena, garena + garena_cap), bumped by garena_off; what a
+     * recording wanted past it (it got allocation nodes then) is garena_need */
+    uint8_t *garena;
+    size_t garena_cap, garena_off, garena_need;
     /* profiling marks (backend_cuda_mark): timing events, reused after a reset */
     cudaEvent_t *marks;
     int n_marks, cap_marks;
@@ -113,7 +118,10 @@ void cuda_be_set_capturing(struct backend *be, bool on) {
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "graph_end",
                  "a graph segment ends with buffers it allocated still live (the caller's promise, backend.h)");
     c->capturing = on;
+    c->garena_off = 0;
 }
+
+
 
 /* The ops that cannot be part of a recorded graph: their host-side work would not be repeated by a
  * replay (the staged bytes of an upload, a copy list, a download's wait). */
@@ -154,8 +162,10 @@ static void __attribute__((noreturn)) out_of_memory(struct backend *be, const ch
  * whole-prompt buffers) are allocated exactly, outside the classes. cuda_be_scratch adds the
  * zero fill (alloc's contract); cuda_be_scratch_raw (the scratch op) leaves it out. */
 #define SCRATCH_CLASS_MAX ((size_t)1 << 30)
-/* live-table mark of a block a graph segment's recording allocated (an allocation node) */
+/* live-table marks of a block a graph segment's recording allocated: an allocation node, or a
+ * piece of the recordings' arena (cuda_be_garena_grow) */
 #define LIVE_GRAPH SIZE_MAX
+#define LIVE_ARENA (SIZE_MAX - 1)
 
 static size_t scratch_round(size_t bytes) {
     if (bytes <= 256) return 256;
@@ -248,10 +258,50 @@ static void *scratch_malloc(struct backend *be, size_t bytes) {
     return p;
 }
 
+/* Graph segments run one at a time on the backend's stream and free every temporary they take
+ * before they end (cuda_be_set_capturing checks), so all recordings can take theirs from one
+ * arena, each from its start: the recorded kernels' addresses stay valid for as long as the arena
+ * does. As graph allocation nodes instead (cudaMallocAsync while capturing), every recording's
+ * temporaries were virtual ranges of their own, backed by the one physical pool that graphs
+ * launched into one stream share. Before a recording: where an earlier one wanted more than the
+ * arena holds (it got allocation nodes for the rest), a larger arena replaces it, and the caller
+ * drops every recorded graph first (they point into the old one). Returns whether it did. */
+bool cuda_be_garena_grow(struct backend *be) {
+    struct cuda_be *c = cb(be);
+    if (c->garena_need <= c->garena_cap) return false;
+    size_t cap = c->garena_need + c->garena_need / 2;
+    cap = cap < ((size_t)64 << 20) ? ((size_t)64 << 20) : (cap + 0xFFFFF) & ~(size_t)0xFFFFF;
+    CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the graphs in flight read the old one */
+    if (c->garena) CUDA_CHECK(cudaFree(c->garena));
+    c->garena = NULL;
+    c->garena_cap = 0;
+    cudaError_t e = cudaMalloc((void **)&c->garena, cap);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        scratch_release_kept(c);
+        e = cudaMalloc((void **)&c->garena, cap);
+    }
+    if (e == cudaErrorMemoryAllocation)
+        out_of_memory(be, "the decode step's graph temporaries", cap, "lower --max-seqs, or run with --eager");
+    CUDA_CHECK(e);
+    c->garena_cap = cap;
+    return true;
+}
+
+size_t cuda_be_garena_bytes(struct backend *be) { return cb(be)->garena_cap; }
+size_t cuda_be_garena_need(struct backend *be) { return cb(be)->garena_need; }
+
 void *cuda_be_scratch_raw(struct backend *be, size_t bytes) {
     struct cuda_be *c = cb(be);
     if (!bytes) bytes = 16;
     if (c->capturing) {
+        const size_t at = (c->garena_off + 255) & ~(size_t)255, end = at + ((bytes + 255) & ~(size_t)255);
+        if (end > c->garena_need) c->garena_need = end;
+        if (end <= c->garena_cap) { /* freed by the recording's end (cuda_be_set_capturing) */
+            c->garena_off = end;
+            live_put(c, c->garena + at, LIVE_ARENA);
+            return c->garena + at;
+        }
         void *g = NULL;
         CUDA_CHECK(cudaMallocAsync(&g, bytes, c->stream)); /* recorded: the graph's allocation node */
         live_put(c, g, LIVE_GRAPH);
@@ -278,6 +328,7 @@ void *cuda_be_scratch(struct backend *be, size_t bytes) {
 
 /* The free itself, on the main lane (outside a branch, or at its join). */
 static void scratch_release(struct cuda_be *c, void *p, size_t rb) {
+    if (rb == LIVE_ARENA) return; /* the arena is the next recording's from its start */
     if (rb == LIVE_GRAPH) {
         CUDA_CHECK(cudaFreeAsync(p, c->stream)); /* recorded: the graph's free node */
         c->graph_allocs--;
@@ -302,10 +353,11 @@ void cuda_be_scratch_free(struct backend *be, void *p) {
     if (!p) return;
     struct cuda_be *c = cb(be);
     size_t rb = live_take(c, p);
-    if ((rb == LIVE_GRAPH) != c->capturing)
+    const bool recorded = rb == LIVE_GRAPH || rb == LIVE_ARENA;
+    if (recorded != c->capturing)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "cuda_be_scratch_free",
-                 rb == LIVE_GRAPH ? "a buffer a graph segment allocated is freed outside it"
-                                  : "a graph segment frees a buffer allocated before it (backend.h)");
+                 recorded ? "a buffer a graph segment allocated is freed outside it"
+                          : "a graph segment frees a buffer allocated before it (backend.h)");
     if (c->branch != BRANCH_NONE) {
         if (c->n_deferred == c->cap_deferred)
             c->deferred = (struct deferred_free *)ds_realloc(
@@ -801,6 +853,7 @@ extern "C" void backend_cuda_free(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (!c) return;
     cuda_graphs_free(be);
+    if (c->garena) CUDA_CHECK(cudaFree(c->garena));
     scratch_release_kept(c);
     for (int i = 0; i < c->cap_marks; i++) CUDA_CHECK(cudaEventDestroy(c->marks[i]));
     free(c->marks);

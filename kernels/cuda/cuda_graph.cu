@@ -91,6 +91,12 @@ bool cuda_graph_begin(struct backend *be, const uint64_t *key, int n_key) {
             return false;
         }
     if (g->n >= GRAPHS_MAX) drop_all(g);
+    /* a recording that outgrew the temporaries' arena: the recorded graphs point into it, so they go
+     * with it (recorded again as their keys come) */
+    if (cuda_be_garena_bytes(be) < cuda_be_garena_need(be)) {
+        drop_all(g);
+        cuda_be_garena_grow(be);
+    }
     g->open = (struct seg_graph *)ds_malloc(sizeof *g->open);
     *g->open = probe;
     /* thread-local: another thread's unrelated CUDA calls (an MPI progress thread, say) do not
@@ -147,5 +153,5 @@ extern "C" void backend_cuda_graph_stats(struct backend *be, long *replays, long
     unsigned long long high = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetGraphMemAttribute(dev, cudaGraphMemAttrReservedMemHigh, &high));
-    *mem_high = (size_t)high;
+    *mem_high = (size_t)high + cuda_be_garena_bytes(be); /* and the arena most of them now come from */
 }

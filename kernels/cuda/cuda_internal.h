@@ -55,6 +55,11 @@ void cuda_graphs_free(struct backend *be); /* every recorded graph (backend_cuda
  * recording freed everything it allocated. */
 struct cuda_graphs **cuda_be_graphs(struct backend *be);
 void cuda_be_set_capturing(struct backend *be, bool on);
+/* The recordings' temporaries' arena: grown (true) where a recording wanted more than it holds, the
+ * caller having dropped every recorded graph; its size. */
+bool cuda_be_garena_grow(struct backend *be);
+size_t cuda_be_garena_bytes(struct backend *be);
+size_t cuda_be_garena_need(struct backend *be);
 
 /* ---- cuda_linear_ops.cu (dense family; FP8/FP4 decode through linear_sm80.cu) ---- */
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
