@@ -14,9 +14,10 @@
  * restores it exactly.
  * Host-resident tensors (Engram tables: 100 GB in the release, larger than a GPU) are registered
  * as mapped pinned memory and read by the kernels over the bus.
- * While a graph segment records (cuda_graph.cu), temporaries are the graph's own allocation nodes,
- * never blocks of the free list (a replay must not write a block the host has since handed to
- * someone else), and the host-side ops (upload, download, copy_segs, sync, preparation) refuse. */
+ * While a graph segment records (cuda_graph.cu), temporaries come from the recordings' own arena
+ * (or the graph's allocation nodes where it is short: cuda_be_garena_grow), never blocks of the
+ * free list (a replay must not write a block the host has since handed to someone else), and the
+ * host-side ops (upload, download, copy_segs, sync, preparation) refuse. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,7 +266,13 @@ static void *scratch_malloc(struct backend *be, size_t bytes) {
  * temporaries were virtual ranges of their own, backed by the one physical pool that graphs
  * launched into one stream share. Before a recording: where an earlier one wanted more than the
  * arena holds (it got allocation nodes for the rest), a larger arena replaces it, and the caller
- * drops every recorded graph first (they point into the old one). Returns whether it did. */
+ * drops every recorded graph first (they point into the old one). Returns whether it did.
+ * H100, bench_step decode ms at batch 1 / 8 / 64 / 128 / 256, two runs alternated with cde5498:
+ * 3.78 3.80 / 5.02 5.01 / 10.36 10.33 / 13.71 13.77 / 17.79 17.79 -> 3.76 3.70 / 4.97 4.98 / 10.27
+ * 10.31 / 13.67 13.68 / 17.66 17.69; the idle before the segment that opens with the attention's
+ * index lists 70 -> 53 µs a step at batch 1 (timelines of cde5498, b0601a4). The arena is 64 MiB
+ * at least (the graph pool's own high-water mark stays beside it, from the recordings made before
+ * it existed). */
 bool cuda_be_garena_grow(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (c->garena_need <= c->garena_cap) return false;

@@ -6,9 +6,10 @@
  * run. The recorded kernels are the same kernels with the same arguments, so a replay computes the
  * same bits as the ops would (tests/cli/test_cuda_engine.sh compares against --eager).
  *
- * Recorded temporaries are the graph's own allocation nodes (cuda_backend.cu routes scratch there
- * while recording), freed inside the graph, so a replay never writes a block that the host has
- * since handed to other work. A branch (backend.h) inside a segment is recorded as two parallel
+ * Recorded temporaries come from an arena of the recordings' own (cuda_backend.cu routes scratch
+ * there while recording; graph allocation nodes where it is short, until the next recording grows
+ * it and drops the graphs that point into the old one), freed inside the graph, so a replay never
+ * writes a block that the host has since handed to other work. A branch (backend.h) inside a segment is recorded as two parallel
  * chains of the graph: the side stream joins the capture through the fork event and leaves it
  * through the join event. The mma switch is part of every key: a test that flips it between
  * forwards gets new recordings. The cache is bounded: past GRAPHS_MAX recordings it is emptied

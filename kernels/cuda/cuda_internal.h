@@ -51,12 +51,12 @@ bool cuda_graph_begin(struct backend *be, const uint64_t *key, int n_key);
 void cuda_graph_end(struct backend *be);
 void cuda_graphs_free(struct backend *be); /* every recorded graph (backend_cuda_free) */
 /* The backend's graph cache slot, and the recording switch: while on, scratch comes from the
- * graph's own allocations and host-side ops refuse (cuda_backend.cu); off checks that the
- * recording freed everything it allocated. */
+ * recordings' arena (or the graph's own allocations) and host-side ops refuse (cuda_backend.cu);
+ * off checks that the recording freed everything it allocated. */
 struct cuda_graphs **cuda_be_graphs(struct backend *be);
 void cuda_be_set_capturing(struct backend *be, bool on);
 /* The recordings' temporaries' arena: grown (true) where a recording wanted more than it holds, the
- * caller having dropped every recorded graph; its size. */
+ * caller having dropped every recorded graph; its size; the most a recording has wanted of it. */
 bool cuda_be_garena_grow(struct backend *be);
 size_t cuda_be_garena_bytes(struct backend *be);
 size_t cuda_be_garena_need(struct backend *be);
