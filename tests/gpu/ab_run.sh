@@ -14,6 +14,9 @@ rm -rf carry/ab && tar -C carry -xzf carry/ab.tgz
 . tests/gpu/carry_env.sh
 REPS=${REPS:-2}
 BENCH_ARGS=${BENCH_ARGS:---ctx 64 --batch 1,8,64,256 --steps 5 --prefill 2048}
+# as the shell reads them, so an empty argument can be given (--prefill "": no prefill); split on
+# blanks, the quotes reached bench_step as two characters and it ran nothing
+eval "bench_args=($BENCH_ARGS)" || { echo "ab_run.sh: BENCH_ARGS does not parse: $BENCH_ARGS" >&2; exit 2; }
 W=$(mktemp -d)
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $device"
@@ -25,8 +28,7 @@ specs=()
 for rep in $(seq 1 "$REPS"); do
   for label in "${labels[@]}"; do
     out="$W/${label}_$rep.txt"
-    # shellcheck disable=SC2086
-    timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda $BENCH_ARGS > "$out" 2>&1
+    timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda "${bench_args[@]}" > "$out" 2>&1
     echo "$label run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
     specs+=("$label=$out")
     tar -C "$W" -czf "$OUT/ab.tgz" . # after every run: a call cut short still brings back the runs done
