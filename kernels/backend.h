@@ -152,7 +152,8 @@ struct backend_ops {
     /* Host memory that downloads land in at the link's full rate (page-locked on a GPU), for the
      * buffers a forward downloads into every step: the logits, [rows, vocab] fp32 (33 MB at 64
      * rows), the pipeline's stream hand-off [rows, hc, D] bf16. Always returns memory (pageable
-     * when the system will not lock that much); host_free releases it. Optional: NULL where plain malloc is as good (engine_host_alloc). */
+     * when the system will not lock that much); host_free releases it. Optional: NULL where plain
+     * malloc is as good (engine_host_alloc). */
     void *(*host_alloc)(struct backend *be, size_t bytes);
     void (*host_free)(struct backend *be, void *p);
     /* Make a host weight (pointing into the checkpoint mmap) usable by the backend; the CPU

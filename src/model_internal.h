@@ -94,7 +94,8 @@ struct batch {
     int64_t *row0;     /* [n] host */
     int32_t *pos_h;    /* [T] host positions */
     int32_t *pos;      /* [T] backend positions */
-    int32_t *geo;      /* [T, AIX_COLS] backend: each row's geometry for attn_index, ring_store (kernels/attn_index_core.h) */
+    int32_t *geo;      /* [T, AIX_COLS] backend: each row's geometry for attn_index, ring_store
+                        * (kernels/attn_index_core.h) */
     /* per-forward products shared between layers (owned by the forward) */
     int32_t **topk;    /* [n_layers] index sources: backend [T, topk_w[l]] compressed ids, -1 unused */
     int64_t *topk_w;   /* [n_layers] (host) row stride of topk[l] */
