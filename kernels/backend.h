@@ -63,6 +63,9 @@ struct be_topk_entry {
 };
 #define BE_TOPK_MAX 1024 /* the longest row_topk list */
 
+/* The most copies a copy_segs call inside a graph segment may hold (backend_ops.copy_segs). */
+#define BE_COPY_SEGS_GRAPH 64
+
 /* One device-to-device copy of a copy_segs batch. */
 struct copy_seg {
     void *dst;
@@ -146,7 +149,9 @@ struct backend_ops {
     void (*copy)(struct backend *be, void *dst, const void *src, size_t bytes);
     /* n copies in one call (the per-sequence rows a forward moves between caches and scratch):
      * segs is a HOST array; the segments are independent — no destination overlaps another
-     * segment's source or destination — so a backend may run them in any order or at once. */
+     * segment's source or destination — so a backend may run them in any order or at once. A call
+     * of at most BE_COPY_SEGS_GRAPH copies may be recorded in a graph segment (its list then lives
+     * in the recording: the bench's TP stand-in collectives); larger ones are host-side ops. */
     void (*copy_segs)(struct backend *be, const struct copy_seg *segs, int64_t n);
     void (*sync)(struct backend *be);
     /* Host memory that downloads land in at the link's full rate (page-locked on a GPU), for the
@@ -381,8 +386,8 @@ struct backend_ops {
      * A segment is a run of ops the caller promises is fixed by its key (n words): the same key means
      * the same ops in the same order with the same arguments and buffer addresses, reading the same
      * host-side state. Inside one: only ops, alloc/scratch and free of buffers allocated inside it
-     * (all freed before its end), copy; no upload, download, copy_segs or sync, and nothing allocated
-     * before it is freed in it. graph_begin returns true when the caller must issue the ops (the
+     * (all freed before its end), copy, copy_segs of at most BE_COPY_SEGS_GRAPH copies; no upload,
+     * download, larger copy_segs or sync, and nothing allocated before it is freed in it. graph_begin returns true when the caller must issue the ops (the
      * backend records them) and then call graph_end, which runs what was recorded; false when the
      * backend ran its recording of that key instead, and the caller skips the ops. A backend may
      * fold its own switches into the key (the CUDA backend's mma switch). */

@@ -313,7 +313,8 @@ struct attn_core {
  * ring's update from this forward's rows, then o to the sublayer's out: wo_a by group, the groups
  * gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are fixed at a given T
  * and the rounded widths (MODEL_GRAPH_WIDTH_STEP), so in a decode step it replays as graph
- * segments: one, or two around the first gather where the TP group's collectives come between.
+ * segments: one, or two around the first gather where the TP group's collectives come between
+ * (one again where the TP comm is stream_ordered: model_tp_between).
  * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
  * quant, the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
@@ -339,7 +340,8 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
     for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
     const int64_t k_w[] = {ac->n_idx, ac->ip.ld_src, ac->ip.k, ac->ip.ring0, ac->ip.src0, ac->ip.cap};
     for (size_t i = 0; i < sizeof k_w / sizeof *k_w; i++) graph_key_word(&k, (uint64_t)k_w[i]);
-    if (model_graph_begin(m, b, &k)) {
+    bool issue = model_graph_begin(m, b, &k);
+    if (issue) {
         /* the index lists and the attention (with graphs their widths are rounded up, so the
          * key changes every 64 entries of context, not every step: MODEL_GRAPH_WIDTH_STEP); as
          * eager launches between segments each left the GPU idle 1.3-2.0 µs before it at batch 1
@@ -355,24 +357,24 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
         OPS->ring_store(m->be, lc->ring, kv, b->geo, T, c->window, c->head_dim);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
         if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
-        model_graph_end(m);
     }
     if (!one) {
         /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b; the
-         * interleave of the gathered blocks into rows is the segment's first op (as an eager launch
-         * between the gather and the segment it left the GPU idle ~1.3 µs more a layer at batch 1,
-         * H100 timeline of 63e839c) */
-        m->opt.tp->ops->allgather(m->opt.tp, u, ug, (size_t)T * aw->wo_a.n * 2, "attention groups");
-        k.w[0] = GSEG_ATTN_WOB;
-        if (model_graph_begin(m, b, &k)) {
+         * interleave of the gathered blocks into rows is the next segment's first op (as an eager
+         * launch between the gather and the segment it left the GPU idle ~1.3 µs more a layer at
+         * batch 1, H100 timeline of 63e839c) */
+        const struct tp_call groups = {TP_ALLGATHER, u, ug, (size_t)T * aw->wo_a.n * 2, "attention groups"};
+        issue = model_tp_between(m, b, &k, issue, GSEG_ATTN_WOB, &groups);
+        if (issue) {
             OPS->interleave(m->be, uf, ug, m->tp_size, T, (size_t)aw->wo_a.n * 2);
             OPS->linear(m->be, ol, uf, T, &aw->wo_b);
-            model_graph_end(m);
         }
         /* out as the all-gather leaves it, [tp, T, Dl] (attention_out_blocks): the expand after the
          * block reads the column blocks in place, no interleave into [T, D] (a launch a layer) */
-        m->opt.tp->ops->allgather(m->opt.tp, ol, out, (size_t)(T * Dl) * 2, "attention out");
+        const struct tp_call outs = {TP_ALLGATHER, ol, out, (size_t)(T * Dl) * 2, "attention out"};
+        issue = model_tp_between(m, b, &k, issue, 0, &outs);
     }
+    if (issue) model_graph_end(m);
     model_fbuf_free(m, b, u);
     if (!one) {
         model_fbuf_free(m, b, uf);

@@ -95,6 +95,27 @@ void model_graph_end(struct model *m) {
     OPS->graph_end(m->be);
 }
 
+static void tp_issue(struct comm *tp, const struct tp_call *c) {
+    if (c->op == TP_ALLGATHER) tp->ops->allgather(tp, c->send, c->recv, c->bytes, c->what);
+    else tp->ops->alltoall(tp, c->send, c->recv, c->bytes, c->what);
+}
+
+/* Inside a segment a collective saves the host's turn around it: the segment's end, the call, the
+ * next segment's launch (with NCCL's op_wait, the whole queue drained first). */
+bool model_tp_between(struct model *m, const struct batch *b, struct graph_key *k, bool issue, int next,
+                      const struct tp_call *c) {
+    struct comm *tp = m->opt.tp;
+    if (b->graphs && OPS->graph_begin && tp->stream_ordered) {
+        if (issue) tp_issue(tp, c);
+        return issue;
+    }
+    if (issue) model_graph_end(m);
+    tp_issue(tp, c);
+    if (!next) return true;
+    k->w[0] = (uint64_t)next;
+    return model_graph_begin(m, b, k);
+}
+
 /* A weight the backend cannot take is a bug or a resource limit, never a state to run on. */
 static void prep_weight(struct backend *be, struct qweight *w, bool dequant_bf16) {
     if (be->ops->weight_prepare(be, w, dequant_bf16)) ds_die_err();
@@ -678,7 +699,8 @@ static int next_attn_in(const struct model *m, int l, const struct batch *b, con
 }
 
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
- * index lists and cache copies, the TP collectives) are graph segments: replayed as one launch in
+ * index lists and cache copies, the TP collectives unless model_tp_between may record them) are
+ * graph segments: replayed as one launch in
  * a decode step (model_graph_begin), their keys naming every buffer their ops touch. The last one
  * also holds the next block's attention input where next_attn_in allows (b->attn_in_next). */
 static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf16_t *X1, float *P,
@@ -753,23 +775,15 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             model_branch_join(m);
             if (owner) OPS->interleave(m->be, all, ye, T * k, np, (size_t)Dc * 2);
         }
-        struct comm *tp = m->opt.tp;
         if (owner) {
-            if (issue) model_graph_end(m);
-            tp->ops->alltoall(tp, all, ye, (size_t)(T * k * Dc) * 2, "moe experts (column blocks)");
-            kf.w[0] = GSEG_FFN_MID;
-            if (model_graph_begin(m, b, &kf)) {
-                moe_finish(m, l, b, idx, ye, sh + tp->rank * Dc, D, Dc, oc);
-                model_graph_end(m);
-            }
-            tp->ops->allgather(tp, oc, og, (size_t)(T * Dc) * 2, "moe output (column blocks)");
-            kf.w[0] = GSEG_FFN_OUT;
-            issue = model_graph_begin(m, b, &kf); /* the expand reads og's column blocks as they are */
+            const struct tp_call x = {TP_ALLTOALL, all, ye, (size_t)(T * k * Dc) * 2, "moe experts (column blocks)"};
+            issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_MID, &x);
+            if (issue) moe_finish(m, l, b, idx, ye, sh + m->opt.tp->rank * Dc, D, Dc, oc);
+            const struct tp_call g = {TP_ALLGATHER, oc, og, (size_t)(T * Dc) * 2, "moe output (column blocks)"};
+            issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_OUT, &g); /* the expand reads og's blocks as they are */
         } else if (!one) {
-            if (issue) model_graph_end(m);
-            tp->ops->allgather(tp, ye, all, (size_t)(T * k * D) * 2, "moe experts");
-            kf.w[0] = GSEG_FFN_OUT;
-            issue = model_graph_begin(m, b, &kf);
+            const struct tp_call g = {TP_ALLGATHER, ye, all, (size_t)(T * k * D) * 2, "moe experts"};
+            issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_OUT, &g);
             if (issue) moe_finish(m, l, b, idx, all, sh, D, D, o);
         } else if (issue) {
             moe_finish(m, l, b, idx, all, sh, D, D, o);

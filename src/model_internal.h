@@ -132,6 +132,23 @@ void graph_key_word(struct graph_key *k, uint64_t v); /* a scalar the segment's 
  * Forwards that do not run graphs (b->graphs false, or a backend without them) always get true. */
 bool model_graph_begin(struct model *m, const struct batch *b, const struct graph_key *k);
 void model_graph_end(struct model *m);
+/* A TP collective between two runs of a block's device ops. */
+enum tp_op { TP_ALLGATHER, TP_ALLTOALL };
+struct tp_call {
+    enum tp_op op;
+    const void *send;
+    void *recv;
+    size_t bytes; /* per rank (comm.h) */
+    const char *what;
+};
+/* The collective c after a run of ops issued under `issue` (model_graph_begin's answer, or the
+ * previous call's): where the TP comm is stream_ordered and the forward runs graphs, c is part of
+ * the open segment (issued only when it records; k must already name c's buffers) and the
+ * segment goes on; otherwise the segment ends, c runs on the host's turn, and the next segment
+ * begins under k with word 0 = next (0: none begins; the ops after c, if any, run eagerly).
+ * Returns whether the host issues the ops that follow. */
+bool model_tp_between(struct model *m, const struct batch *b, struct graph_key *k, bool issue, int next,
+                      const struct tp_call *c);
 /* Two independent chains side by side (backend.h's branch ops; a backend without them runs the
  * branch's ops in issue order): the ops between model_branch_begin and model_branch_end run
  * beside those between model_branch_end and model_branch_join. */

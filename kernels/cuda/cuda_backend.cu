@@ -414,7 +414,7 @@ static void cu_branch_join(struct backend *be) {
  * copies through the upload (the bench's MoE exchange stand-in at batch 256: 8 copies of 2 MB, 240
  * pieces, the GPU idle ~13 µs before each of 20 launches a step: H100 timeline of 302a171). */
 #define COPY_PIECE (64 * 1024)
-#define COPY_INLINE 64 /* 64 x 24 + 65 x 4 bytes: within the classic 4 KB of kernel parameters */
+#define COPY_INLINE BE_COPY_SEGS_GRAPH /* 64 x 24 + 65 x 4 bytes: within the classic 4 KB of kernel parameters */
 struct copy_piece {
     uint8_t *dst;
     const uint8_t *src;
@@ -464,7 +464,9 @@ __global__ void copy_segs_inline_kernel(const struct copy_inline p, int n) {
 }
 
 static void cu_copy_segs(struct backend *be, const struct copy_seg *segs, int64_t n) {
-    not_in_segment(be, "copy_segs");
+    /* the inline form is all device work, its list in the launch's parameters: a recording may
+     * hold it (backend.h, BE_COPY_SEGS_GRAPH); never a branch (backend.h) */
+    if (n > COPY_INLINE || cb(be)->branch != BRANCH_NONE) not_in_segment(be, "copy_segs");
     int64_t np = 0;
     for (int64_t i = 0; i < n; i++) np += (int64_t)((segs[i].bytes + COPY_PIECE - 1) / COPY_PIECE);
     if (!np) return;

@@ -18,7 +18,12 @@
  *  - TP communication: a local stand-in comm of the TP size (allgather = this rank's block copied
  *    into every slot with one be->ops->copy_segs call, allreduce = no-op), so every op sees the shapes it sees in
  *    a TP8 job. NVLink/NCCL time is excluded; the stand-in's device copies are inside the times
- *    and their volume is printed.
+ *    and their volume is printed. --tp-standin picks how the collectives meet the host (what the
+ *    model does around them is the engine's own code, model_tp_between): async (default) enqueues
+ *    the copies and returns, between graph segments; sync also waits for the stream before it
+ *    returns, as the NCCL backend's ops do (comm_nccl.c op_wait: the host's turn at each collective,
+ *    without NCCL's own latency); graph marks the comm stream_ordered, so the model records the
+ *    collectives inside its graph segments (what capturing NCCL in the segments would give).
  *  - Routing: random weights route badly (most tokens of a batch pick the same few experts), so
  *    by default (--routing balanced) each token's experts are drawn uniformly, as balanced as a
  *    trained router, and written over the router's output after the router op has run (its time
@@ -91,7 +96,11 @@ struct args {
     bool eager;    /* --eager: no graph segments (default: decode steps replay CUDA graphs) */
     bool range;    /* --profiler-range: the CUDA profiler collects the timed decode steps and prefills only */
     enum moe_exchange moe_x; /* --moe-exchange auto|gather|owner: the experts' TP exchange form (model.h) */
+    int standin;             /* --tp-standin: enum standin */
 };
+
+enum standin { STANDIN_ASYNC, STANDIN_SYNC, STANDIN_GRAPH };
+static const char *const standin_names[] = {"async", "sync", "graph"};
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -100,6 +109,7 @@ static void usage(FILE *f) {
             "                  [--prefill 2048,8192] [--chunk 2048] [--engram-vocab 100000] [--seed 1]\n"
             "                  [--routing balanced|model] [--csv PATH] [--profile PATH] [--exact-linears]\n"
             "                  [--eager] [--profiler-range] [--moe-exchange auto|gather|owner]\n"
+            "                  [--tp-standin async|sync|graph]\n"
             "  Times decode steps and prefill of TP rank 0 of pipeline stage 0 (the embedding stage) at the\n"
             "  preset's real dimensions, with synthetic weights, through model_forward_stage.\n"
             "  --layers N      run only the first N layers of the stage (A-B: stage layers A..B, counted\n"
@@ -111,7 +121,10 @@ static void usage(FILE *f) {
             "  --routing       balanced: each token's experts drawn uniformly (a trained router's balance; default);\n"
             "                  model: the synthetic router's own, skewed choice\n"
             "  --moe-exchange  the experts' TP exchange (auto: owner from 4 MiB gathered); the stand-in comm's\n"
-            "                  copies are inside the step, the collectives' own time is not\n");
+            "                  copies are inside the step, the collectives' own time is not\n"
+            "  --tp-standin    async: the stand-in's copies enqueued between graph segments (default); sync:\n"
+            "                  the host also waits for the stream at each collective (the NCCL backend's\n"
+            "                  blocking ops); graph: the collectives recorded inside the segments\n");
 }
 
 static long long parse_ll(const char *opt, const char *v, long long lo, long long hi) {
@@ -164,6 +177,13 @@ static void parse_args(int argc, char **argv, struct args *a) {
         const char *v = argv[++i];
         if (!strcmp(k, "--backend")) a->backend = v;
         else if (!strcmp(k, "--moe-exchange")) a->moe_x = engine_moe_exchange_parse(v);
+        else if (!strcmp(k, "--tp-standin")) {
+            int f = -1;
+            for (int j = 0; j < 3; j++)
+                if (!strcmp(v, standin_names[j])) f = j;
+            if (f < 0) ds_die("--tp-standin: async, sync or graph, not '%s'", v);
+            a->standin = f;
+        }
         else if (!strcmp(k, "--device")) a->device = (int)parse_ll(k, v, 0, 1023);
         else if (!strcmp(k, "--preset")) a->preset = v;
         else if (!strcmp(k, "--csv")) a->csv = v;
@@ -246,6 +266,7 @@ static int32_t rand_token(const struct model_config *c) {
  * model's buffers have the shapes of a TP job; the time of real collectives is excluded. */
 
 static uint64_t g_comm_bytes; /* bytes the stand-in copied (device copies, inside the step times) */
+static bool g_standin_sync;   /* --tp-standin sync */
 
 static void lc_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
     struct backend *be = c->priv;
@@ -254,6 +275,7 @@ static void lc_allgather(struct comm *c, const void *send, void *recv, size_t by
     for (int r = 0; r < c->size; r++) segs[r] = (struct copy_seg){(uint8_t *)recv + (size_t)r * bytes, send, bytes};
     be->ops->copy_segs(be, segs, c->size);
     free(segs);
+    if (g_standin_sync) be->ops->sync(be); /* as comm_nccl.c's op_wait: the op returns once the stream is done */
     g_comm_bytes += (uint64_t)bytes * (uint64_t)c->size;
 }
 /* As if every rank held this rank's slots: the same bytes as a real all-to-all moves. */
@@ -564,8 +586,9 @@ static double row_flops(const struct bench *B, int64_t tokens, int64_t k, int64_
 static const char *run_label(const struct args *a) {
     static char buf[64];
     static const char *const moe[] = {"", "-moe-gather", "-moe-owner"};
-    snprintf(buf, sizeof buf, "%s%s%s%s", a->backend, a->exact ? "-exact-linears" : "",
-             a->eager && !strcmp(a->backend, "cuda") ? "-eager" : "", moe[a->moe_x]);
+    static const char *const st[] = {"", "-tp-sync", "-tp-graph"};
+    snprintf(buf, sizeof buf, "%s%s%s%s%s", a->backend, a->exact ? "-exact-linears" : "",
+             a->eager && !strcmp(a->backend, "cuda") ? "-eager" : "", moe[a->moe_x], st[a->standin]);
     return buf;
 }
 
@@ -670,7 +693,9 @@ int main(int argc, char **argv) {
     g_real_ops = be.ops;
     g_wrap_ops = *be.ops;
     g_wrap_ops.router = wrap_router;
-    struct comm tp = {.ops = &local_comm_ops, .rank = 0, .size = a.tp, .priv = &be};
+    struct comm tp = {.ops = &local_comm_ops, .rank = 0, .size = a.tp, .priv = &be,
+                      .stream_ordered = a.standin == STANDIN_GRAPH};
+    g_standin_sync = a.standin == STANDIN_SYNC;
     int max_batch = 1;
     for (int i = 0; i < a.n_batch; i++) max_batch = a.batch[i] > max_batch ? a.batch[i] : max_batch;
     int64_t ctx_chunk = a.chunk > 0 ? a.chunk : 2048, max_pre = 0;
@@ -726,8 +751,8 @@ int main(int argc, char **argv) {
                "(distinct local experts it selected on the untimed warm-up forward) x expert + tokens x per-token; "
                "KV caches not counted\n");
     printf("# TP comm: local stand-in of size %d (allgather = device copies of this rank's block, allreduce = "
-           "no-op): collective time excluded\n",
-           a.tp);
+           "no-op): collective time excluded; --tp-standin %s\n",
+           a.tp, standin_names[a.standin]);
 
     FILE *csv = NULL;
     if (a.csv) {
@@ -766,6 +791,7 @@ int main(int argc, char **argv) {
         /* untimed warm-up step, then the timed ones: one plan for all, uploaded before the clock */
         int32_t *plan = NULL;
         double distinct;
+        g_comm_bytes = 0; /* a step's, from the warm-up: a replayed segment's copies do not come by the host */
         if (a.balanced) {
             for (int s = 0; s < n_fwd; s++) rows[s] = bs;
             plan = make_plan(&be, rows, n_fwd, B.n_layers_run, k_act, E, dist);
@@ -782,11 +808,11 @@ int main(int argc, char **argv) {
             distinct = g_router_calls ? (double)g_distinct_sum / (double)g_router_calls : 0;
             routing(&be, NULL, false);
         }
+        const uint64_t comm_step = g_comm_bytes;
         uint64_t expert_read = (uint64_t)llround(distinct * B.n_layers_run * (double)B.expert_bytes);
         double ctx_mean = 0;
         for (int i = 0; i < bs; i++) ctx_mean += (double)model_slot_len(B.m, i);
         ctx_mean /= bs;
-        g_comm_bytes = 0;
         double best = 1e30, total = 0;
         profiler_range(&a, &be, true);
         for (int s = 0; s < a.steps; s++) {
@@ -833,7 +859,7 @@ int main(int argc, char **argv) {
                         B.dense_bytes + expert_read + (uint64_t)bs * B.tok_bytes, row_flops(&B, bs, k_act, E)};
         printf("%-8s %8d %6lld %10.3f %10.3f %11.1f %8.1f %16.2f %14.2f %10.2f\n", r.kind, bs, (long long)r.ctx, ms,
                1e3 * best, (double)r.bytes / 1e6, (double)r.bytes / (ms * 1e-3) / 1e9, distinct, uniform,
-               (double)g_comm_bytes / a.steps / 1e6);
+               (double)comm_step / 1e6);
         emit(csv, &r, run_label(&a));
     }
 
@@ -845,6 +871,7 @@ int main(int argc, char **argv) {
         int forwards = (int)((n + chunk - 1) / chunk);
         int32_t *plan = NULL;
         int64_t dsum = 0;
+        g_comm_bytes = 0; /* the warm-up run's (the timed one moves the same) */
         if (a.balanced) {
             int64_t *prow = ds_malloc(sizeof(int64_t) * (size_t)forwards);
             int64_t *pd = ds_malloc(sizeof(int64_t) * (size_t)forwards);
@@ -863,14 +890,13 @@ int main(int argc, char **argv) {
         uint64_t expert_read = (uint64_t)dsum * B.expert_bytes;
         double distinct = (double)dsum / forwards / B.n_layers_run;
         routing(&be, plan, false);
-        g_comm_bytes = 0;
+        const double comm_mb = (double)g_comm_bytes / 1e6;
         profiler_range(&a, &be, true);
         double ts = now_s();
         prefill_one(&B, n, chunk, tok);
         be.ops->sync(&be);
         double ms = 1e3 * (now_s() - ts);
         profiler_range(&a, &be, false);
-        const double comm_mb = (double)g_comm_bytes / 1e6; /* of the timed run only */
         if (prof) { /* the same prompt again through the profiler: where a prefill's time goes */
             if (plan) routing(&be, plan, false); /* the plan from its start again */
             struct backend inner = be;

@@ -4,7 +4,9 @@
 # revision in turn, REPS rounds (default 2), with the same BENCH_ARGS (default: context 64, batch
 # 1, 8, 64, 256, 5 timed steps, a 2,048-token prefill). Everything comes back in $OUT/ab.tgz: each
 # run's output, copy.csv, and alternated.csv (tests/bench/step_alternated.py's rows, each run
-# labelled by its revision's LABEL); stdout has one line per run. To keep the rows:
+# labelled by its revision's LABEL); stdout has one line per run. VARIANTS="name=args;name=args"
+# runs each revision once per variant in every round, with the variant's arguments after
+# BENCH_ARGS, labelled LABEL-name (bench_step --tp-standin async|sync|graph side by side). To keep the rows:
 #   python3 tests/bench/step_alternated.py --copy-gbps G --device NAME --out results/cuda_step_alternated.csv \
 #       --append LABEL=run.txt ...   (or append alternated.csv's rows as they are)
 set -u
@@ -24,14 +26,20 @@ timeout 120 carry/ab/bench_linear_cuda "$W/copy.csv" 1 > "$W/copy.txt" 2>&1
 gbps=$(awk -F, 'NR == 2 {print $11}' "$W/copy.csv" 2>/dev/null)
 if [ -n "$gbps" ]; then echo "copy: $gbps GB/s"; else echo "copy: not measured"; fi
 mapfile -t labels < carry/ab/LABELS
+IFS=';' read -r -a variants <<< "${VARIANTS:-=}"
 specs=()
 for rep in $(seq 1 "$REPS"); do
   for label in "${labels[@]}"; do
-    out="$W/${label}_$rep.txt"
-    timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda "${bench_args[@]}" > "$out" 2>&1
-    echo "$label run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
-    specs+=("$label=$out")
-    tar -C "$W" -czf "$OUT/ab.tgz" . # after every run: a call cut short still brings back the runs done
+    for v in "${variants[@]}"; do
+      vname=${v%%=*}
+      eval "extra=(${v#*=})" || { echo "ab_run.sh: variant does not parse: $v" >&2; exit 2; }
+      rl=$label${vname:+-$vname}
+      out="$W/${rl}_$rep.txt"
+      timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda "${bench_args[@]}" "${extra[@]}" > "$out" 2>&1
+      echo "$rl run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
+      specs+=("$rl=$out")
+      tar -C "$W" -czf "$OUT/ab.tgz" . # after every run: a call cut short still brings back the runs done
+    done
   done
 done
 python3 tests/bench/step_alternated.py --copy-gbps "${gbps:-0}" --device "$device" --out "$W/alternated.csv" "${specs[@]}" ||

@@ -702,6 +702,55 @@ static void test_copy_segs(void **st) {
     free(a3);
 }
 
+/* copy_segs inside a graph segment (backend.h: up to BE_COPY_SEGS_GRAPH copies; the TP stand-in's
+ * collectives in bench_step --tp-standin graph): recorded once, then replayed with new source bytes
+ * and a poisoned destination each time — a replay must copy what the sources hold then, to the
+ * same places, and touch nothing else. An allgather's shape: 8 copies of one source, here one of
+ * them ~2 MB (many pieces), one odd-sized and one empty. */
+static void test_copy_segs_recorded(void **st) {
+    NEED_GPU(st);
+    if (!GPU->graph_begin) skip();
+    seed_tag("copy_segs recorded");
+    enum { N = 8 };
+    const size_t bytes[N] = {(size_t)(1 << 21) + 4096, 777, 0, 16, 65536, 65537, 48, 1};
+    size_t off[N + 1], ssz = 0;
+    off[0] = 0;
+    for (int i = 0; i < N; i++) off[i + 1] = (off[i] + bytes[i] + 64) & ~(size_t)15;
+    for (int i = 0; i < N; i++) ssz = bytes[i] > ssz ? bytes[i] : ssz;
+    const size_t dsz = off[N];
+    uint8_t *src = NEW(uint8_t, ssz), *want = NEW(uint8_t, dsz), *got = NEW(uint8_t, dsz), *pz = NEW(uint8_t, dsz);
+    poison_host(pz, dsz, PZ_16);
+    uint8_t *gs = g_in(src, ssz), *gd = g_out(dsz, PZ_16);
+    struct copy_seg segs[N];
+    for (int i = 0; i < N; i++) segs[i] = (struct copy_seg){gd + off[i], gs, bytes[i]};
+    const uint64_t key[] = {0xC0B1E5u, (uint64_t)(uintptr_t)gd, (uint64_t)(uintptr_t)gs, N};
+    const char *runs[] = {"recorded", "replayed", "replayed again"};
+    for (int r = 0; r < 3; r++) {
+        for (size_t i = 0; i < ssz; i++) src[i] = (uint8_t)rnd64();
+        GPU->upload(&gpu_be, gs, src, ssz);
+        GPU->upload(&gpu_be, gd, pz, dsz);
+        bool issue = GPU->graph_begin(&gpu_be, key, 4);
+        assert_int_equal(issue, r == 0); /* the first time it records, then it replays */
+        if (issue) {
+            GPU->copy_segs(&gpu_be, segs, N);
+            GPU->graph_end(&gpu_be);
+        }
+        g_get(got, gd, dsz);
+        memcpy(want, pz, dsz);
+        for (int i = 0; i < N; i++) memcpy(want + off[i], src, bytes[i]);
+        struct cmp c;
+        cmp_begin(&c, "copy_segs", "8 copies of one source, %s", runs[r]);
+        cmp_u8_exact(&c, got, want, (int64_t)dsz);
+        cmp_end(&c);
+    }
+    g_free(gs);
+    g_free(gd);
+    free(src);
+    free(want);
+    free(got);
+    free(pz);
+}
+
 /* The CUDA backend's memory paths under load, with no synchronization between calls (as a forward
  * runs): scratch and zero-filled blocks taken from and returned to the free lists by size, small
  * uploads through the pinned ring (far more than its 32 MB, so it wraps many times), the host buffer
@@ -1014,6 +1063,7 @@ int main(void) {
         cmocka_unit_test(test_attn_index),
         cmocka_unit_test(test_ring_store),
         cmocka_unit_test(test_copy_segs),
+        cmocka_unit_test(test_copy_segs_recorded),
         cmocka_unit_test(test_memory_reuse_and_ring),
         cmocka_unit_test(test_router_select),
         cmocka_unit_test(test_argmax),

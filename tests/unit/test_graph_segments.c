@@ -11,6 +11,10 @@
  * a changed digest under an old key.
  * And the persistent buffers of the graph path change no number: logits equal those of the same
  * steps with graphs off, bit for bit.
+ * The same holds for TP rank 0 of 8 over a stand-in comm whose collectives are the backend's own
+ * copy_segs (bench_step's): with the comm stream_ordered, the model records the collectives inside
+ * its segments (model_tp_between), as copy_segs calls the backend contract lets a segment hold;
+ * without, none falls inside one.
  * The decorator also offers backend.h's branch ops and checks their promise: begin, end and join
  * in that order, joined inside the segment the branch began in, no host-side op (nor any op this
  * file does not track) between begin and join, and the two chains independent: no buffer one of
@@ -29,6 +33,7 @@
 
 #include "golden_fixture.h"
 #include "model.h"
+#include "comm.h"
 #include "model_internal.h"
 
 #define MAX_KEYS 4096
@@ -51,7 +56,7 @@ static struct {
     uint64_t digest;
 } g_seen[MAX_KEYS];
 static int g_n_seen;
-static long g_hits, g_recorded, g_violations, g_segment_ops;
+static long g_hits, g_recorded, g_violations, g_segment_ops, g_segment_copy_segs;
 
 static void violation(const char *what) {
     g_violations++;
@@ -243,9 +248,16 @@ static void chk_download(struct backend *be, void *d, const void *s, size_t n) {
     outside("download");
     g_cpu->download(IN, d, s, n);
 }
+/* inside a segment only as backend.h allows: at most BE_COPY_SEGS_GRAPH copies, never in a branch */
 static void chk_copy_segs(struct backend *be, const struct copy_seg *s, int64_t n) {
     (void)be;
-    outside("copy_segs");
+    if (g_br != BR_NONE || n > BE_COPY_SEGS_GRAPH) outside("copy_segs");
+    if (g_open) {
+        g_segment_copy_segs++;
+        op(21);
+        mix((uint64_t)n);
+        for (int64_t i = 0; i < n; i++) mix_ptr(s[i].dst), mix_ptr(s[i].src), mix(s[i].bytes);
+    }
     g_cpu->copy_segs(IN, s, n);
 }
 static void chk_sync(struct backend *be) {
@@ -536,14 +548,21 @@ static void move_fbuf(struct model *m, int i) {
     f->p = p;
 }
 
-static void run(const char *spec, bool graphs, struct backend *be, float *lg, int64_t V) {
+/* tp NULL: the whole model; else its rank's slice, the experts exchanged by x. */
+static void run(const char *spec, bool graphs, struct backend *be, float *lg, int64_t V, struct comm *tp,
+                enum moe_exchange x) {
     struct golden_case g;
     golden_case_open(&g, spec);
     struct loaded_model lm;
-    assert_int_equal(loader_open(&lm, g.dir, NULL), 0);
+    assert_int_equal(loader_open_config(&lm, g.dir), 0);
+    struct bind_opts bo = bind_opts_single(&lm.cfg);
+    if (tp) bo.tp_rank = tp->rank, bo.tp_size = tp->size;
+    assert_int_equal(loader_bind(&lm, &bo), 0);
     struct engine_opts eo = engine_opts_default(&lm.cfg);
     eo.max_seqs = NB;
     eo.graphs = graphs;
+    eo.tp = tp;
+    eo.moe_exchange = x;
     assert_int_equal(lm.cfg.vocab_size, V);
     struct model *m = model_new(&lm.cfg, &lm.w, be, &lm.ec, &eo);
     float *tmp = malloc(sizeof(float) * (size_t)(V * NB));
@@ -582,7 +601,7 @@ static void checker_init(struct backend *cpu, struct backend *chk) {
     chk->ops = &ops;
     chk->priv = NULL;
     g_n_seen = 0;
-    g_hits = g_recorded = g_violations = g_segment_ops = g_branches = 0;
+    g_hits = g_recorded = g_violations = g_segment_ops = g_segment_copy_segs = g_branches = 0;
     g_br = BR_NONE;
     g_open = false;
 }
@@ -602,7 +621,7 @@ static void check_spec(const char *spec) {
     for (int st = 0; st < N_STEPS; st++) rows += st < N_SCHED ? (size_t)g_batches[st] : 1;
     float *with = malloc(sizeof(float) * rows * (size_t)V), *without = malloc(sizeof(float) * rows * (size_t)V);
 
-    run(spec, true, &chk, with, V);
+    run(spec, true, &chk, with, V, NULL, MOE_EXCHANGE_AUTO);
     printf("%s: %ld segments recorded, %ld repeated, %ld ops inside them, %ld branches, %ld violations\n", spec,
            g_recorded, g_hits, g_segment_ops, g_branches, g_violations);
     assert_int_equal(g_violations, 0);
@@ -610,7 +629,7 @@ static void check_spec(const char *spec) {
     assert_true(g_hits > 0);
     assert_true(g_branches > 0); /* the branch checks above saw branches to check */
     long seg_ops = g_segment_ops, branches = g_branches;
-    run(spec, false, &chk, without, V); /* graphs off: the checker sees no segment at all */
+    run(spec, false, &chk, without, V, NULL, MOE_EXCHANGE_AUTO); /* graphs off: the checker sees no segment at all */
     assert_int_equal(g_segment_ops, seg_ops);
     assert_int_equal(g_violations, 0);
     assert_int_equal(g_branches, 2 * branches); /* the same branches without graphs */
@@ -618,6 +637,69 @@ static void check_spec(const char *spec) {
     free(with);
     free(without);
     backend_cpu_free(&cpu);
+}
+
+/* ---- a TP stand-in: bench_step's, its collectives one copy_segs call each on the backend ---- */
+static void sc_allgather(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
+    (void)what;
+    struct backend *be = c->priv;
+    struct copy_seg segs[8];
+    assert_true(c->size <= 8);
+    for (int r = 0; r < c->size; r++) segs[r] = (struct copy_seg){(uint8_t *)recv + (size_t)r * bytes, send, bytes};
+    be->ops->copy_segs(be, segs, c->size);
+}
+static void sc_alltoall(struct comm *c, const void *send, void *recv, size_t bytes, const char *what) {
+    sc_allgather(c, send, recv, bytes, what); /* the bytes of an all-to-all, as if every rank held these slots */
+}
+static void sc_allreduce(struct comm *c, void *buf, size_t count, enum comm_dtype dt, const char *what) {
+    (void)c, (void)buf, (void)count, (void)dt, (void)what; /* the other ranks' shares: zeros */
+}
+static void sc_bcast(struct comm *c, void *buf, size_t bytes, int root, const char *what) {
+    (void)c, (void)buf, (void)bytes, (void)root, (void)what;
+}
+static const struct comm_ops sc_ops = {.name = "segments-standin", .allgather = sc_allgather, .alltoall = sc_alltoall,
+                                       .allreduce_sum = sc_allreduce, .bcast = sc_bcast};
+
+/* tp8pp2 as TP rank 0 of 8 with graphs, the experts exchanged by x: the collectives between the
+ * segments, then recorded inside them (stream_ordered), each run under the checker; the same
+ * logits both ways. (Not against graphs off: the stand-in hands back this rank's own slots for
+ * the other ranks', which hold what earlier layers left in the persistent buffers with graphs and
+ * zeros without.) */
+static void check_tp(enum moe_exchange x) {
+    struct backend cpu, chk;
+    checker_init(&cpu, &chk);
+    struct golden_case g;
+    golden_case_open(&g, "tp8pp2");
+    struct loaded_model lm;
+    assert_int_equal(loader_open_config(&lm, g.dir), 0);
+    int64_t V = lm.cfg.vocab_size;
+    loader_close(&lm);
+    st_close(&g.f);
+    size_t rows = 0;
+    for (int st = 0; st < N_STEPS; st++) rows += st < N_SCHED ? (size_t)g_batches[st] : 1;
+    float *lg[2] = {malloc(sizeof(float) * rows * (size_t)V), malloc(sizeof(float) * rows * (size_t)V)};
+    for (int so = 0; so < 2; so++) {
+        struct comm tp = {.ops = &sc_ops, .rank = 0, .size = 8, .priv = &chk, .stream_ordered = so == 1};
+        g_segment_copy_segs = g_violations = g_recorded = g_hits = 0;
+        run("tp8pp2", true, &chk, lg[so], V, &tp, x);
+        printf("tp8pp2 TP8 %s, %s: %ld segments recorded, %ld repeated, %ld copy_segs inside them, %ld violations\n",
+               x == MOE_EXCHANGE_OWNER ? "owner" : "gather", so ? "stream-ordered" : "blocking", g_recorded, g_hits,
+               g_segment_copy_segs, g_violations);
+        assert_int_equal(g_violations, 0);
+        assert_true(g_recorded > 0 && g_hits > 0);
+        if (so) assert_true(g_segment_copy_segs > 0);
+        else assert_int_equal(g_segment_copy_segs, 0);
+    }
+    assert_memory_equal(lg[0], lg[1], sizeof(float) * rows * (size_t)V);
+    free(lg[0]);
+    free(lg[1]);
+    backend_cpu_free(&cpu);
+}
+
+static void test_segments_tp_collectives(void **s) {
+    (void)s;
+    check_tp(MOE_EXCHANGE_GATHER);
+    check_tp(MOE_EXCHANGE_OWNER);
 }
 
 static void test_segments_keep_their_promise_small6(void **s) {
@@ -655,6 +737,7 @@ static void test_branch_checker_catches_shared_buffers(void **s) {
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_branch_checker_catches_shared_buffers),
                                        cmocka_unit_test(test_segments_keep_their_promise_small6),
-                                       cmocka_unit_test(test_segments_keep_their_promise_tp8pp2)};
+                                       cmocka_unit_test(test_segments_keep_their_promise_tp8pp2),
+                                       cmocka_unit_test(test_segments_tp_collectives)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
