@@ -1006,7 +1006,13 @@ typedef cfg<K_BF16, 2, 2, 4, 4, 64, 5> cfg_bf16_m64n64;
  * 95.1 94.6 -> 99.5 98.7 / 98.5 100.2 ms. Nsight Compute on this tile (w1 | w3 at 2,048 rows, H100,
  * clocks locked): tensor pipe 42 % of peak, issue slots 43 %, L2 60 %, shared memory 33 %, 7.8 warps
  * an SM (registers: 255); stalls per issued instruction: fixed-latency wait 1.04, dispatch 0.55,
- * long scoreboard 0.50, not selected 0.36, math pipe 0.35, short scoreboard 0.34. */
+ * long scoreboard 0.50, not selected 0.36, math pipe 0.35, short scoreboard 0.34.
+ * Nor is it the fold's FMA after each block's mma pair: with the block's e8m0 scale multiplied
+ * into the decoded weights (2^120 · s_w as the decode's bf16 factor, exact) and the mma chained
+ * through acc as BF16's, the tile at 2,048 rows took 3-7 % less (w1 | w3 441 -> 408, wq_a 145 ->
+ * 136, w1 231 -> 220 graph µs; results/cuda_linear_tiles_256_2048_{fold,nofold}_h100.csv) and
+ * the narrower tiles 0-8 % more or less: not worth a new k order in every tiling (batch
+ * invariance), and not kept. */
 #define FT_MIN_CTAS 200
 enum { FT_DECODE, FT_128x128, FT_128x64, FT_64x64 };
 /* a call's full k-chunks (at least 1): the CTAs a grid has per output tile */
