@@ -66,7 +66,11 @@
  * on the H100 at batch 64 (Nsight, 66a30d2 -> 3812858) gate/up 297 -> 262 µs, down 165 -> 144 µs,
  * the integer pipe 75 -> 69 % busy, issue 0.70 -> 0.78 a scheduler: now close to issue-bound.
  * Measured per decode step of one rank (20 layers), before these: 10.0 ms at batch 64 (12.0 for
- * the exact kernels), 15.9 ms at batch 256 (29). */
+ * the exact kernels), 15.9 ms at batch 256 (29).
+ * Not the limiter either: the order contract's fold. The prefill kernel below with each row's
+ * scale multiplied into its decoded weights (exact: powers of two) and the mma chained through acc
+ * took 5.5 % less at 2,048 tokens (bench_moe, H100: 0.98 -> 0.93 ms), 1 % at 512: not worth a new
+ * k order in every expert and linear path (results/PERFORMANCE_HISTORY.md). */
 #include "cuda_internal.h"
 #include "moe_common.cuh"
 #include "moe_mma.h"
