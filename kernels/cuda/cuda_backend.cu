@@ -243,20 +243,26 @@ static void scratch_release_kept(struct cuda_be *c) {
     c->n_cls = 0;
 }
 
-static void *scratch_malloc(struct backend *be, size_t bytes) {
+/* Device memory from the stream-ordered pool (async) or cudaMalloc; out of memory, the kept
+ * scratch blocks may be what is missing: they go back and the call is tried once more, and a second
+ * failure is the out-of-memory error naming `what` and the `hint`. */
+static void *dev_malloc(struct backend *be, size_t bytes, bool async, const char *what, const char *hint) {
     struct cuda_be *c = cb(be);
     void *p = NULL;
-    cudaError_t e = cudaMallocAsync(&p, bytes, c->stream);
-    if (e == cudaErrorMemoryAllocation) {
-        /* the kept blocks may be what is missing: give them back and try once more */
+    for (int tried = 0;; tried++) {
+        cudaError_t e = async ? cudaMallocAsync(&p, bytes, c->stream) : cudaMalloc(&p, bytes);
+        if (e != cudaErrorMemoryAllocation) {
+            CUDA_CHECK(e);
+            return p;
+        }
+        if (tried) out_of_memory(be, what, bytes, hint);
         (void)cudaGetLastError();
         scratch_release_kept(c);
-        e = cudaMallocAsync(&p, bytes, c->stream);
     }
-    if (e == cudaErrorMemoryAllocation)
-        out_of_memory(be, "activations and caches", bytes, "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
-    CUDA_CHECK(e);
-    return p;
+}
+
+static void *scratch_malloc(struct backend *be, size_t bytes) {
+    return dev_malloc(be, bytes, true, "activations and caches", "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
 }
 
 /* Graph segments run one at a time on the backend's stream and free every temporary they take
@@ -282,15 +288,8 @@ bool cuda_be_garena_grow(struct backend *be) {
     if (c->garena) CUDA_CHECK(cudaFree(c->garena));
     c->garena = NULL;
     c->garena_cap = 0;
-    cudaError_t e = cudaMalloc((void **)&c->garena, cap);
-    if (e == cudaErrorMemoryAllocation) {
-        (void)cudaGetLastError();
-        scratch_release_kept(c);
-        e = cudaMalloc((void **)&c->garena, cap);
-    }
-    if (e == cudaErrorMemoryAllocation)
-        out_of_memory(be, "the decode step's graph temporaries", cap, "lower --max-seqs, or run with --eager");
-    CUDA_CHECK(e);
+    c->garena = (uint8_t *)dev_malloc(be, cap, false, "the decode step's graph temporaries",
+                                      "lower --max-seqs, or run with --eager");
     c->garena_cap = cap;
     return true;
 }
@@ -585,12 +584,9 @@ static void cu_sync(struct backend *be) {
 
 /* Copy `rows` rows of `row_bytes` (source stride `ld_bytes`) into a compact device array. */
 static void *upload_rows(struct backend *be, const void *src, int64_t rows, size_t row_bytes, size_t ld_bytes) {
-    void *d = NULL;
     size_t total = (size_t)rows * row_bytes;
-    cudaError_t e = cudaMalloc(&d, total ? total : 16);
-    if (e == cudaErrorMemoryAllocation)
-        out_of_memory(be, "this rank's weights", total, "the rank's slice is larger than the GPU: use a larger --tp or --pp");
-    CUDA_CHECK(e);
+    void *d = dev_malloc(be, total ? total : 16, false, "this rank's weights",
+                         "the rank's slice is larger than the GPU: use a larger --tp or --pp");
     if (total)
         CUDA_CHECK(cudaMemcpy2DAsync(d, row_bytes, src, ld_bytes, row_bytes, (size_t)rows, cudaMemcpyHostToDevice,
                                      cb(be)->stream));
