@@ -580,7 +580,14 @@ int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
 /* Engram rows of layer l for the whole batch: hash ids from the token history (known as soon as
  * the tokens are), then the rows from this rank's slice of the table (zeros elsewhere, summed over
  * the TP group) or from the whole table when the node's Engram service holds it. Called for every
- * Engram layer of the stage before the first layer runs, so the lookups are done ahead of use. */
+ * Engram layer of the stage before the first layer runs, so the lookups are done ahead of use.
+ * Their gathers read the host's table over the bus, one launch each before layer 0 (0.21 ms a step
+ * exposed at batch 256 on the H100). Tried and not kept: the gathers on the branch of the first
+ * FFN segment, beside the routed experts: at the branch's end they waited for the experts to
+ * leave the SMs (still exposed); at its start they ran hidden (3 µs exposed) but the shared expert
+ * behind them came out late by as much; and with four 16-byte reads a thread (a quarter of the
+ * CTAs) each gather took longer (213 -> 233 µs at 256 rows). bench_step, each alternated with its
+ * base in one call: within the runs' spread at every batch (results/PERFORMANCE_HISTORY.md). */
 static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct engram_weights *ew = &m->w->layers[l].engram;
