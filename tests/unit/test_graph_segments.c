@@ -606,10 +606,8 @@ static void checker_init(struct backend *cpu, struct backend *chk) {
     g_open = false;
 }
 
-static void check_spec(const char *spec) {
-    struct backend cpu, chk;
-    checker_init(&cpu, &chk);
-
+/* The fixture's vocabulary and the logits rows run() writes for it. */
+static int64_t spec_rows(const char *spec, size_t *rows) {
     struct golden_case g;
     golden_case_open(&g, spec);
     struct loaded_model lm;
@@ -617,8 +615,16 @@ static void check_spec(const char *spec) {
     int64_t V = lm.cfg.vocab_size;
     loader_close(&lm);
     st_close(&g.f);
-    size_t rows = 0;
-    for (int st = 0; st < N_STEPS; st++) rows += st < N_SCHED ? (size_t)g_batches[st] : 1;
+    *rows = 0;
+    for (int st = 0; st < N_STEPS; st++) *rows += st < N_SCHED ? (size_t)g_batches[st] : 1;
+    return V;
+}
+
+static void check_spec(const char *spec) {
+    struct backend cpu, chk;
+    checker_init(&cpu, &chk);
+    size_t rows;
+    const int64_t V = spec_rows(spec, &rows);
     float *with = malloc(sizeof(float) * rows * (size_t)V), *without = malloc(sizeof(float) * rows * (size_t)V);
 
     run(spec, true, &chk, with, V, NULL, MOE_EXCHANGE_AUTO);
@@ -668,15 +674,8 @@ static const struct comm_ops sc_ops = {.name = "segments-standin", .allgather = 
 static void check_tp(enum moe_exchange x) {
     struct backend cpu, chk;
     checker_init(&cpu, &chk);
-    struct golden_case g;
-    golden_case_open(&g, "tp8pp2");
-    struct loaded_model lm;
-    assert_int_equal(loader_open_config(&lm, g.dir), 0);
-    int64_t V = lm.cfg.vocab_size;
-    loader_close(&lm);
-    st_close(&g.f);
-    size_t rows = 0;
-    for (int st = 0; st < N_STEPS; st++) rows += st < N_SCHED ? (size_t)g_batches[st] : 1;
+    size_t rows;
+    const int64_t V = spec_rows("tp8pp2", &rows);
     float *lg[2] = {malloc(sizeof(float) * rows * (size_t)V), malloc(sizeof(float) * rows * (size_t)V)};
     for (int so = 0; so < 2; so++) {
         struct comm tp = {.ops = &sc_ops, .rank = 0, .size = 8, .priv = &chk, .stream_ordered = so == 1};
