@@ -576,17 +576,21 @@ int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
     return r;
 }
 
+/* Engram (§3.3) before block l: hash ids from the token history, gather, project, gate. */
 /* Engram rows of layer l for the whole batch: hash ids from the token history (known as soon as
  * the tokens are), then the rows from this rank's slice of the table (zeros elsewhere, summed over
  * the TP group) or from the whole table when the node's Engram service holds it. Called for every
- * Engram layer of the stage once the stage's first layer is issued (engram_prefetch_all), so the
- * lookups are done ahead of use. Their gathers read the host's table over the bus (0.21 ms a step
+ * Engram layer of the stage before the first layer runs, so the lookups are done ahead of use.
+ * Their gathers read the host's table over the bus, one launch each before layer 0 (0.21 ms a step
  * exposed at batch 256 on the H100). Tried and not kept: the gathers on the branch of the first
  * FFN segment, beside the routed experts: at the branch's end they waited for the experts to
  * leave the SMs (still exposed); at its start they ran hidden (3 µs exposed) but the shared expert
  * behind them came out late by as much; and with four 16-byte reads a thread (a quarter of the
- * CTAs) each gather took longer (213 -> 233 µs at 256 rows). bench_step, each alternated with its
- * base in one call: within the runs' spread at every batch (results/PERFORMANCE_HISTORY.md). */
+ * CTAs) each gather took longer (213 -> 233 µs at 256 rows). Nor issued after the first layer's
+ * work, so the host hashes while the GPU runs it: the GPU's wait at the step's start stayed (30 /
+ * 46 / 50 µs at batch 1 / 64 / 256: not the hashing) and the gathers waited on the host instead.
+ * bench_step, each alternated with its base in one call: within the runs' spread at every batch
+ * (results/PERFORMANCE_HISTORY.md). */
 static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct engram_weights *ew = &m->w->layers[l].engram;
@@ -609,12 +613,6 @@ static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const st
     free(ids);
     model_tfree(m, ids_d);
     return rows;
-}
-
-/* engram_prefetch for every Engram layer of the stage, into erows[l]. */
-static void engram_prefetch_all(struct model *m, struct batch *b, const struct fwd_hooks *hooks, bf16_t **erows) {
-    for (int l = 0; l < m->cfg->n_layers; l++)
-        if (m->w->layers[l].present && m->cfg->role[l].engram_idx >= 0) erows[l] = engram_prefetch(m, l, b, hooks);
 }
 
 /* Engram (§3.3) before block l: project the prefetched rows, gate and inject into X. */
@@ -1131,24 +1129,17 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         OPS->upload(m->be, P, io->P_in, sizeof(float) * (size_t)(T * hc));
     }
 
-    /* The Engram lookups (engram_prefetch) of every Engram layer of the stage: where the stage's
-     * first layer is not one, they are issued once that layer's work is, so the host hashes the
-     * ids while the GPU runs it (before it, at batch 1 / 64 / 256, the GPU waited 22 / 48 / 64 µs
-     * at the step's start: H100 timeline of b0601a4); else before it. */
     bf16_t **erows = ds_calloc((size_t)c->n_layers, sizeof *erows);
-    int l0 = 0; /* the stage's first layer */
-    while (l0 < c->n_layers && !m->w->layers[l0].present) l0++;
-    const bool eg_early = l0 < c->n_layers && c->role[l0].engram_idx >= 0;
+    for (int l = 0; l < c->n_layers; l++)
+        if (m->w->layers[l].present && c->role[l].engram_idx >= 0) erows[l] = engram_prefetch(m, l, &b, hooks);
     int rc = 0;
     for (int l = 0; l < c->n_layers && rc == 0; l++) {
         if (!m->w->layers[l].present) continue;
-        if (l == l0 && eg_early) engram_prefetch_all(m, &b, hooks, erows);
         if (hooks && hooks->pre_engram) hooks->pre_engram(hooks->ctx, l, X, P, T);
         if (erows[l]) engram_forward(m, l, &b, X, erows[l]);
         if (hooks && hooks->pre_block) hooks->pre_block(hooks->ctx, l, X, P, T);
         rc = block_forward(m, l, &b, X, X1, P, hooks);
         if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
-        if (rc == 0 && l == l0 && !eg_early) engram_prefetch_all(m, &b, hooks, erows);
     }
     if (rc == 0 && !last) {
         OPS->download(m->be, io->X_out, X, (size_t)(T * hc * D) * 2);
