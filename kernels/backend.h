@@ -387,10 +387,11 @@ struct backend_ops {
      * the same ops in the same order with the same arguments and buffer addresses, reading the same
      * host-side state. Inside one: only ops, alloc/scratch and free of buffers allocated inside it
      * (all freed before its end), copy, copy_segs of at most BE_COPY_SEGS_GRAPH copies; no upload,
-     * download, larger copy_segs or sync, and nothing allocated before it is freed in it. graph_begin returns true when the caller must issue the ops (the
-     * backend records them) and then call graph_end, which runs what was recorded; false when the
-     * backend ran its recording of that key instead, and the caller skips the ops. A backend may
-     * fold its own switches into the key (the CUDA backend's mma switch). */
+     * download, larger copy_segs or sync, and nothing allocated before it is freed in it.
+     * graph_begin returns true when the caller must issue the ops (the backend records them) and
+     * then call graph_end, which runs what was recorded; false when the backend ran its recording
+     * of that key instead, and the caller skips the ops. A backend may fold its own switches into
+     * the key (the CUDA backend's mma switch). */
     bool (*graph_begin)(struct backend *be, const uint64_t *key, int n_key);
     void (*graph_end)(struct backend *be);
 

@@ -49,11 +49,11 @@ struct comm {
      * time (with device staging, from after the queued kernels are done: they are the step's, not
      * the collective's). NCCL: the collective's span on the stream, between CUDA events. */
     double busy_s;
-    /* The collectives (allgather, alltoall, allreduce_sum) only enqueue device work on the model's
-     * backend stream, through the backend's own ops, and return without waiting for it: then the
-     * model records them inside its graph segments (model_tp_between) instead of ending a segment
-     * at each one. False for the MPI and NCCL backends (each op waits for its data under the
-     * watchdog: comm_nccl.c); bench_step's TP stand-in sets it with --tp-standin graph. */
+    /* allgather and alltoall only enqueue device work on the model's backend stream, through the
+     * backend's own ops, and return without waiting for it: then the model records them inside its
+     * graph segments (model_tp_between) instead of ending a segment at each one. False for the MPI
+     * and NCCL backends (each op waits for its data under the watchdog: comm_nccl.c); bench_step's
+     * TP stand-in sets it with --tp-standin graph. */
     bool stream_ordered;
 };
 

@@ -710,9 +710,9 @@ static int next_attn_in(const struct model *m, int l, const struct batch *b, con
 
 /* One block (§3.2 delayed mHC, attention, MoE). The runs between the host's own work (attention's
  * index lists and cache copies, the TP collectives unless model_tp_between may record them) are
- * graph segments: replayed as one launch in
- * a decode step (model_graph_begin), their keys naming every buffer their ops touch. The last one
- * also holds the next block's attention input where next_attn_in allows (b->attn_in_next). */
+ * graph segments: replayed as one launch in a decode step (model_graph_begin), their keys naming
+ * every buffer their ops touch. The last one also holds the next block's attention input where
+ * next_attn_in allows (b->attn_in_next). */
 static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf16_t *X1, float *P,
                          const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;

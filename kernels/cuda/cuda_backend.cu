@@ -262,7 +262,8 @@ static void *dev_malloc(struct backend *be, size_t bytes, bool async, const char
 }
 
 static void *scratch_malloc(struct backend *be, size_t bytes) {
-    return dev_malloc(be, bytes, true, "activations and caches", "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
+    return dev_malloc(be, bytes, true, "activations and caches",
+                      "lower --max-seqs, --max-seq-len or --chunk, or use more ranks");
 }
 
 /* Graph segments run one at a time on the backend's stream and free every temporary they take
