@@ -576,42 +576,77 @@ int64_t model_logits_rows(const struct fwd_seq *seqs, int n) {
     return r;
 }
 
-/* Engram (§3.3) before block l: hash ids from the token history, gather, project, gate. */
-/* Engram rows of layer l for the whole batch: hash ids from the token history (known as soon as
- * the tokens are), then the rows from this rank's slice of the table (zeros elsewhere, summed over
- * the TP group) or from the whole table when the node's Engram service holds it. Called for every
- * Engram layer of the stage before the first layer runs, so the lookups are done ahead of use.
- * Their gathers read the host's table over the bus, one launch each before layer 0 (0.21 ms a step
- * exposed at batch 256 on the H100). Tried and not kept: the gathers on the branch of the first
- * FFN segment, beside the routed experts: at the branch's end they waited for the experts to
- * leave the SMs (still exposed); at its start they ran hidden (3 µs exposed) but the shared expert
- * behind them came out late by as much; and with four 16-byte reads a thread (a quarter of the
- * CTAs) each gather took longer (213 -> 233 µs at 256 rows). Nor issued after the first layer's
- * work, so the host hashes while the GPU runs it: the GPU's wait at the step's start stayed (30 /
- * 46 / 50 µs at batch 1 / 64 / 256: not the hashing) and the gathers waited on the host instead.
- * bench_step, each alternated with its base in one call: within the runs' spread at every batch
- * (results/PERFORMANCE_HISTORY.md). */
-static bf16_t *engram_prefetch(struct model *m, int l, struct batch *b, const struct fwd_hooks *hooks) {
+/* Engram (§3.3): the stage's lookups for the whole batch. The hash ids depend on the tokens alone,
+ * so every Engram layer's are computed and uploaded (one upload) before the first layer runs; the
+ * rows come from this rank's slice of the table (zeros elsewhere, summed over the TP group just
+ * before use) or from the whole table when the node's Engram service holds it. The gathers read
+ * host memory over the bus (mapped pinned tables), so they are issued first on the branch of the
+ * stage's first layer's FFN segment (b->eg_at), beside the router and the routed experts' HBM-bound
+ * kernels, or where the stage's first layer is an Engram layer itself, before it.
+ * H100, bench_step (results/PERFORMANCE_HISTORY.md, "d1dc353..HEAD"): as one launch each before
+ * layer 0 they were 0.21 ms of a step exposed at batch 256 (0.06 at 64); on the branch's start
+ * 1.5 µs (3 at 64), the step within the runs' spread of its base (three binaries alternated twice in
+ * one call: 17.69 17.75 -> 17.71 17.73 ms at batch 256, 10.30 10.31 -> 10.27 10.30 at 64, 3.75 3.73
+ * -> 3.71 3.78 at 1): the shared expert behind them on the branch comes out later by about as much.
+ * At the branch's end they waited behind the routed experts' grids (still exposed); with four
+ * 16-byte reads a thread (a quarter of the CTAs) a gather took longer (213 -> 233 µs at 256 rows);
+ * issued after the first layer's work instead (the host hashing while the GPU runs it) the GPU's
+ * wait at the step's start stayed (30 / 46 / 50 µs at batch 1 / 64 / 256: the forward's own setup).
+ * None of those kept. */
+static void engram_plan(struct model *m, struct batch *b, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
-    const struct engram_weights *ew = &m->w->layers[l].engram;
-    int li = c->role[l].engram_idx;
     int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim;
-    int64_t *ids = ds_malloc(sizeof(int64_t) * (size_t)(T * C));
-    for (int i = 0; i < b->n; i++) {
-        const struct fwd_seq *s = &b->seqs[i];
-        for (int64_t t = 0; t < s->len; t++)
-            engram_hash_position(m->ec, li, m->slots[s->slot].hist, s->start + t, ids + (b->row0[i] + t) * C);
+    int first = -1;
+    b->eg_n = 0, b->eg_at = -1;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (!m->w->layers[l].present) continue;
+        if (first < 0) first = l;
+        if (c->role[l].engram_idx >= 0) b->eg_n++;
     }
-    if (hooks && hooks->engram_ids) hooks->engram_ids(hooks->ctx, l, ids, T, C);
-    int64_t *ids_d = model_tmp(m, sizeof(int64_t) * (size_t)(T * C));
-    OPS->upload(m->be, ids_d, ids, sizeof(int64_t) * (size_t)(T * C));
-    bf16_t *rows = model_tmp(m, (size_t)(T * C * hd) * 2);
-    OPS->engram_gather(m->be, rows, ids_d, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
-    /* row-split table: exactly one rank holds each row, the others add zeros (exact) */
+    if (!b->eg_n) return;
+    b->eg_layer = ds_malloc(sizeof(int) * (size_t)b->eg_n);
+    int64_t *ids = ds_malloc(sizeof(int64_t) * (size_t)(b->eg_n * T * C));
+    for (int l = 0, i = 0; l < c->n_layers; l++) {
+        if (!m->w->layers[l].present || c->role[l].engram_idx < 0) continue;
+        int64_t *il = ids + (size_t)i * (size_t)(T * C);
+        for (int q = 0; q < b->n; q++) {
+            const struct fwd_seq *s = &b->seqs[q];
+            for (int64_t t = 0; t < s->len; t++)
+                engram_hash_position(m->ec, c->role[l].engram_idx, m->slots[s->slot].hist, s->start + t,
+                                     il + (b->row0[q] + t) * C);
+        }
+        if (hooks && hooks->engram_ids) hooks->engram_ids(hooks->ctx, l, il, T, C);
+        b->eg_layer[i++] = l;
+    }
+    b->eg_ids = model_fbuf(m, b, FB_EG_IDS, sizeof(int64_t) * (size_t)(b->eg_n * T * C), false);
+    b->eg_rows = model_fbuf(m, b, FB_EG_ROWS, (size_t)(b->eg_n * T * C * hd) * 2, false);
+    OPS->upload(m->be, b->eg_ids, ids, sizeof(int64_t) * (size_t)(b->eg_n * T * C));
+    free(ids);
+    if (c->role[first].engram_idx < 0) b->eg_at = first;
+}
+
+/* The gathers of engram_plan's lookups (device ops only: a branch and a graph segment may hold
+ * them). */
+static void engram_gathers(struct model *m, const struct batch *b) {
+    const struct model_config *c = m->cfg;
+    int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim;
+    for (int i = 0; i < b->eg_n; i++) {
+        const struct engram_weights *ew = &m->w->layers[b->eg_layer[i]].engram;
+        OPS->engram_gather(m->be, b->eg_rows + (size_t)i * (size_t)(T * C * hd), b->eg_ids + (size_t)i * (size_t)(T * C),
+                           T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
+    }
+}
+
+/* Layer l's gathered rows, summed over the TP group where the table is row-split (exactly one rank
+ * holds each row, the others add zeros: exact). */
+static const bf16_t *engram_rows(struct model *m, int l, const struct batch *b) {
+    const struct engram_weights *ew = &m->w->layers[l].engram;
+    int64_t T = b->T, C = m->ec->n_cols, hd = m->cfg->engram_head_dim;
+    int i = 0;
+    while (b->eg_layer[i] != l) i++;
+    bf16_t *rows = b->eg_rows + (size_t)i * (size_t)(T * C * hd);
     if (m->tp_size > 1 && ew->rows_local < ew->rows)
         m->opt.tp->ops->allreduce_sum(m->opt.tp, rows, (size_t)(T * C * hd), COMM_BF16, "engram rows");
-    free(ids);
-    model_tfree(m, ids_d);
     return rows;
 }
 
@@ -765,6 +800,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
         const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh, oc, og};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
+        if (b->eg_at == l) { /* the stage's Engram gathers on this segment's branch (engram_plan) */
+            graph_key_ptr(&kf, b->eg_ids);
+            graph_key_ptr(&kf, b->eg_rows);
+        }
         if (nx >= 0) { /* the next block's attention input in the last segment: its layer and buffers */
             const void *kn_p[] = {qr, q, kvr, b->pos};
             graph_key_word(&kf, (uint64_t)nx);
@@ -777,6 +816,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             /* the FFN's mixes (P for the next block, post and comb for the expand below) beside
              * the routed path too, with the shared expert */
             model_branch_begin(m);
+            if (b->eg_at == l) engram_gathers(m, b); /* first: its CTAs wait on the bus beside the experts' */
             OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
                           c->hc_sinkhorn_iters, eps, hc_eps);
             moe_shared(m, l, b, y, sh);
@@ -1129,14 +1169,13 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         OPS->upload(m->be, P, io->P_in, sizeof(float) * (size_t)(T * hc));
     }
 
-    bf16_t **erows = ds_calloc((size_t)c->n_layers, sizeof *erows);
-    for (int l = 0; l < c->n_layers; l++)
-        if (m->w->layers[l].present && c->role[l].engram_idx >= 0) erows[l] = engram_prefetch(m, l, &b, hooks);
+    engram_plan(m, &b, hooks);
+    if (b.eg_n && b.eg_at < 0) engram_gathers(m, &b);
     int rc = 0;
     for (int l = 0; l < c->n_layers && rc == 0; l++) {
         if (!m->w->layers[l].present) continue;
         if (hooks && hooks->pre_engram) hooks->pre_engram(hooks->ctx, l, X, P, T);
-        if (erows[l]) engram_forward(m, l, &b, X, erows[l]);
+        if (c->role[l].engram_idx >= 0) engram_forward(m, l, &b, X, engram_rows(m, l, &b));
         if (hooks && hooks->pre_block) hooks->pre_block(hooks->ctx, l, X, P, T);
         rc = block_forward(m, l, &b, X, X1, P, hooks);
         if (rc == 0 && hooks && hooks->post_block) hooks->post_block(hooks->ctx, l, X, P, T);
@@ -1203,11 +1242,13 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
     }
     if (rc == 0)
         for (int i = 0; i < n; i++) m->slots[seqs[i].slot].len += seqs[i].len;
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < c->n_layers; l++)
         if (!b.graphs) model_tfree(m, b.topk[l]); /* with graphs: rows of FB_TOPK */
-        model_tfree(m, erows[l]);
+    if (b.eg_n) {
+        model_fbuf_free(m, &b, b.eg_ids);
+        model_fbuf_free(m, &b, b.eg_rows);
+        free(b.eg_layer);
     }
-    free(erows);
     free(b.topk);
     free(b.topk_w);
     free(b.topk_k);

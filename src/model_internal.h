@@ -19,6 +19,7 @@ enum fbuf_id {
     FB_MOE_SH,                              /* the shared expert's output */
     FB_MOE_OC, FB_MOE_OG,                   /* the owner exchange's column-block sums, gathered */
     FB_TOPK,                                /* the index sources' top-k rows (attention.c's topk_rows) */
+    FB_EG_IDS, FB_EG_ROWS,                  /* the stage's Engram ids and rows, every Engram layer's */
     FB_N
 };
 
@@ -104,6 +105,13 @@ struct batch {
     int64_t cand_w;
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
     int attn_in_next;  /* the layer whose attention input the last block's last segment issued, or -1 */
+    /* The stage's Engram lookups (model.c, engram_plan): eg_n layers eg_layer[i], their ids
+     * [eg_n, T, C] int64 and rows [eg_n, T, C, hd] bf16 on the backend; the FFN of layer eg_at
+     * gathers them on its branch (-1: gathered before the first layer) */
+    int eg_n, eg_at;
+    int *eg_layer;
+    int64_t *eg_ids;
+    bf16_t *eg_rows;
 };
 
 /* The window width of a sequence chunk's index lists: W, or in the reference layout's prefill

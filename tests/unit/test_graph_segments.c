@@ -56,7 +56,7 @@ static struct {
     uint64_t digest;
 } g_seen[MAX_KEYS];
 static int g_n_seen;
-static long g_hits, g_recorded, g_violations, g_segment_ops, g_segment_copy_segs;
+static long g_hits, g_recorded, g_violations, g_segment_ops, g_segment_copy_segs, g_segment_gathers;
 
 static void violation(const char *what) {
     g_violations++;
@@ -472,10 +472,14 @@ static void chk_embed(struct backend *be, bf16_t *e, const int32_t *ids, int64_t
     outside("embed");
     g_cpu->embed(IN, e, ids, T, table, r0, nr, D);
 }
+/* a segment op: the gathers ride the first FFN segment's branch (model.c, engram_plan) */
 static void chk_engram_gather(struct backend *be, bf16_t *rows, const int64_t *ids, int64_t T, int64_t C,
                               const uint8_t *table, const uint8_t *scale, int64_t r0, int64_t nr, int64_t hd) {
     (void)be;
-    outside("engram_gather");
+    op(22);
+    if (g_open && g_br == BR_SIDE) g_segment_gathers++;
+    WR(rows), RD(ids), RD(table), RD(scale);
+    if (g_open) mix_ptr(rows), mix_ptr(ids), mix_ptr(table), mix_ptr(scale), mix(T), mix(C), mix(r0), mix(nr), mix(hd);
     g_cpu->engram_gather(IN, rows, ids, T, C, table, scale, r0, nr, hd);
 }
 static void chk_engram_gate(struct backend *be, bf16_t *X, const bf16_t *kv, const float *w, int64_t T, int64_t hc,
@@ -601,7 +605,7 @@ static void checker_init(struct backend *cpu, struct backend *chk) {
     chk->ops = &ops;
     chk->priv = NULL;
     g_n_seen = 0;
-    g_hits = g_recorded = g_violations = g_segment_ops = g_segment_copy_segs = g_branches = 0;
+    g_hits = g_recorded = g_violations = g_segment_ops = g_segment_copy_segs = g_segment_gathers = g_branches = 0;
     g_br = BR_NONE;
     g_open = false;
 }
@@ -620,7 +624,9 @@ static int64_t spec_rows(const char *spec, size_t *rows) {
     return V;
 }
 
-static void check_spec(const char *spec) {
+/* gathers_on_branch: the fixture's first layer is not an Engram layer, so the Engram gathers ride
+ * its FFN segment's branch (model.c, engram_plan); else they run before it, outside any segment */
+static void check_spec(const char *spec, bool gathers_on_branch) {
     struct backend cpu, chk;
     checker_init(&cpu, &chk);
     size_t rows;
@@ -634,6 +640,8 @@ static void check_spec(const char *spec) {
     assert_true(g_recorded > 0);
     assert_true(g_hits > 0);
     assert_true(g_branches > 0); /* the branch checks above saw branches to check */
+    if (gathers_on_branch) assert_true(g_segment_gathers > 0);
+    else assert_int_equal(g_segment_gathers, 0);
     long seg_ops = g_segment_ops, branches = g_branches;
     run(spec, false, &chk, without, V, NULL, MOE_EXCHANGE_AUTO); /* graphs off: the checker sees no segment at all */
     assert_int_equal(g_segment_ops, seg_ops);
@@ -703,12 +711,12 @@ static void test_segments_tp_collectives(void **s) {
 
 static void test_segments_keep_their_promise_small6(void **s) {
     (void)s;
-    check_spec("small6");
+    check_spec("small6", false); /* Engram layers 0 and 1 */
 }
 
 static void test_segments_keep_their_promise_tp8pp2(void **s) {
     (void)s;
-    check_spec("tp8pp2");
+    check_spec("tp8pp2", true); /* Engram layers 1 and 3 */
 }
 
 /* The branch checks can fail: a main lane that reads what the branch writes, one that writes what
