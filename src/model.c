@@ -632,8 +632,9 @@ static void engram_gathers(struct model *m, const struct batch *b) {
     int64_t T = b->T, C = m->ec->n_cols, hd = c->engram_head_dim;
     for (int i = 0; i < b->eg_n; i++) {
         const struct engram_weights *ew = &m->w->layers[b->eg_layer[i]].engram;
-        OPS->engram_gather(m->be, b->eg_rows + (size_t)i * (size_t)(T * C * hd), b->eg_ids + (size_t)i * (size_t)(T * C),
-                           T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
+        bf16_t *rows = b->eg_rows + (size_t)i * (size_t)(T * C * hd);
+        const int64_t *ids = b->eg_ids + (size_t)i * (size_t)(T * C);
+        OPS->engram_gather(m->be, rows, ids, T, C, ew->table, ew->scale, ew->row0, ew->rows_local, hd);
     }
 }
 
