@@ -122,8 +122,6 @@ void cuda_be_set_capturing(struct backend *be, bool on) {
     c->garena_off = 0;
 }
 
-
-
 /* The ops that cannot be part of a recorded graph: their host-side work would not be repeated by a
  * replay (the staged bytes of an upload, a copy list, a download's wait). */
 static void not_in_segment(struct backend *be, const char *what) {
@@ -287,8 +285,6 @@ bool cuda_be_garena_grow(struct backend *be) {
     cap = cap < ((size_t)64 << 20) ? ((size_t)64 << 20) : (cap + 0xFFFFF) & ~(size_t)0xFFFFF;
     CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the graphs in flight read the old one */
     if (c->garena) CUDA_CHECK(cudaFree(c->garena));
-    c->garena = NULL;
-    c->garena_cap = 0;
     c->garena = (uint8_t *)dev_malloc(be, cap, false, "the decode step's graph temporaries",
                                       "lower --max-seqs, or run with --eager");
     c->garena_cap = cap;

@@ -11,9 +11,10 @@
  * it and drops the graphs that point into the old one), freed inside the graph, so a replay never
  * writes a block that the host has since handed to other work. A branch (backend.h) inside a
  * segment is recorded as two parallel chains of the graph: the side stream joins the capture
- * through the fork event and leaves it through the join event. The mma switch is part of every key: a test that flips it between
- * forwards gets new recordings. The cache is bounded: past GRAPHS_MAX recordings it is emptied
- * (a job whose batch sizes keep changing records again rather than growing without end). */
+ * through the fork event and leaves it through the join event. The mma switch is part of every
+ * key: a test that flips it between forwards gets new recordings. The cache is bounded: past
+ * GRAPHS_MAX recordings it is emptied (a job whose batch sizes keep changing records again rather
+ * than growing without end). */
 #include <stdlib.h>
 #include <string.h>
 

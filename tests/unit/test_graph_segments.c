@@ -431,7 +431,8 @@ static void chk_ring_store(struct backend *be, bf16_t *ring, const bf16_t *kv, c
     if (g_open) mix_ptr(ring), mix_ptr(kv), mix_ptr(geo), mix((uint64_t)T), mix((uint64_t)W), mix((uint64_t)hd);
     g_cpu->ring_store(IN, ring, kv, geo, T, W, hd);
 }
-/* the TP gathers' interleave runs between segments; the MoE owner exchange's packing inside one */
+/* the attention groups' interleave opens wo_b's segment, the MoE owner exchange's packing ends the
+ * FFN's */
 static void chk_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
     (void)be;
     op(18);
