@@ -36,8 +36,11 @@ for rep in $(seq 1 "$REPS"); do
       rl=$label${vname:+-$vname}
       out="$W/${rl}_$rep.txt"
       timeout "${T_RUN:-200}" "carry/ab/$label/bench_step" --backend cuda "${bench_args[@]}" "${extra[@]}" > "$out" 2>&1
-      echo "$rl run $rep (rc $?): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
-      specs+=("$rl=$out")
+      rc=$?
+      echo "$rl run $rep (rc $rc): $(awk '/^(decode|prefill) /{printf "%s %s %s ms; ", $1, $2, $4}' "$out")"
+      # a failed run (a variant's flag an older revision lacks, say) is reported above and left out of
+      # alternated.csv, which would otherwise not be written at all
+      [ $rc -eq 0 ] && specs+=("$rl=$out")
       tar -C "$W" -czf "$OUT/ab.tgz" . # after every run: a call cut short still brings back the runs done
     done
   done
