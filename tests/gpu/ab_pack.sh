@@ -5,15 +5,18 @@
 # (the working tree in place), and its bench_step, stripped, goes to carry/ab/LABEL/; the first
 # one's bench_linear_cuda, which measures the card's copy bandwidth, goes along. The binaries then
 # alternate in one call, on one card: the device tool lends different cards from call to call, so
-# only numbers from the same call compare (PERFORMANCE_HISTORY.md).
+# only numbers from the same call compare (PERFORMANCE_HISTORY.md). REV:PATCH builds REV with a
+# patch applied (git apply, the path from this checkout's root): the experiments kept as patches
+# in results/experiments/, which later checkouts hold where the branches they came from are gone.
 #   bash tests/gpu/ab_pack.sh main=HEAD new=.
+#   bash tests/gpu/ab_pack.sh main=HEAD l3=HEAD:results/experiments/three_lanes_a9712b5.patch
 #   then, on the device: bash tests/gpu/ab_run.sh   (see there for REPS and BENCH_ARGS)
 # Each worktree's build is kept in tmp/ab/LABEL (make is incremental on the next pack of that
 # label); `git worktree prune` after removing tmp/ab forgets them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ $# -lt 1 ]; then
-  echo "usage: ab_pack.sh LABEL=REV [LABEL=REV ...]   (REV: a commit or branch, or . for the working tree)" >&2
+  echo "usage: ab_pack.sh LABEL=REV[:PATCH] [LABEL=REV[:PATCH] ...]   (REV: a commit or branch, or . for the working tree)" >&2
   exit 2
 fi
 C=carry
@@ -23,6 +26,14 @@ labels=()
 for spec in "$@"; do
   label=${spec%%=*}
   rev=${spec#*=}
+  patch=
+  if [ "${rev#*:}" != "$rev" ]; then
+    patch=${rev#*:}
+    rev=${rev%%:*}
+    [ -f "$patch" ] || { echo "ab_pack.sh: $label: no patch file '$patch'" >&2; exit 2; }
+    patch=$(realpath "$patch")
+    [ "$rev" != . ] || { echo "ab_pack.sh: $label: a patch goes with a revision, not the working tree" >&2; exit 2; }
+  fi
   if [ "$label" = "$spec" ] || [ -z "$label" ] || [ -n "${label//[A-Za-z0-9._+-]/}" ]; then
     echo "ab_pack.sh: '$spec' is not LABEL=REV with a label of letters, digits and . _ + -" >&2
     exit 2
@@ -33,12 +44,16 @@ for spec in "$@"; do
     dir=$PWD/tmp/ab/$label
     sha=$(git rev-parse --verify "$rev^{commit}") || { echo "ab_pack.sh: $label: no revision '$rev'" >&2; exit 2; }
     if [ -d "$dir" ]; then
+      git -C "$dir" reset -q --hard # a patch applied by the last pack of this label
       git -C "$dir" checkout -q --detach "$sha"
     else
       git worktree add -q --detach "$dir" "$sha"
     fi
+    if [ -n "$patch" ]; then
+      git -C "$dir" apply "$patch" || { echo "ab_pack.sh: $label: $patch does not apply to $rev" >&2; exit 1; }
+    fi
   fi
-  echo "ab_pack.sh: $label = $rev ($(git -C "$dir" rev-parse --short HEAD)$( [ "$rev" = . ] && ! git diff --quiet HEAD && echo ", with uncommitted changes"))"
+  echo "ab_pack.sh: $label = $rev${patch:+ + $patch} ($(git -C "$dir" rev-parse --short HEAD)$( [ "$rev" = . ] && ! git diff --quiet HEAD && echo ", with uncommitted changes"))"
   make -C "$dir" -j"$(nproc)" build/bench/bench_step build/bench/bench_linear_cuda > "tmp/ab/$label.build.log" 2>&1 ||
     { echo "ab_pack.sh: $label: the build failed, see tmp/ab/$label.build.log" >&2; exit 1; }
   mkdir -p "$C/ab/$label"
