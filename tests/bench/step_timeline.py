@@ -13,7 +13,13 @@ and each kernel name is charged its exposed time (running alone; a kernel on the
 chain that nothing overlaps is all exposed) and the idle gap in front of it (the wait before it
 started with the GPU empty). Writes SUMMARY (a row per batch size) and KERNELS (a row per batch and
 kernel name), and with --gaps GAPS a row per batch and pair (kernel, the kernel whose end left the
-GPU empty before it): where the step waits on the host; prints them.
+GPU empty before it): where the step waits on the host; prints them. With --lanes LANES, the
+lanes of a graph segment's branches: every span from a kernel named --lane-from to the next one
+named --lane-to (the last such start before each end; default: the attention input, the collapse + norm to the attention's index
+lists), its kernels grouped by stream (lane 0 the stream of the span's first kernel, and so on), a
+row per batch, lane and position in the lane with the kernel's medians over the spans: the wait
+before it (after the lane's kernel before it, or the span's start), its duration, and its end
+after the span's start: which lane the segment waits for, and what slows it.
 
   step_timeline.py --trace kernel_trace.csv --batches 1,64 --steps 5 --summary s.csv --kernels k.csv
 """
@@ -21,6 +27,7 @@ import argparse
 import csv
 import re
 import subprocess
+import statistics
 import sys
 from collections import Counter
 
@@ -148,6 +155,29 @@ def sweep(t0, t1, ks):
     return idle, tail, one, over, exposed, before, launches, summed, pair_ns, pair_n
 
 
+def lane_spans(ks, first, last):
+    """per span (the last kernel matching first before one matching last, both excluded): {(lane, pos):
+    (name, wait ns, duration ns, end ns after the span's start)}, lanes numbered by their first kernel"""
+    out, i = [], 0
+    while i < len(ks):
+        if not re.search(first, ks[i][3]):
+            i += 1
+            continue
+        j = next((j for j in range(i + 1, len(ks)) if re.search(last, ks[j][3])), None)
+        if j is None:
+            break
+        i = max(x for x in range(i, j) if re.search(first, ks[x][3]))  # the last one before it
+        t0, lanes, prev, span = ks[i][1], {}, {}, {}
+        for s, e, st, n in ks[i + 1:j]:
+            lane = lanes.setdefault(st, len(lanes))
+            pos = sum(1 for key in span if key[0] == lane)
+            span[(lane, pos)] = (n, s - prev.get(lane, t0), e - s, e - t0)
+            prev[lane] = e
+        out.append(span)
+        i = j
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True)
@@ -160,6 +190,9 @@ def main():
     ap.add_argument("--gaps", help="also a row per batch and (kernel, the kernel whose end left the GPU empty "
                     "before it): the idle time between them, where the step waits on the host (a segment's "
                     "end, an upload, a collective)")
+    ap.add_argument("--lanes", help="also a row per batch, lane and position of the spans --lane-from .. --lane-to")
+    ap.add_argument("--lane-from", default="hc_collapse_norm_kernel")
+    ap.add_argument("--lane-to", default="attn_index_kernel")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",") if b]
@@ -174,7 +207,7 @@ def main():
             for r in csv.DictReader(f):
                 if r.get("kind") == "decode":
                     bench_ms[int(r["batch_or_tokens"])] = float(r["ms"])
-    srows, krows, grows = [], [], []
+    srows, krows, grows, lrows = [], [], [], []
     for b, (w0, w1) in zip(batches, win):
         ks = [k for k in kernels if w0 <= k[0] < w1]
         steps = split_steps(ks, a.steps)
@@ -194,6 +227,13 @@ def main():
             sum_all.update(summed)
             for s, e, st, _ in sk:
                 streams[st] += e - s
+        if a.lanes:
+            spans = [sp for _, _, sk in use for sp in lane_spans(sk, a.lane_from, a.lane_to)]
+            for key in sorted({key for sp in spans for key in sp}):
+                v = [sp[key] for sp in spans if key in sp]
+                med = lambda i: round(statistics.median(x[i] for x in v) / 1e3, 2)
+                lrows.append({"batch": b, "lane": key[0], "pos": key[1], "kernel": Counter(x[0] for x in v).most_common(1)[0][0],
+                              "spans": len(v), "wait_us": med(1), "dur_us": med(2), "end_us": med(3)})
         ns = len(use)
         ms = lambda v: v / ns / 1e6
         top_streams = sorted(streams.values(), reverse=True)
@@ -221,11 +261,15 @@ def main():
                           "idle_us": round(gap_ns[(n, after)] / ns / 1e3, 1),
                           "gaps_per_step": round(gap_n[(n, after)] / ns, 1)})
     outs = [(a.summary, srows), (a.kernels, krows)] + ([(a.gaps, grows)] if a.gaps else [])
+    if a.lanes and lrows:
+        outs.append((a.lanes, lrows))
     for path, rows in outs:
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
             w.writeheader()
             w.writerows(rows)
+    if a.lanes and not lrows:  # the other files are written: a revision without those kernels keeps its timeline
+        raise SystemExit(f"step_timeline.py: no span from {a.lane_from} to {a.lane_to} in the steps")
     for r in srows:
         print(", ".join(f"{k} {v}" for k, v in r.items()))
     for b in batches:

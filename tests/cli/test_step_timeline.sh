@@ -60,6 +60,23 @@ for b in 1 8; do
   check "batch $b: no gap is charged after B" "" "$(gcol $b C_kernel B_kernel idle_us)"
   check "batch $b: the gap before A is after the embedding" 100.0 "$(gcol $b 'A_kernel<1, 2>' 'embed_kernel<8>' idle_us)"
 done
+# the lanes between the embedding and C: A on stream 1 (lane 0, the span's first kernel), B on
+# stream 2 (lane 1), once in each of the two steps used, times from the embedding's end
+if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 3 --summary "$TMP/s3.csv" \
+  --kernels "$TMP/k3.csv" --lanes "$TMP/l.csv" --lane-from embed_kernel --lane-to C_kernel > "$TMP/out3" 2>&1; then
+  lcol() { python3 -c 'import csv,sys; print(" ".join(next(([r[c] for c in sys.argv[4:]] for r in csv.DictReader(open(sys.argv[1])) if r["batch"] == sys.argv[2] and r["lane"] + "." + r["pos"] == sys.argv[3]), [])))' "$TMP/l.csv" "$@"; }
+  for b in 1 8; do
+    check "batch $b: lane 0 is A: spans, wait, duration, end (µs)" "A_kernel<1, 2> 2 100.0 300.0 400.0" "$(lcol $b 0.0 kernel spans wait_us dur_us end_us)"
+    check "batch $b: lane 1 is B: spans, wait, duration, end (µs)" "B_kernel 2 200.0 100.0 300.0" "$(lcol $b 1.0 kernel spans wait_us dur_us end_us)"
+    check "batch $b: no third lane or second position" "" "$(lcol $b 2.0 kernel)$(lcol $b 0.1 kernel)"
+  done
+else
+  not_ok "step_timeline.py --lanes runs" "$(cat "$TMP/out3")"
+fi
+if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 3 --summary "$TMP/s4.csv" \
+  --kernels "$TMP/k4.csv" --lanes "$TMP/l4.csv" > "$TMP/out4" 2>&1; then not_ok "--lanes without a span is refused" "$(cat "$TMP/out4")"
+elif grep -q "no span from" "$TMP/out4"; then ok "--lanes without a span is refused"
+else not_ok "--lanes without a span is refused" "$(cat "$TMP/out4")"; fi
 # a window without the step count's embed launches is an error, not a silent split
 if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 --steps 2 --summary "$TMP/s2.csv" \
   --kernels "$TMP/k2.csv" > "$TMP/out2" 2>&1; then not_ok "a wrong step count is refused" "$(cat "$TMP/out2")"

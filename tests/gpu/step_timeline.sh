@@ -6,7 +6,7 @@
 # tests/bench/step_timeline.py splits each traced step into idle / one kernel / overlapped time and
 # charges each kernel its exposed time and the idle gap in front of it. Env: BATCHES (default
 # "1,64"), STEPS (5), CTX (64), LABELS (default: every packed revision). Everything comes back in $OUT/timeline.tgz (per label:
-# LABEL_summary.csv, LABEL_kernels.csv, LABEL_gaps.csv, the runs' outputs; the raw trace compressed); stdout has
+# LABEL_summary.csv, LABEL_kernels.csv, LABEL_gaps.csv, LABEL_lanes.csv (the attention input's lanes), the runs' outputs; the raw trace compressed); stdout has
 # the summary lines.
 set -u
 cd "$(dirname "$0")/../.." || exit 2
@@ -35,7 +35,7 @@ for label in "${labels[@]}"; do
   echo "$label: plain $(awk '/^decode /{printf "b%s %s ms; ", $2, $4}' "$W/${label}_plain.txt")traced $(awk '/^decode /{printf "b%s %s ms; ", $2, $4}' "$W/${label}_traced.txt")"
   python3 tests/bench/step_timeline.py --trace "$W/$label/kernel_trace.csv" --batches "$BATCHES" --steps "$STEPS" \
     --bench-csv "$W/${label}_plain.csv" --summary "$W/${label}_summary.csv" --kernels "$W/${label}_kernels.csv" --gaps "$W/${label}_gaps.csv" \
-    > "$W/${label}_timeline.txt" 2>&1 || echo "step_timeline.sh: $label: step_timeline.py failed"
+    --lanes "$W/${label}_lanes.csv" > "$W/${label}_timeline.txt" 2>&1 || echo "step_timeline.sh: $label: step_timeline.py failed"
   head -n 40 "$W/${label}_timeline.txt"
   gzip -f "$W/$label/kernel_trace.csv" 2>/dev/null
   tar -C "$W" -czf "$OUT/timeline.tgz" --exclude=./cupti . # after every label: a call cut short keeps the labels done
