@@ -30,8 +30,8 @@ cuda_step_timeline_*.csv -> the same name .png: where a decode step's wall time 
                             clock (tests/gpu/step_timeline.sh's LABEL_summary.csv, copied here with the
                             revision and card in its name): per batch, ms with no kernel running, with
                             one, with two or more, next to bench_step's untraced ms; files whose name
-                            holds "_kernels" or "_gaps" are the per-kernel and per-gap tables and are
-                            not drawn.
+                            holds "_kernels", "_gaps" or "_lanes" are the per-kernel, per-gap and
+                            per-lane tables and are not drawn.
 Files that are missing are skipped. Usage: plot_results.py RESULTS_DIR [COPY_GBPS]
 """
 import csv
@@ -343,7 +343,7 @@ def main():
         fig.savefig(os.path.join(d, "cuda_moe.png"), dpi=110)
 
     for name in sorted(os.listdir(d)):
-        if not (name.startswith("cuda_step_timeline_") and name.endswith(".csv")) or "_kernels" in name or "_gaps" in name:
+        if not (name.startswith("cuda_step_timeline_") and name.endswith(".csv")) or "_kernels" in name or "_gaps" in name or "_lanes" in name:
             continue
         r = rows(os.path.join(d, name))
         if not r:
