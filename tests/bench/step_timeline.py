@@ -15,11 +15,12 @@ started with the GPU empty). Writes SUMMARY (a row per batch size) and KERNELS (
 kernel name), and with --gaps GAPS a row per batch and pair (kernel, the kernel whose end left the
 GPU empty before it): where the step waits on the host; prints them. With --lanes LANES, the
 lanes of a graph segment's branches: every span from a kernel named --lane-from to the next one
-named --lane-to (the last such start before each end; default: the attention input, the collapse + norm to the attention's index
-lists), its kernels grouped by stream (lane 0 the stream of the span's first kernel, and so on), a
-row per batch, lane and position in the lane with the kernel's medians over the spans: the wait
-before it (after the lane's kernel before it, or the span's start), its duration, and its end
-after the span's start: which lane the segment waits for, and what slows it.
+named --lane-to (the last such start before each end; default: the attention input, from the
+collapse + norm to the attention's index lists), its kernels grouped by stream (lane 0 the stream
+of the span's first kernel, and so on), a row per batch, lane and position in the lane with the
+kernel's medians over the spans: the wait before it (after the lane's kernel before it, or the
+span's start), its duration, and its end after the span's start: which lane the segment waits
+for, and what slows it.
 
   step_timeline.py --trace kernel_trace.csv --batches 1,64 --steps 5 --summary s.csv --kernels k.csv
 """
@@ -232,8 +233,9 @@ def main():
             for key in sorted({key for sp in spans for key in sp}):
                 v = [sp[key] for sp in spans if key in sp]
                 med = lambda i: round(statistics.median(x[i] for x in v) / 1e3, 2)
-                lrows.append({"batch": b, "lane": key[0], "pos": key[1], "kernel": Counter(x[0] for x in v).most_common(1)[0][0],
-                              "spans": len(v), "wait_us": med(1), "dur_us": med(2), "end_us": med(3)})
+                name = Counter(x[0] for x in v).most_common(1)[0][0]
+                lrows.append({"batch": b, "lane": key[0], "pos": key[1], "kernel": name, "spans": len(v),
+                              "wait_us": med(1), "dur_us": med(2), "end_us": med(3)})
         ns = len(use)
         ms = lambda v: v / ns / 1e6
         top_streams = sorted(streams.values(), reverse=True)
