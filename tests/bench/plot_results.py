@@ -343,7 +343,8 @@ def main():
         fig.savefig(os.path.join(d, "cuda_moe.png"), dpi=110)
 
     for name in sorted(os.listdir(d)):
-        if not (name.startswith("cuda_step_timeline_") and name.endswith(".csv")) or "_kernels" in name or "_gaps" in name or "_lanes" in name:
+        tables = ("_kernels", "_gaps", "_lanes")  # the timelines' per-kernel, per-gap and per-lane rows
+        if not (name.startswith("cuda_step_timeline_") and name.endswith(".csv")) or any(t in name for t in tables):
             continue
         r = rows(os.path.join(d, name))
         if not r:

@@ -168,11 +168,11 @@ def lane_spans(ks, first, last):
         if j is None:
             break
         i = max(x for x in range(i, j) if re.search(first, ks[x][3]))  # the last one before it
-        t0, lanes, prev, span = ks[i][1], {}, {}, {}
+        t0, lanes, prev, count, span = ks[i][1], {}, {}, Counter(), {}
         for s, e, st, n in ks[i + 1:j]:
             lane = lanes.setdefault(st, len(lanes))
-            pos = sum(1 for key in span if key[0] == lane)
-            span[(lane, pos)] = (n, s - prev.get(lane, t0), e - s, e - t0)
+            span[(lane, count[lane])] = (n, s - prev.get(lane, t0), e - s, e - t0)
+            count[lane] += 1
             prev[lane] = e
         out.append(span)
         i = j

@@ -26,6 +26,10 @@ labels=()
 for spec in "$@"; do
   label=${spec%%=*}
   rev=${spec#*=}
+  if [ "$label" = "$spec" ] || [ -z "$label" ] || [ -n "${label//[A-Za-z0-9._+-]/}" ]; then
+    echo "ab_pack.sh: '$spec' is not LABEL=REV with a label of letters, digits and . _ + -" >&2
+    exit 2
+  fi
   patch=
   if [ "${rev#*:}" != "$rev" ]; then
     patch=${rev#*:}
@@ -33,10 +37,6 @@ for spec in "$@"; do
     [ -f "$patch" ] || { echo "ab_pack.sh: $label: no patch file '$patch'" >&2; exit 2; }
     patch=$(realpath "$patch")
     [ "$rev" != . ] || { echo "ab_pack.sh: $label: a patch goes with a revision, not the working tree" >&2; exit 2; }
-  fi
-  if [ "$label" = "$spec" ] || [ -z "$label" ] || [ -n "${label//[A-Za-z0-9._+-]/}" ]; then
-    echo "ab_pack.sh: '$spec' is not LABEL=REV with a label of letters, digits and . _ + -" >&2
-    exit 2
   fi
   if [ "$rev" = . ]; then
     dir=$PWD
