@@ -63,6 +63,10 @@ struct be_topk_entry {
 };
 #define BE_TOPK_MAX 1024 /* the longest row_topk list */
 
+/* The most branches open at once between two joins (backend_ops.branch_begin): three lanes with
+ * the main one. */
+#define BE_MAX_BRANCHES 2
+
 /* The most copies a copy_segs call inside a graph segment may hold (backend_ops.copy_segs). */
 #define BE_COPY_SEGS_GRAPH 64
 
@@ -401,11 +405,14 @@ struct backend_ops {
      * shared expert beside the router and the routed experts) can run side by side. branch_begin:
      * the ops issued after it run on a second lane, after everything issued before it.
      * branch_end: the ops issued after it run on the main lane again, concurrently with the
-     * branch's. branch_join: the main lane waits for every op of the branch. The two chains must
-     * not touch each other's outputs; a buffer either chain uses is freed only after the join
-     * (the backend defers every free between begin and join to the join). One branch at a time,
-     * joined inside the graph segment it began in; no host-side op (upload, download, copy_segs,
-     * sync, preparation) between begin and join. An op computes the same bits on either lane. */
+     * branch's. A second branch_begin after a branch_end (before the join) opens another lane,
+     * after everything the main lane issued before it, up to BE_MAX_BRANCHES open at once.
+     * branch_join: the main lane waits for every op of every branch opened since the last join.
+     * The chains must not touch each other's outputs; a buffer any chain uses is freed only after
+     * the join (the backend defers every free between the first begin and the join to the join).
+     * Branches are joined inside the graph segment they began in; no host-side op (upload,
+     * download, copy_segs, sync, preparation) between begin and join. An op computes the same bits
+     * on any lane. */
     void (*branch_begin)(struct backend *be);
     void (*branch_end)(struct backend *be);
     void (*branch_join)(struct backend *be);

@@ -706,15 +706,21 @@ static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
     return (size_t)((P - 1) * T * k * D) * 2 >= MOE_OWNER_MIN_BYTES;
 }
 
-/* The attention's input of block l (its first segment's ops): the collapse with attn_norm, the
- * query chain on a branch beside the mixes and the window K=V rows. Delayed mHC: the collapse takes
+/* The attention's input of block l (its first segment's ops): the collapse with attn_norm, then
+ * three lanes: the mixes on one branch, the window K=V rows on another, the query chain (the
+ * longest, so it keeps the main lane's priority) on the main lane. Delayed mHC: the collapse takes
  * the previous block's pre, so this block's mixes (read by the FFN's collapse and by the expands)
- * are off the critical path: they run with the window K=V rows, beside the query chain on the
- * branch. H200, bench_step decode ms at batch 1 / 8 / 64, three runs alternated: mixes before the
- * collapse (no overlap) 5.68, 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8, 18.9, 18.8; mixes and K=V rows
- * on the branch 5.51, 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the
- * branch (the longer chain keeps the main lane's priority) 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 /
- * 18.0, 18.2, 18.0 (the FFN's mixes beside the routed experts in all but the first). */
+ * are off the critical path. H200, bench_step decode ms at batch 1 / 8 / 64, three runs
+ * alternated: mixes before the collapse (no overlap) 5.68, 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8,
+ * 18.9, 18.8; mixes and K=V rows on the branch 5.51, 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3,
+ * 18.3; the query chain on the branch 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 / 18.0, 18.2, 18.0 (the
+ * FFN's mixes beside the routed experts in all but the first). Two lanes there (mixes then K=V
+ * rows on one) left the query chain waiting on the longer mixes + K=V lane at batch 1 (lane ends
+ * 28.8 and 33.6 µs after the collapse, H100 step_timeline.py --lanes); with three the query chain
+ * ends last, at 27.8 µs, and the mixes lane at 18.4. H100, bench_step --ctx 64 --batch 1,8,64,256
+ * --steps 5 --prefill "", two runs alternated with the two-lane build (whose FFN kept the mixes
+ * and the shared expert on one branch): 3.745 3.833 / 4.929 5.018 / 10.24 10.42 / 17.67 18.01 ->
+ * 3.675 3.757 / 4.795 4.862 / 10.12 10.26 / 17.50 17.74 ms; a 2K-token prefill 85.9 -> 84.2 ms. */
 static void block_attn_in(struct model *m, int l, struct batch *b, const bf16_t *X, float *apre, float *post,
                           float *comb, bf16_t *y, bf16_t *qr, bf16_t *q, const float *P) {
     const struct model_config *c = m->cfg;
@@ -723,11 +729,13 @@ static void block_attn_in(struct model *m, int l, struct batch *b, const bf16_t 
     float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
     OPS->hc_collapse(m->be, y, X, P, T, hc, D, lw->attn_norm, eps); /* and attn_norm */
     model_branch_begin(m);
-    attention_project_q(m, l, b, y, qr, q);
-    model_branch_end(m);
     OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
                   c->hc_sinkhorn_iters, eps, hc_eps);
+    model_branch_end(m);
+    model_branch_begin(m);
     attention_project_kv(m, l, b, y);
+    model_branch_end(m);
+    attention_project_q(m, l, b, y, qr, q);
     model_branch_join(m);
 }
 
@@ -814,12 +822,15 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         if (issue) {
             OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D, attention_out_blocks(m));
             OPS->hc_collapse(m->be, y, X1, apre, T, hc, D, lw->ffn_norm, eps); /* and ffn_norm */
-            /* the FFN's mixes (P for the next block, post and comb for the expand below) beside
-             * the routed path too, with the shared expert */
+            /* three lanes: the FFN's mixes (P for the next block, post and comb for the expand
+             * below) and the Engram gathers on one branch, the shared expert on another, the
+             * router and the routed experts on the main lane */
             model_branch_begin(m);
             if (b->eg_at == l) engram_gathers(m, b); /* first: its CTAs wait on the bus beside the experts' */
             OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
                           c->hc_sinkhorn_iters, eps, hc_eps);
+            model_branch_end(m);
+            model_branch_begin(m);
             moe_shared(m, l, b, y, sh);
             model_branch_end(m);
             moe_routed(m, l, b, y, idx, wts, ye);

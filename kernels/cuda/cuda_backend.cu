@@ -2,9 +2,10 @@
  *
  * One backend = one device and one stream; every op enqueues on that stream and nothing here
  * waits except download and sync, so the host runs ahead of the GPU until the model needs a value.
- * A branch (backend.h) moves the ops issued between branch_begin and branch_end to a second
- * stream, forked from and joined back into the main one by events: c->stream is always the lane
- * ops issue on now, so the kernels (cuda_be_stream) follow without knowing.
+ * A branch (backend.h) moves the ops issued between branch_begin and branch_end to a side stream
+ * (one per branch open at once), forked from and joined back into the main one by events:
+ * c->stream is always the lane ops issue on now, so the kernels (cuda_be_stream) follow without
+ * knowing.
  * Activations come from the stream-ordered pool (cudaMallocAsync with an unbounded release
  * threshold) through a host-side free list by size (cuda_be_scratch): the forward allocates and
  * frees its temporaries per layer, and a reused block costs no CUDA call at all. Weights are
@@ -64,6 +65,7 @@ struct scratch_live {
 
 /* where a branch stands (backend.h: branch_begin / branch_end / branch_join) */
 enum cuda_branch { BRANCH_NONE, BRANCH_ON_SIDE, BRANCH_ENDED };
+#define CUDA_SIDES BE_MAX_BRANCHES /* side lanes: one per branch open at once */
 struct deferred_free {
     void *p;
     size_t bytes; /* the live table's rounded size (0: exact, LIVE_GRAPH: a recording's) */
@@ -72,10 +74,11 @@ struct deferred_free {
 struct cuda_be {
     int device, sms;
     bool mma;
-    cudaStream_t stream;     /* the lane ops issue on now: main, or side inside a branch */
-    cudaStream_t main, side; /* the two lanes */
-    cudaEvent_t fork_ev, join_ev;
+    cudaStream_t stream;                /* the lane ops issue on now: main, or a side inside a branch */
+    cudaStream_t main, side[CUDA_SIDES]; /* the lanes: branch i since the last join issues on side[i] */
+    cudaEvent_t fork_ev[CUDA_SIDES], join_ev[CUDA_SIDES];
     enum cuda_branch branch;
+    int n_open; /* branches begun since the last join */
     /* frees issued between branch_begin and branch_join, done at the join (see cuda_be_scratch_free) */
     struct deferred_free *deferred;
     int n_deferred, cap_deferred;
@@ -347,11 +350,11 @@ static void scratch_release(struct cuda_be *c, void *p, size_t rb) {
     k->free[k->n_free++] = p;
 }
 
-/* Between branch_begin and branch_join two lanes run at once, and the free list's safety argument
- * (one stream: later work runs after earlier) no longer holds: a block one lane frees could be
- * handed to the other lane's next op while the first still reads it. So every free in that span
- * waits for the join, where the main lane has waited for both. A block taken from the free list
- * inside the span was freed before the fork, so both lanes run after its last use. */
+/* Between branch_begin and branch_join two or three lanes run at once, and the free list's safety
+ * argument (one stream: later work runs after earlier) no longer holds: a block one lane frees
+ * could be handed to another lane's next op while the first still reads it. So every free in that
+ * span waits for the join, where the main lane has waited for them all. A block taken from the free list
+ * inside the span was freed before the first fork, so every lane runs after its last use. */
 void cuda_be_scratch_free(struct backend *be, void *p) {
     if (!p) return;
     struct cuda_be *c = cb(be);
@@ -373,11 +376,14 @@ void cuda_be_scratch_free(struct backend *be, void *p) {
 
 static void cu_branch_begin(struct backend *be) {
     struct cuda_be *c = cb(be);
-    if (c->branch != BRANCH_NONE)
-        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_begin", "a branch begins before the last one was joined");
-    CUDA_CHECK(cudaEventRecord(c->fork_ev, c->main));
-    CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork_ev, 0));
-    c->stream = c->side;
+    if (c->branch == BRANCH_ON_SIDE)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_begin", "a branch begins before the last one ended");
+    if (c->n_open == CUDA_SIDES)
+        ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_begin", "more branches open at once than BE_MAX_BRANCHES");
+    const int i = c->n_open;
+    CUDA_CHECK(cudaEventRecord(c->fork_ev[i], c->main));
+    CUDA_CHECK(cudaStreamWaitEvent(c->side[i], c->fork_ev[i], 0));
+    c->stream = c->side[i];
     c->branch = BRANCH_ON_SIDE;
 }
 
@@ -385,7 +391,8 @@ static void cu_branch_end(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (c->branch != BRANCH_ON_SIDE)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_end", "no branch is issuing");
-    CUDA_CHECK(cudaEventRecord(c->join_ev, c->side));
+    CUDA_CHECK(cudaEventRecord(c->join_ev[c->n_open], c->side[c->n_open]));
+    c->n_open++;
     c->stream = c->main;
     c->branch = BRANCH_ENDED;
 }
@@ -394,7 +401,8 @@ static void cu_branch_join(struct backend *be) {
     struct cuda_be *c = cb(be);
     if (c->branch != BRANCH_ENDED)
         ds_fatal(__FILE__, __LINE__, __func__, "CUDA", "branch_join", "no ended branch to join (branch_end first)");
-    CUDA_CHECK(cudaStreamWaitEvent(c->main, c->join_ev, 0));
+    for (int i = 0; i < c->n_open; i++) CUDA_CHECK(cudaStreamWaitEvent(c->main, c->join_ev[i], 0));
+    c->n_open = 0;
     c->branch = BRANCH_NONE;
     for (int i = 0; i < c->n_deferred; i++) scratch_release(c, c->deferred[i].p, c->deferred[i].bytes);
     c->n_deferred = 0;
@@ -831,9 +839,11 @@ extern "C" int backend_cuda_init(struct backend *be, int device) {
     int prio_low = 0, prio_high = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&prio_low, &prio_high));
     CUDA_CHECK(cudaStreamCreateWithPriority(&c->main, cudaStreamNonBlocking, prio_high));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&c->side, cudaStreamNonBlocking, prio_low));
-    CUDA_CHECK(cudaEventCreateWithFlags(&c->fork_ev, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&c->join_ev, cudaEventDisableTiming));
+    for (int i = 0; i < CUDA_SIDES; i++) {
+        CUDA_CHECK(cudaStreamCreateWithPriority(&c->side[i], cudaStreamNonBlocking, prio_low));
+        CUDA_CHECK(cudaEventCreateWithFlags(&c->fork_ev[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&c->join_ev[i], cudaEventDisableTiming));
+    }
     c->stream = c->main;
     /* without pinned memory to spare the uploads stay direct (slower, as correct) */
     if (cudaHostAlloc((void **)&c->ring, RING_BYTES, cudaHostAllocDefault) != cudaSuccess) {
@@ -869,10 +879,12 @@ extern "C" void backend_cuda_free(struct backend *be) {
         c->preps = p->next;
         prep_undo(p);
     }
-    CUDA_CHECK(cudaStreamSynchronize(c->side));
-    CUDA_CHECK(cudaEventDestroy(c->fork_ev));
-    CUDA_CHECK(cudaEventDestroy(c->join_ev));
-    CUDA_CHECK(cudaStreamDestroy(c->side));
+    for (int i = 0; i < CUDA_SIDES; i++) {
+        CUDA_CHECK(cudaStreamSynchronize(c->side[i]));
+        CUDA_CHECK(cudaEventDestroy(c->fork_ev[i]));
+        CUDA_CHECK(cudaEventDestroy(c->join_ev[i]));
+        CUDA_CHECK(cudaStreamDestroy(c->side[i]));
+    }
     CUDA_CHECK(cudaStreamDestroy(c->main));
     free(c->deferred);
     free(c);

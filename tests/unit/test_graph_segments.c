@@ -16,11 +16,13 @@
  * its segments (model_tp_between), as copy_segs calls the backend contract lets a segment hold;
  * without, none falls inside one.
  * The decorator also offers backend.h's branch ops and checks their promise: begin, end and join
- * in that order, joined inside the segment the branch began in, no host-side op (nor any op this
- * file does not track) between begin and join, and the two chains independent: no buffer one of
- * them writes is read or written by the other (by base address: the model's buffers are distinct
- * allocations, and a chain writing into the middle of the other's buffer would be a bug of the
- * same kind as writing its base). */
+ * in that order (up to BE_MAX_BRANCHES begun before one join, each after the last one's end),
+ * joined inside the segment the branches began in, no host-side op (nor any op this file does not
+ * track) between the first begin and the join, and the chains that run at once independent: no
+ * buffer one of them writes is read or written by another — a branch against every other branch
+ * and against the main lane's ops issued after its begin (by base address: the model's buffers are
+ * distinct allocations, and a chain writing into the middle of another's buffer would be a bug of
+ * the same kind as writing its base). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -64,14 +66,16 @@ static void violation(const char *what) {
 }
 
 /* ---- branches ---- */
-enum { BR_NONE, BR_SIDE, BR_MAIN }; /* no branch; issuing the branch; issuing the main lane's part */
+enum { BR_NONE, BR_SIDE, BR_MAIN }; /* no branch; issuing a branch; issuing the main lane's part */
 #define MAX_TOUCH 512
 static int g_br;
-static bool g_br_in_seg; /* the branch began inside a segment */
+static int g_nbr;        /* branches begun since the last join: the one issuing now is number g_nbr */
+static bool g_br_in_seg; /* the first of them began inside a segment */
 static struct {
     const void *p;
     bool write;
-    int lane;
+    int lane; /* 0: the main lane; i: branch i (from 1) */
+    int after; /* the main lane's: how many branches had begun when it was issued */
 } g_touch[MAX_TOUCH];
 static int g_n_touch;
 static long g_branches;
@@ -81,7 +85,8 @@ static void touch(const void *p, bool write) {
     assert_true(g_n_touch < MAX_TOUCH);
     g_touch[g_n_touch].p = p;
     g_touch[g_n_touch].write = write;
-    g_touch[g_n_touch].lane = g_br;
+    g_touch[g_n_touch].lane = g_br == BR_SIDE ? g_nbr : 0;
+    g_touch[g_n_touch].after = g_nbr;
     g_n_touch++;
 }
 #define RD(p) touch((p), false)
@@ -129,10 +134,16 @@ static void outside(const char *name) {
 
 static void chk_branch_begin(struct backend *be) {
     (void)be;
-    if (g_br != BR_NONE) violation("branch_begin before the last branch was joined");
+    if (g_br == BR_SIDE) violation("branch_begin while a branch is issuing (branch_end first)");
+    if (g_nbr == BE_MAX_BRANCHES) violation("more than BE_MAX_BRANCHES branches begun before a join");
+    if (g_br == BR_NONE) {
+        g_br_in_seg = g_open;
+        g_n_touch = 0;
+    } else if (g_br_in_seg != g_open) {
+        violation("a branch begun outside the segment the branches before it began in");
+    }
+    g_nbr++;
     g_br = BR_SIDE;
-    g_br_in_seg = g_open;
-    g_n_touch = 0;
     op(14);
 }
 static void chk_branch_end(struct backend *be) {
@@ -145,13 +156,20 @@ static void chk_branch_join(struct backend *be) {
     (void)be;
     if (g_br != BR_MAIN) violation("branch_join without branch_end");
     if (g_br_in_seg != g_open) violation("a branch joined outside the segment it began in");
+    /* i on a branch against j on another branch, or on the main lane issued after i's begin */
     for (int i = 0; i < g_n_touch; i++)
-        for (int j = 0; j < g_n_touch; j++)
-            if (g_touch[i].lane == BR_SIDE && g_touch[j].lane == BR_MAIN && g_touch[i].p == g_touch[j].p &&
-                (g_touch[i].write || g_touch[j].write))
+        for (int j = 0; j < g_n_touch; j++) {
+            const int li = g_touch[i].lane, lj = g_touch[j].lane;
+            if (!li || li == lj || g_touch[i].p != g_touch[j].p || !(g_touch[i].write || g_touch[j].write)) continue;
+            if (lj) {
+                if (li < lj) violation("two branches touch a buffer one of them writes");
+            } else if (g_touch[j].after >= li) {
                 violation(g_touch[i].write ? "the main lane touches a buffer the branch writes"
                                            : "the main lane writes a buffer the branch reads");
+            }
+        }
     g_br = BR_NONE;
+    g_nbr = 0;
     g_branches++;
     op(16);
 }
@@ -608,6 +626,7 @@ static void checker_init(struct backend *cpu, struct backend *chk) {
     g_n_seen = 0;
     g_hits = g_recorded = g_violations = g_segment_ops = g_segment_copy_segs = g_segment_gathers = g_branches = 0;
     g_br = BR_NONE;
+    g_nbr = 0;
     g_open = false;
 }
 
@@ -721,7 +740,10 @@ static void test_segments_keep_their_promise_tp8pp2(void **s) {
 }
 
 /* The branch checks can fail: a main lane that reads what the branch writes, one that writes what
- * the branch reads, and a host-side op inside a branch are each reported. */
+ * the branch reads, and a host-side op inside a branch are each reported; with two branches open,
+ * one reading what the other writes, the main lane after the second's begin reading what that one
+ * writes, and a third branch before the join too — but not the main lane's ops issued before the
+ * second branch began, which run before it. */
 static void test_branch_checker_catches_shared_buffers(void **s) {
     (void)s;
     struct backend cpu, chk;
@@ -739,6 +761,24 @@ static void test_branch_checker_catches_shared_buffers(void **s) {
     ops->branch_end(&chk);
     assert_int_equal(g_violations, 4);
     g_br = BR_NONE;
+    char d[16] = {0}, e[16] = {0};
+    /* branch 1 writes a, the main lane then reads d, branch 2 writes d, the main lane reads e */
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk), ops->copy(&chk, c, d, 16);
+    ops->branch_begin(&chk), ops->copy(&chk, d, e, 16), ops->branch_end(&chk), ops->copy(&chk, c, e, 16);
+    ops->branch_join(&chk);
+    assert_int_equal(g_violations, 4);
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk);
+    ops->branch_begin(&chk), ops->copy(&chk, d, a, 16), ops->branch_end(&chk), ops->branch_join(&chk);
+    assert_int_equal(g_violations, 5); /* branch 2 reads what branch 1 writes */
+    ops->branch_begin(&chk), ops->copy(&chk, a, b, 16), ops->branch_end(&chk);
+    ops->branch_begin(&chk), ops->copy(&chk, d, e, 16), ops->branch_end(&chk), ops->copy(&chk, c, d, 16);
+    ops->branch_join(&chk);
+    assert_int_equal(g_violations, 6); /* the main lane reads what branch 2 writes, after its begin */
+    ops->branch_begin(&chk), ops->branch_end(&chk), ops->branch_begin(&chk), ops->branch_end(&chk);
+    ops->branch_begin(&chk);
+    assert_int_equal(g_violations, 7); /* a third before the join */
+    g_br = BR_NONE;
+    g_nbr = 0;
     backend_cpu_free(&cpu);
 }
 
