@@ -220,6 +220,11 @@ def main():
             # decode bars are % of the copy bandwidth: rows of a call that measured none are left out
             has = lambda x: x["kind"] == kind and (kind != "decode" or x["fraction_of_copy"] != "")
             kr = [s for s in revs if any(x["series"] == s and has(x) for x in r)]
+            if not kr:  # e.g. the latest revisions were timed without a prefill
+                ax.text(0.5, 0.5, "no %s rows among the latest %d series" % (kind, len(revs)), ha="center",
+                        transform=ax.transAxes, fontsize=9)
+                ax.axis("off")
+                continue
             w = 0.8 / len(kr)
             top = 0.0
             for i, rev in enumerate(kr):
