@@ -57,11 +57,14 @@ template <int HC> struct hc_r_big { static constexpr int R = HC <= 4 ? 16 : (HC 
 /* the unaligned fallback's ring (scalar copies): four stages, as before (with two, hc 3 at 16 rows
  * spilled under ptxas) */
 #define HC_STAGES_MAX_SCALAR 4
-/* hc_mix_finish's CTA: 640 threads (20 warps: the row statistic's 20 level-0 runs at hc 4, D 5120
- * in one round) for calls of up to ROW_WIDE_T rows, 256 above (a prefill chunk's rows fill the GPU
- * anyway, and there the wide CTA cost more: 1.57 -> 2.51 ms a 2K-token prefill, kernel_times.sh) */
-#define HC_FIN_THREADS 640
-#define HC_FIN_THREADS_NARROW 256
+/* hc_mix_finish's CTA: 256 threads at every T. (640, the row statistic's 20 level-0 runs at hc 4,
+ * D 5120 in one round, was the decode form up to ROW_WIDE_T rows: 13.3 µs a call where 256 took 15.2
+ * on the H200 alone, and a 2K-token prefill's rows took 1.57 ms at 256 against 2.51 at 640. Since
+ * the mixes run on a lane of their own (model.c, block_attn_in), the call is off the critical path
+ * and the narrow CTA leaves the lanes beside it more of the GPU: H100, bench_step --ctx 64 --batch
+ * 1,8,64,256 --steps 5 --prefill "", two runs alternated: 3.628 3.728 / 4.787 4.819 / 10.13 10.18 /
+ * 17.47 17.53 -> 3.573 3.676 / 4.704 4.731 / 10.04 10.17 / 17.39 17.52 ms.) */
+#define HC_FIN_THREADS 256
 #define HC_PS_MAX 2048 /* floats of hc_mix_finish's staged segment sums (hc = 4, D = 4096: 24 x 68) */
 static_assert(BE_HC_MIX_SEG % HC_KT == 0, "segments must be whole tiles");
 
@@ -493,15 +496,8 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
     /* the sums staged in shared memory by 16-byte copies where they fit and align (as the kernel pads them) */
     const int pld = hc_ps_ld(nseg);
     const bool staged = (NM * nseg) % 4 == 0 && nch * NM * pld <= HC_PS_MAX && al16(part);
-    /* the wide CTA where the Sinkhorn runs on a warp (hc² <= 32); thread 0's C in registers (hc 6, 8)
-     * spills under the wide CTA's register cap */
-    constexpr int WIDE = HC * HC <= 32 ? HC_FIN_THREADS : HC_FIN_THREADS_NARROW;
-    if (T <= ROW_WIDE_T)
-        hc_mix_finish_kernel<HC, WIDE><<<(unsigned)T, WIDE, 0, cuda_be_stream(be)>>>(
-            pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
-    else
-        hc_mix_finish_kernel<HC, HC_FIN_THREADS_NARROW><<<(unsigned)T, HC_FIN_THREADS_NARROW, 0, cuda_be_stream(be)>>>(
-            pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
+    hc_mix_finish_kernel<HC, HC_FIN_THREADS><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
+        pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, part);
 }
@@ -572,8 +568,9 @@ __global__ void __launch_bounds__(EW_THREADS)
 /* 20 warps: at D = 5120 one 8-wide chunk a thread (every load of the collapse in one round) and the
  * norm's 5 level-0 runs in one round; with RMS_WARPS (4) a thread walked 5 chunks and warp 0 two
  * rounds of runs. H200, Nsight, batch 1 / 64: 8.7 / 9.5 -> 7.1 / 7.6 µs a call, with
- * HC_FIN_THREADS 256 -> 640 hc_mix_finish 15.2 / 15.4 -> 13.3 / 13.5 µs; bench_step decode ms, three
- * runs alternated (both changes over the router's rank kernel): b1 4.28 4.35 4.35 -> 4.28 4.29 4.31,
+ * hc_mix_finish's CTA 256 -> 640 threads (back to 256 since) 15.2 / 15.4 -> 13.3 / 13.5 µs;
+ * bench_step decode ms, three runs alternated (both changes over the router's rank kernel): b1
+ * 4.28 4.35 4.35 -> 4.28 4.29 4.31,
  * b8 6.80 6.86 6.80 -> 6.77 6.76 6.76, b64 14.85 14.99 14.84 -> 14.59 14.60 14.68. */
 #define HCN_WARPS 20
 #define HCN_WARPS_NARROW RMS_WARPS /* above ROW_WIDE_T rows: 1.54 -> 2.05 ms a 2K-token prefill with 20 */
