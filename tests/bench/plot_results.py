@@ -373,6 +373,7 @@ def main():
         ax.set_title("decode step timeline (%s)" % name[len("cuda_step_timeline_"):-4], fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(d, name[:-4] + ".png"), dpi=110)
+        plt.close(fig)  # one figure a timeline: pyplot keeps every open one
 
 
 if __name__ == "__main__":
