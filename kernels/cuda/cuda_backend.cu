@@ -353,8 +353,9 @@ static void scratch_release(struct cuda_be *c, void *p, size_t rb) {
 /* Between branch_begin and branch_join two or three lanes run at once, and the free list's safety
  * argument (one stream: later work runs after earlier) no longer holds: a block one lane frees
  * could be handed to another lane's next op while the first still reads it. So every free in that
- * span waits for the join, where the main lane has waited for them all. A block taken from the free list
- * inside the span was freed before the first fork, so every lane runs after its last use. */
+ * span waits for the join, where the main lane has waited for them all. A block taken from the
+ * free list inside the span was freed before the first fork, so every lane runs after its last
+ * use. */
 void cuda_be_scratch_free(struct backend *be, void *p) {
     if (!p) return;
     struct cuda_be *c = cb(be);
