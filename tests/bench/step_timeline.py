@@ -19,7 +19,9 @@ named --lane-to (the last such start before each end; default: the attention inp
 collapse + norm to the attention's index lists), its kernels grouped by stream (lane 0 the stream
 of the span's first kernel, and so on), a row per batch, lane and position in the lane with the
 kernel's medians over the spans: the wait before it (after the lane's kernel before it, or the
-span's start), its duration, and its end after the span's start: which lane the segment waits
+span's start), its duration (and its least and greatest: a kernel held by another lane's shows
+two modes), its end after the span's start, and the other lanes' kernel that most often ended
+last before it ended, with the median time between the two ends: which lane the segment waits
 for, and what slows it.
 
   step_timeline.py --trace kernel_trace.csv --batches 1,64 --steps 5 --summary s.csv --kernels k.csv
@@ -158,7 +160,9 @@ def sweep(t0, t1, ks):
 
 def lane_spans(ks, first, last):
     """per span (the last kernel matching first before one matching last, both excluded): {(lane, pos):
-    (name, wait ns, duration ns, end ns after the span's start)}, lanes numbered by their first kernel"""
+    (name, wait ns, duration ns, end ns after the span's start, the other lanes' kernel that ended
+    last before it ended, ns between the two ends (None: none did))}, lanes numbered by their first
+    kernel"""
     out, i = [], 0
     while i < len(ks):
         if not re.search(first, ks[i][3]):
@@ -169,9 +173,14 @@ def lane_spans(ks, first, last):
             break
         i = max(x for x in range(i, j) if re.search(first, ks[x][3]))  # the last one before it
         t0, lanes, prev, count, span = ks[i][1], {}, {}, Counter(), {}
-        for s, e, st, n in ks[i + 1:j]:
+        inner = ks[i + 1:j]
+        for s, e, st, n in inner:
             lane = lanes.setdefault(st, len(lanes))
-            span[(lane, count[lane])] = (n, s - prev.get(lane, t0), e - s, e - t0)
+            # the other lanes' kernel that ended last before this one ended (what it may have waited on)
+            ends = [(e2, n2) for _, e2, st2, n2 in inner if st2 != st and e2 <= e]
+            after = max(ends) if ends else (None, "")
+            span[(lane, count[lane])] = (n, s - prev.get(lane, t0), e - s, e - t0, after[1],
+                                         e - after[0] if after[0] is not None else None)
             count[lane] += 1
             prev[lane] = e
         out.append(span)
@@ -234,8 +243,14 @@ def main():
                 v = [sp[key] for sp in spans if key in sp]
                 med = lambda i: round(statistics.median(x[i] for x in v) / 1e3, 2)
                 name = Counter(x[0] for x in v).most_common(1)[0][0]
+                after = Counter(x[4] for x in v).most_common(1)[0][0]
+                gaps = [x[5] for x in v if x[4] == after and x[5] is not None]
                 lrows.append({"batch": b, "lane": key[0], "pos": key[1], "kernel": name, "spans": len(v),
-                              "wait_us": med(1), "dur_us": med(2), "end_us": med(3)})
+                              "wait_us": med(1), "dur_us": med(2), "end_us": med(3),
+                              "dur_min_us": round(min(x[2] for x in v) / 1e3, 2),
+                              "dur_max_us": round(max(x[2] for x in v) / 1e3, 2),
+                              "ends_after": after,
+                              "ends_after_us": round(statistics.median(gaps) / 1e3, 2) if gaps else ""})
         ns = len(use)
         ms = lambda v: v / ns / 1e6
         top_streams = sorted(streams.values(), reverse=True)

@@ -69,6 +69,9 @@ if python3 tests/bench/step_timeline.py --trace "$TMP/trace.csv" --batches 1,8 -
     check "batch $b: lane 0 is A: spans, wait, duration, end (µs)" "A_kernel<1, 2> 2 100.0 300.0 400.0" "$(lcol $b 0.0 kernel spans wait_us dur_us end_us)"
     check "batch $b: lane 1 is B: spans, wait, duration, end (µs)" "B_kernel 2 200.0 100.0 300.0" "$(lcol $b 1.0 kernel spans wait_us dur_us end_us)"
     check "batch $b: no third lane or second position" "" "$(lcol $b 2.0 kernel)$(lcol $b 0.1 kernel)"
+    # A ends 100 µs after B (the other lane's kernel that ended last before it); B ends before A
+    check "batch $b: A's duration range, and what it ends after" "300.0 300.0 B_kernel 100.0" "$(lcol $b 0.0 dur_min_us dur_max_us ends_after ends_after_us)"
+    check "batch $b: B ends after nothing of another lane" "" "$(lcol $b 1.0 ends_after ends_after_us | tr -d ' ')"
   done
 else
   not_ok "step_timeline.py --lanes runs" "$(cat "$TMP/out3")"
