@@ -325,14 +325,14 @@ __global__ void __launch_bounds__(hc_part_cfg<HC, VEC, R>::THREADS)
  * stride 3, conflict-free as it is. The host sizes the staging with it. */
 __host__ __device__ __forceinline__ int hc_ps_ld(int nseg) { return nseg % 4 == 0 ? nseg + 4 : nseg; }
 
-template <int HC, int THREADS>
-__global__ void __launch_bounds__(THREADS)
+template <int HC>
+__global__ void __launch_bounds__(HC_FIN_THREADS)
     hc_mix_finish_kernel(float *__restrict__ pre, float *__restrict__ post, float *__restrict__ comb,
                          const float *__restrict__ part, const uint16_t *__restrict__ X, int64_t D, int nseg,
                          int nch, int64_t cs, const float *__restrict__ scale, const float *__restrict__ base,
                          int iters, float norm_eps, float hc_eps, bool staged) {
     constexpr int NM = hc_cfg<HC>::NM;
-    static_assert(3 + NM <= THREADS, "one thread per mix (and per Sinkhorn parameter)");
+    static_assert(3 + NM <= HC_FIN_THREADS, "one thread per mix (and per Sinkhorn parameter)");
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float m_s[NM];
     __shared__ float prm_s[3 + NM]; /* scale [3], base [NM]: fetched first, so their latency hides under the row's */
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(THREADS)
     const int pld = hc_ps_ld(nseg);
     if (staged) { /* every thread's cp.async, in flight while the row statistic runs */
         const int nc = NM * nseg / 4, rc = nseg % 4 == 0 ? nseg / 4 : nc; /* 16-byte pieces a chunk, a row */
-        for (int q = tid; q < nch * nc; q += THREADS) {
+        for (int q = tid; q < nch * nc; q += HC_FIN_THREADS) {
             const int c = q / nc, r = q % nc;
             ds_cp16(ps + c * NM * pld + (r / rc) * pld + (r % rc) * 4, part + c * cs + t * NM * nseg + r * 4);
         }
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(THREADS)
         ds_cp_wait<0>();
         __syncthreads();
         if (nch > 1) { /* NM·nseg threads fold a sum's chunks each, into chunk 0's slot (their own) */
-            for (int q = tid; q < NM * nseg; q += THREADS) {
+            for (int q = tid; q < NM * nseg; q += HC_FIN_THREADS) {
                 float *p0 = ps + (q / nseg) * pld + q % nseg;
                 float v = *p0;
 #pragma unroll 4
@@ -496,7 +496,7 @@ static void hc_mixes_launch(struct backend *be, float *pre, float *post, float *
     /* the sums staged in shared memory by 16-byte copies where they fit and align (as the kernel pads them) */
     const int pld = hc_ps_ld(nseg);
     const bool staged = (NM * nseg) % 4 == 0 && nch * NM * pld <= HC_PS_MAX && al16(part);
-    hc_mix_finish_kernel<HC, HC_FIN_THREADS><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
+    hc_mix_finish_kernel<HC><<<(unsigned)T, HC_FIN_THREADS, 0, cuda_be_stream(be)>>>(
         pre, post, comb, part, X, D, nseg, nch, cs, scale, base, iters, norm_eps, hc_eps, staged);
     KERNEL_CHECK();
     cuda_be_scratch_free(be, part);
