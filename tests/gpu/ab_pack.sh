@@ -9,7 +9,7 @@
 # patch applied (git apply, the path from this checkout's root): the experiments kept as patches
 # in results/experiments/, which later checkouts hold where the branches they came from are gone.
 #   bash tests/gpu/ab_pack.sh main=HEAD new=.
-#   bash tests/gpu/ab_pack.sh main=HEAD l3=HEAD:results/experiments/three_lanes_a9712b5.patch
+#   bash tests/gpu/ab_pack.sh main=HEAD pair=HEAD:results/experiments/act_forms_qkv_pair_d6f89a2.patch
 #   then, on the device: bash tests/gpu/ab_run.sh   (see there for REPS and BENCH_ARGS)
 # Each worktree's build is kept in tmp/ab/LABEL (make is incremental on the next pack of that
 # label); `git worktree prune` after removing tmp/ab forgets them.
@@ -44,7 +44,10 @@ for spec in "$@"; do
     dir=$PWD/tmp/ab/$label
     sha=$(git rev-parse --verify "$rev^{commit}") || { echo "ab_pack.sh: $label: no revision '$rev'" >&2; exit 2; }
     if [ -d "$dir" ]; then
-      git -C "$dir" reset -q --hard # a patch applied by the last pack of this label
+      # a patch applied by the last pack of this label: its changes, and the files it added (the
+      # ignored build stays)
+      git -C "$dir" reset -q --hard
+      git -C "$dir" clean -fdq
       git -C "$dir" checkout -q --detach "$sha"
     else
       git worktree add -q --detach "$dir" "$sha"
