@@ -78,25 +78,27 @@ struct chains {
 #define QB_N 2048 /* wq_b's rows in this test: 4 heads of 512 (the real 4096 adds nothing here) */
 #define KV_N 512  /* wkv's rows: one head */
 
+/* the K=V-like chain: an FP8 linear and an RMSNorm */
+static void kv_chain_issue(struct chains *c) {
+    GPU->linear(&gpu_be, c->dkv, c->dx, c->T, &c->gc);
+    GPU->rmsnorm(&gpu_be, c->dkv, c->dkv, c->dcnorm, c->T, KV_N, 1e-6f, NULL);
+}
+
 /* branches: 0 all in issue order; 1 the shared expert on a branch; 2 the K=V chain on a second */
 static void chains_issue(struct chains *c, int branches) {
     if (!has_branches()) branches = 0; /* the CPU stand-in: issue order */
     if (branches) GPU->branch_begin(&gpu_be);
     GPU->shared_expert(&gpu_be, c->dsh, c->dx, c->T, &c->g1, &c->g3, &c->g2, 10.0f);
     if (branches) GPU->branch_end(&gpu_be);
-    if (branches == 2) GPU->branch_begin(&gpu_be);
     if (branches == 2) {
-        GPU->linear(&gpu_be, c->dkv, c->dx, c->T, &c->gc);
-        GPU->rmsnorm(&gpu_be, c->dkv, c->dkv, c->dcnorm, c->T, KV_N, 1e-6f, NULL);
+        GPU->branch_begin(&gpu_be);
+        kv_chain_issue(c);
         GPU->branch_end(&gpu_be);
     }
     GPU->linear(&gpu_be, c->dqr, c->dx, c->T, &c->ga);
     GPU->rmsnorm(&gpu_be, c->dqr, c->dqr, c->dnorm, c->T, Q_LORA, 1e-6f, NULL);
     GPU->linear(&gpu_be, c->dq, c->dqr, c->T, &c->gb);
-    if (branches < 2) {
-        GPU->linear(&gpu_be, c->dkv, c->dx, c->T, &c->gc);
-        GPU->rmsnorm(&gpu_be, c->dkv, c->dkv, c->dcnorm, c->T, KV_N, 1e-6f, NULL);
-    }
+    if (branches < 2) kv_chain_issue(c);
     if (branches) GPU->branch_join(&gpu_be);
 }
 
