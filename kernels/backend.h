@@ -136,6 +136,8 @@ struct linear_post {
     float eps;
     int64_t head;
     struct norm_post post;
+    const void *xa; /* x's activation form (backend_ops.act_bytes), or NULL */
+    void *ya;       /* where y's activation form goes too, or NULL (a backend with act_bytes only) */
 };
 
 struct backend_ops {
@@ -191,6 +193,13 @@ struct backend_ops {
      * steps (struct linear_post), with the bits of those ops in turn. y must not alias x. */
     void (*linear_post)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
                         const struct linear_post *lp);
+    /* Optional (NULL: be_linear_post_pair runs the two linear_posts in turn): two linear_posts of
+     * one x, y1 = lp1(x · W1ᵀ) [T, W1->n] and y2 = lp2(x · W2ᵀ) [T, W2->n], each with the bits of
+     * its own linear_post (the attention's wq_a + q_norm beside wkv + kv_norm: one linear and one
+     * norm launch for both where the backend can, else the two in turn). lp2->ya must be NULL. */
+    void (*linear_post_pair)(struct backend *be, bf16_t *y1, bf16_t *y2, const bf16_t *x, int64_t T,
+                             const struct qweight *W1, const struct linear_post *lp1, const struct qweight *W2,
+                             const struct linear_post *lp2);
     /* y[T,n] fp32 = x[T,k] · Wᵀ in fp32 (x given as bf16 and widened exactly, W BF16 widened or F32):
      * the gate (router) and the ratio-2 compressor, which the reference runs in fp32. The sum in
      * BE_DOT_SEG segments. */
@@ -263,6 +272,16 @@ struct backend_ops {
      * run as one pass over the row. norm_w NULL: the collapse alone (eps unused). */
     void (*hc_collapse)(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                         int64_t D, const bf16_t *norm_w, float eps);
+    /* ---- activation forms (optional: NULL where a backend's linears quantize their own input) ----
+     * A tensor-core backend's FP8/FP4 linears read x [T, k] in a form of their own (the reference's
+     * per-32 act quant with its scales, in the backend's layout): act_bytes(T, k) bytes of it, 0
+     * when its linears take none now. The norm that makes x can write that form too, in the same
+     * pass (hc_collapse_act: hc_collapse with norm_w, and ya = y's form), and the linears that
+     * read x take it (linear_post's xa, shared_expert_act's xa): one launch and one pass over x
+     * fewer for each, the same bits as the ops without it. */
+    size_t (*act_bytes)(struct backend *be, int64_t T, int64_t k);
+    void (*hc_collapse_act)(struct backend *be, bf16_t *y, void *ya, const bf16_t *X, const float *p, int64_t T,
+                            int64_t hc, int64_t D, const bf16_t *norm_w, float eps);
     /* Xo[t,k,:] = bf16( post[t,k]·y[t,:] + (((c[0][k]·X0 + c[1][k]·X1) + c[2][k]·X2) + ...) ), fp32.
      * Xo must not alias X. y_blocks >= 1 divides D: y is [y_blocks, T, D / y_blocks], column block j
      * of every row together (what a TP all-gather of row-split outputs leaves, read in place of an
@@ -382,6 +401,9 @@ struct backend_ops {
     /* Shared expert, same SwiGLU without routing weight: y[T,D] bf16 = bf16(bf16(h)·w2ᵀ) (FP8). */
     void (*shared_expert)(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                           const struct qweight *w3, const struct qweight *w2, float limit);
+    /* shared_expert with xa, x's activation form (act_bytes; optional with it) */
+    void (*shared_expert_act)(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                              const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit);
     /* dst[t, s, :] = src[s, t, :] for S blocks of T rows of `bytes` each: turns a gather of
      * per-rank column blocks into whole rows. */
     void (*interleave)(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
@@ -466,6 +488,18 @@ static inline void be_linear_post(struct backend *be, bf16_t *y, const bf16_t *x
         be->ops->linear_post(be, y, x, T, W, lp);
     else
         be_linear_post_composed(be, y, x, T, W, lp);
+}
+
+/* The linear_post_pair op where the backend has one, else the two linear_posts in turn. */
+static inline void be_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y2, const bf16_t *x, int64_t T,
+                                       const struct qweight *W1, const struct linear_post *lp1, const struct qweight *W2,
+                                       const struct linear_post *lp2) {
+    if (be->ops->linear_post_pair) {
+        be->ops->linear_post_pair(be, y1, y2, x, T, W1, lp1, W2, lp2);
+    } else {
+        be_linear_post(be, y1, x, T, W1, lp1);
+        be_linear_post(be, y2, x, T, W2, lp2);
+    }
 }
 
 /* The CPU reference backend (always built). */

@@ -127,7 +127,8 @@ static void write_index_keys(struct model *m, int l, struct batch *b, const bf16
     int64_t id = c->index_head_dim, rd = c->rope_dim, n = em->n;
     bf16_t *k = model_tmp(m, (size_t)n * id * 2);
     /* the norm, then rope, qdq */
-    const struct linear_post kpost = {aw->idx_k_norm, (float)c->norm_eps, id, {id - rd, rd, lpos, m->freqs[l], NORM_QDQ_FP4_32}};
+    const struct linear_post kpost = {aw->idx_k_norm, (float)c->norm_eps, id, {id - rd, rd, lpos, m->freqs[l], NORM_QDQ_FP4_32},
+                                      NULL, NULL};
     be_linear_post(m->be, k, lat, n, &aw->idx_wk, &kpost);
     struct seg_list sl = {0};
     for (int64_t i = 0; i < n; i++) {
@@ -178,7 +179,7 @@ static int32_t *topk_rows(struct model *m, struct batch *b, int l, int64_t ld) {
 
 /* Indexer of an index source (§3.7): scores every visible compressed row, applies candidate
  * blocks, publishes the top-k rows for this forward's batch in b->topk[l]. */
-static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr) {
+static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr, const void *qra) {
     const struct model_config *c = m->cfg;
     const struct layer_role *r = &c->role[l];
     const struct attn_weights *aw = &m->w->layers[l].attn;
@@ -202,7 +203,7 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
 
     bf16_t *iq = model_tmp(m, (size_t)T * ihl * id * 2);
     bf16_t *wr = model_tmp(m, (size_t)T * ihl * 2);
-    const struct linear_post qpost = {NULL, 0.0f, id, {id - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP4_32}}; /* rope, qdq */
+    const struct linear_post qpost = {NULL, 0.0f, id, {id - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP4_32}, qra, NULL}; /* rope, qdq */
     be_linear_post(m->be, iq, qr, T, &aw->idx_wq_b, &qpost);
     OPS->linear(m->be, wr, x, T, &aw->idx_weights_proj);
     /* the reference scales the projected weights by index_head_dim^-0.5 · n_heads^-0.5 (all heads) */
@@ -278,24 +279,49 @@ static void run_indexer(struct model *m, int l, struct batch *b, const bf16_t *x
 /* [T, hd]: the arena's scratch rows (model_kv_reserve) */
 bf16_t *attention_kv_rows(struct model *m) { return m->kv + m->kv_cache_rows * m->cfg->head_dim; }
 
-void attention_project_kv(struct model *m, int l, struct batch *b, const bf16_t *x) {
+/* wkv's linear_post: the norm, then rope, qdq (the window K=V rows) */
+static struct linear_post kv_post(const struct model *m, int l, const struct batch *b, const void *xa) {
     const struct model_config *c = m->cfg;
-    const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim;
-    bf16_t *kv = attention_kv_rows(m);
-    /* the norm, then rope, qdq */
-    const struct linear_post kvpost = {aw->kv_norm, (float)c->norm_eps, hd, {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP8_32}};
-    be_linear_post(m->be, kv, x, T, &aw->wkv, &kvpost);
+    int64_t hd = c->head_dim, rd = c->rope_dim;
+    const struct linear_post lp = {m->w->layers[l].attn.kv_norm, (float)c->norm_eps, hd,
+                                   {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_FP8_32}, xa, NULL};
+    return lp;
 }
 
-void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q) {
+/* wq_a's linear_post: q_norm (and qr's activation form, qra) */
+static struct linear_post q_a_post(const struct model *m, int l, const void *xa, void *qra) {
     const struct model_config *c = m->cfg;
+    const struct linear_post lp = {m->w->layers[l].attn.q_norm, (float)c->norm_eps, c->q_lora_rank,
+                                   {0, 0, NULL, NULL, NORM_QDQ_NONE}, xa, qra};
+    return lp;
+}
+
+/* wq_b's linear_post: RoPE on each head's rotary part */
+static void project_q_b(struct model *m, int l, struct batch *b, const bf16_t *qr, const void *qra, bf16_t *q) {
+    const struct model_config *c = m->cfg;
+    int64_t hd = c->head_dim, rd = c->rope_dim;
+    const struct linear_post qrope = {NULL, 0.0f, hd, {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_NONE}, qra, NULL};
+    be_linear_post(m->be, q, qr, b->T, &m->w->layers[l].attn.wq_b, &qrope);
+}
+
+void attention_project_kv(struct model *m, int l, struct batch *b, const bf16_t *x, const void *xa) {
+    const struct linear_post kvpost = kv_post(m, l, b, xa);
+    be_linear_post(m->be, attention_kv_rows(m), x, b->T, &m->w->layers[l].attn.wkv, &kvpost);
+}
+
+void attention_project_q(struct model *m, int l, struct batch *b, const bf16_t *x, const void *xa, bf16_t *qr,
+                         void *qra, bf16_t *q) {
+    const struct linear_post qnorm = q_a_post(m, l, xa, qra);
+    be_linear_post(m->be, qr, x, b->T, &m->w->layers[l].attn.wq_a, &qnorm);
+    project_q_b(m, l, b, qr, qra, q);
+}
+
+void attention_project_qkv(struct model *m, int l, struct batch *b, const bf16_t *x, const void *xa, bf16_t *qr,
+                           void *qra, bf16_t *q) {
     const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, rd = c->rope_dim, ql = c->q_lora_rank;
-    const struct linear_post qnorm = {aw->q_norm, (float)c->norm_eps, ql, {0, 0, NULL, NULL, NORM_QDQ_NONE}};
-    be_linear_post(m->be, qr, x, T, &aw->wq_a, &qnorm);
-    const struct linear_post qrope = {NULL, 0.0f, hd, {hd - rd, rd, b->pos, m->freqs[l], NORM_QDQ_NONE}};
-    be_linear_post(m->be, q, qr, T, &aw->wq_b, &qrope);
+    const struct linear_post qnorm = q_a_post(m, l, xa, qra), kvpost = kv_post(m, l, b, xa);
+    be_linear_post_pair(m->be, qr, attention_kv_rows(m), x, b->T, &aw->wq_a, &qnorm, &aw->wkv, &kvpost);
+    project_q_b(m, l, b, qr, qra, q);
 }
 
 /* The attention itself, the first ops of attention_out's segment: the index lists from the batch
@@ -383,7 +409,7 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
     }
 }
 
-int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr,
+int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr, const void *qra,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct layer_role *r = &c->role[l];
@@ -407,7 +433,7 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
         free(em.group);
     }
     if (r->is_index_source) {
-        run_indexer(m, l, b, x, qr);
+        run_indexer(m, l, b, x, qr, qra);
         if (hooks && hooks->topk) {
             /* replay/verify look at the sets on the host: the one download this path adds; rows of
              * topk_k entries (a wider stride's -1 tail dropped) */

@@ -667,9 +667,12 @@ static void engram_forward(struct model *m, int l, struct batch *b, bf16_t *X, c
  * two chains only read x; block_forward runs the shared expert on a branch beside the routed path,
  * where at decode sizes each leaves most SMs idle (its own three linears cost as much as the
  * router). */
-static void moe_shared(struct model *m, int l, struct batch *b, const bf16_t *x, bf16_t *sh) {
+static void moe_shared(struct model *m, int l, struct batch *b, const bf16_t *x, const void *xa, bf16_t *sh) {
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
-    OPS->shared_expert(m->be, sh, x, b->T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)m->cfg->swiglu_limit);
+    if (xa && OPS->shared_expert_act)
+        OPS->shared_expert_act(m->be, sh, x, xa, b->T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)m->cfg->swiglu_limit);
+    else
+        OPS->shared_expert(m->be, sh, x, b->T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)m->cfg->swiglu_limit);
 }
 
 static void moe_routed(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
@@ -706,36 +709,60 @@ static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
     return (size_t)((P - 1) * T * k * D) * 2 >= MOE_OWNER_MIN_BYTES;
 }
 
-/* The attention's input of block l (its first segment's ops): the collapse with attn_norm, then
- * three lanes: the mixes on one branch, the window K=V rows on another, the query chain (the
- * longest, so it keeps the main lane's priority) on the main lane. Delayed mHC: the collapse takes
- * the previous block's pre, so this block's mixes (read by the FFN's collapse and by the expands)
- * are off the critical path. H200, bench_step decode ms at batch 1 / 8 / 64, three runs
- * alternated: mixes before the collapse (no overlap) 5.68, 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8,
- * 18.9, 18.8; mixes and K=V rows on the branch 5.51, 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3,
- * 18.3; the query chain on the branch 5.31, 5.37, 5.29 / 8.54, 8.59, 8.53 / 18.0, 18.2, 18.0 (the
- * FFN's mixes beside the routed experts in all but the first). Two lanes there (mixes then K=V
- * rows on one) left the query chain waiting on the longer mixes + K=V lane at batch 1 (lane ends
- * 28.8 and 33.6 µs after the collapse, H100 step_timeline.py --lanes); with three the query chain
- * ends last, at 27.8 µs, and the mixes lane at 18.4. H100, bench_step --ctx 64 --batch 1,8,64,256
- * --steps 5 --prefill "", two runs alternated with the two-lane build (whose FFN kept the mixes
- * and the shared expert on one branch): 3.745 3.833 / 4.929 5.018 / 10.24 10.42 / 17.67 18.01 ->
- * 3.675 3.757 / 4.795 4.862 / 10.12 10.26 / 17.50 17.74 ms; a 2K-token prefill 85.9 -> 84.2 ms. */
+/* A sublayer's input: y [T, D] = rmsnorm(collapse(X, p), norm_w), and where ya is given (block_act)
+ * y's activation form for the FP8 linears that read it, written in the same pass. */
+static void block_collapse(struct model *m, const struct batch *b, bf16_t *y, void *ya, const bf16_t *X, const float *p,
+                           const bf16_t *norm_w) {
+    const struct model_config *c = m->cfg;
+    if (ya)
+        OPS->hc_collapse_act(m->be, y, ya, X, p, b->T, c->hc_mult, c->dim, norm_w, (float)c->norm_eps);
+    else
+        OPS->hc_collapse(m->be, y, X, p, b->T, c->hc_mult, c->dim, norm_w, (float)c->norm_eps);
+}
+
+/* A buffer (id) for the activation form of a [T, k] input of FP8 linears, or NULL where the
+ * backend's linears take none. */
+static void *block_act(struct model *m, const struct batch *b, enum fbuf_id id, int64_t k) {
+    if (!OPS->act_bytes || !OPS->hc_collapse_act) return NULL;
+    size_t bytes = OPS->act_bytes(m->be, b->T, k);
+    return bytes ? model_fbuf(m, b, id, bytes, false) : NULL;
+}
+
+/* The attention's input of block l (its first segment's ops): the collapse with attn_norm (and
+ * y's activation form, ya, for the FP8 linears after it where the backend takes one), then two
+ * lanes: the mixes on a branch, and on the main lane the query chain with the window K=V rows
+ * (wq_a + q_norm and wkv + kv_norm as one pair linear and one launch of both norms, then wq_b).
+ * Delayed mHC: the collapse takes the previous block's pre, so this block's mixes (read by the
+ * FFN's collapse and by the expands) are off the critical path. A backend without
+ * linear_post_pair runs three lanes: the mixes, the K=V rows, the query chain (the longest, so it
+ * keeps the main lane's priority). History (results/PERFORMANCE_HISTORY.md): H200, bench_step
+ * decode ms at batch 1 / 8 / 64, three runs alternated: mixes before the collapse (no overlap)
+ * 5.68, 5.70, 5.70 / 8.96, 8.94, 8.99 / 18.8, 18.9, 18.8; mixes and K=V rows on the branch 5.51,
+ * 5.43, 5.37 / 8.79, 8.67, 8.59 / 18.4, 18.3, 18.3; the query chain on the branch 5.31, 5.37,
+ * 5.29 / 8.54, 8.59, 8.53 / 18.0, 18.2, 18.0. Three lanes (H100, bench_step --ctx 64 --batch
+ * 1,8,64,256 --steps 5 --prefill "", two runs alternated with two lanes): 3.745 3.833 / 4.929
+ * 5.018 / 10.24 10.42 / 17.67 18.01 -> 3.675 3.757 / 4.795 4.862 / 10.12 10.26 / 17.50 17.74 ms;
+ * but there the q_norm and the kv_norm ran side by side and one of them took 12-15 µs instead of
+ * 4.5-5.5, and the activation forms made that worse. The pair (H200, same command, two runs
+ * alternated with three lanes): 3.607 3.609 / 4.636 4.602 / 9.833 9.851 / 16.58 16.59 -> 3.443
+ * 3.455 / 4.645 4.666 / 9.776 9.820 / 16.62 16.59 ms. */
 static void block_attn_in(struct model *m, int l, struct batch *b, const bf16_t *X, float *apre, float *post,
-                          float *comb, bf16_t *y, bf16_t *qr, bf16_t *q, const float *P) {
+                          float *comb, bf16_t *y, void *ya, bf16_t *qr, void *qra, bf16_t *q, const float *P) {
     const struct model_config *c = m->cfg;
     const struct layer_weights *lw = &m->w->layers[l];
-    int64_t T = b->T, D = c->dim, hc = c->hc_mult;
-    float eps = (float)c->norm_eps, hc_eps = (float)c->hc_eps;
-    OPS->hc_collapse(m->be, y, X, P, T, hc, D, lw->attn_norm, eps); /* and attn_norm */
+    block_collapse(m, b, y, ya, X, P, lw->attn_norm);
     model_branch_begin(m);
-    OPS->hc_mixes(m->be, apre, post, comb, X, T, hc, D, lw->hc_attn_fn, lw->hc_attn_scale, lw->hc_attn_base,
-                  c->hc_sinkhorn_iters, eps, hc_eps);
+    OPS->hc_mixes(m->be, apre, post, comb, X, b->T, c->hc_mult, c->dim, lw->hc_attn_fn, lw->hc_attn_scale,
+                  lw->hc_attn_base, c->hc_sinkhorn_iters, (float)c->norm_eps, (float)c->hc_eps);
     model_branch_end(m);
-    model_branch_begin(m);
-    attention_project_kv(m, l, b, y);
-    model_branch_end(m);
-    attention_project_q(m, l, b, y, qr, q);
+    if (OPS->linear_post_pair) { /* the query chain and the K=V rows as one chain: wq_a and wkv in one pair */
+        attention_project_qkv(m, l, b, y, ya, qr, qra, q);
+    } else {
+        model_branch_begin(m);
+        attention_project_kv(m, l, b, y, ya);
+        model_branch_end(m);
+        attention_project_q(m, l, b, y, ya, qr, qra, q);
+    }
     model_branch_join(m);
 }
 
@@ -768,21 +795,23 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     float *post = model_fbuf(m, b, FB_POST, sizeof(float) * (size_t)(T * hc), false);
     float *comb = model_fbuf(m, b, FB_COMB, sizeof(float) * (size_t)(T * hc * hc), false);
     bf16_t *y = model_fbuf(m, b, FB_Y, (size_t)(T * D) * 2, false);
+    void *ya = block_act(m, b, FB_YA, D);                 /* y's activation form, or NULL */
+    void *qra = block_act(m, b, FB_QRA, c->q_lora_rank); /* qr's */
     bf16_t *o = model_fbuf(m, b, FB_O, (size_t)(T * D) * 2, false);
     bf16_t *qr = model_fbuf(m, b, FB_QR, (size_t)(T * c->q_lora_rank) * 2, false);
     bf16_t *q = model_fbuf(m, b, FB_Q, (size_t)(T * aw->wq_b.n) * 2, false);
     bf16_t *kvr = attention_kv_rows(m);
 
     struct graph_key ka = graph_key_new(m, GSEG_ATTN_IN, l, b);
-    const void *ka_p[] = {X, P, apre, post, comb, y, qr, q, kvr, b->pos};
+    const void *ka_p[] = {X, P, apre, post, comb, y, ya, qr, qra, q, kvr, b->pos};
     for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
     if (b->attn_in_next != l && model_graph_begin(m, b, &ka)) { /* else the block before issued it */
-        block_attn_in(m, l, b, X, apre, post, comb, y, qr, q, P);
+        block_attn_in(m, l, b, X, apre, post, comb, y, ya, qr, qra, q, P);
         model_graph_end(m);
     }
     const int nx = next_attn_in(m, l, b, hooks);
     b->attn_in_next = -1;
-    int rc = attention_forward(m, l, b, y, qr, q, o, hooks);
+    int rc = attention_forward(m, l, b, y, qr, qra, q, o, hooks);
     if (rc == 0) {
         /* FFN: its own mixes from X1; collapses with the attention's pre; hands its pre onwards.
          * The experts are split by id over the TP group: each rank's slot outputs cross the group
@@ -807,21 +836,21 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         }
         bf16_t *sh = model_fbuf(m, b, FB_MOE_SH, (size_t)(T * D) * 2, false);
         struct graph_key kf = graph_key_new(m, one ? GSEG_FFN : GSEG_FFN_IN, l, b);
-        const void *kf_p[] = {X, X1, P, apre, post, comb, y, o, idx, wts, ye, all, sh, oc, og};
+        const void *kf_p[] = {X, X1, P, apre, post, comb, y, ya, o, idx, wts, ye, all, sh, oc, og};
         for (size_t i = 0; i < sizeof kf_p / sizeof *kf_p; i++) graph_key_ptr(&kf, kf_p[i]);
         if (b->eg_at == l) { /* the stage's Engram gathers on this segment's branch (engram_plan) */
             graph_key_ptr(&kf, b->eg_ids);
             graph_key_ptr(&kf, b->eg_rows);
         }
         if (nx >= 0) { /* the next block's attention input in the last segment: its layer and buffers */
-            const void *kn_p[] = {qr, q, kvr, b->pos};
+            const void *kn_p[] = {qr, qra, q, kvr, b->pos};
             graph_key_word(&kf, (uint64_t)nx);
             for (size_t i = 0; i < sizeof kn_p / sizeof *kn_p; i++) graph_key_ptr(&kf, kn_p[i]);
         }
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
             OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D, attention_out_blocks(m));
-            OPS->hc_collapse(m->be, y, X1, apre, T, hc, D, lw->ffn_norm, eps); /* and ffn_norm */
+            block_collapse(m, b, y, ya, X1, apre, lw->ffn_norm);
             /* three lanes: the FFN's mixes (P for the next block, post and comb for the expand
              * below) and the Engram gathers on one branch, the shared expert on another, the
              * router and the routed experts on the main lane */
@@ -831,7 +860,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
                           c->hc_sinkhorn_iters, eps, hc_eps);
             model_branch_end(m);
             model_branch_begin(m);
-            moe_shared(m, l, b, y, sh);
+            moe_shared(m, l, b, y, ya, sh);
             model_branch_end(m);
             moe_routed(m, l, b, y, idx, wts, ye);
             model_branch_join(m);
@@ -852,7 +881,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         }
         if (issue) {
             OPS->hc_expand(m->be, X, owner ? og : o, X1, post, comb, T, hc, D, owner ? np : 1);
-            if (nx >= 0) block_attn_in(m, nx, b, X, apre, post, comb, y, qr, q, P);
+            if (nx >= 0) block_attn_in(m, nx, b, X, apre, post, comb, y, ya, qr, qra, q, P);
             model_graph_end(m);
         }
         b->attn_in_next = nx;
@@ -860,7 +889,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         for (size_t i = 0; i < sizeof mb / sizeof *mb; i++)
             if (mb[i]) model_fbuf_free(m, b, mb[i]);
     }
-    void *bufs[] = {apre, post, comb, y, o, qr, q};
+    void *bufs[] = {apre, post, comb, y, ya, o, qr, qra, q};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) model_fbuf_free(m, b, bufs[i]);
     return rc;
 }

@@ -12,7 +12,8 @@
 enum fbuf_id {
     FB_X, FB_X1, FB_P, FB_POS,              /* the stream, its mix, positions (model_forward_stage) */
     FB_APRE, FB_POST, FB_COMB, FB_Y, FB_O,  /* the block's mixes and its sublayers' input and output */
-    FB_QR, FB_Q,                            /* attention's low-rank query and heads */
+    FB_YA,                                  /* y's activation form (backend_ops.act_bytes), where there is one */
+    FB_QR, FB_QRA, FB_Q,                    /* attention's low-rank query (and its activation form), heads */
     FB_ATTN_O, FB_ATTN_U, FB_ATTN_UF, FB_ATTN_OL, /* attention's heads out, wo_a's out (own, gathered), wo_b's */
     FB_ATTN_UG,                             /* wo_a's out as the all-gather leaves it, [tp, T, Gl·o_lora] */
     FB_MOE_IDX, FB_MOE_WTS, FB_MOE_Y, FB_MOE_ALL, /* routing and the routed experts' slots */
@@ -196,9 +197,14 @@ void seg_free(struct seg_list *l);
  * runs them on a branch), then the rest -> out [T, D] (after the TP gathers), in column blocks as the
  * last gather leaves it: out is [attention_out_blocks(m), T, D / that], which hc_expand reads. */
 bf16_t *attention_kv_rows(struct model *m);
-void attention_project_kv(struct model *m, int layer, struct batch *b, const bf16_t *x);
-void attention_project_q(struct model *m, int layer, struct batch *b, const bf16_t *x, bf16_t *qr, bf16_t *q);
-int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr,
+void attention_project_kv(struct model *m, int layer, struct batch *b, const bf16_t *x, const void *xa);
+/* attention_project_q and _kv as one chain: wq_a + q_norm and wkv + kv_norm in one linear_post_pair,
+ * then wq_b */
+void attention_project_qkv(struct model *m, int layer, struct batch *b, const bf16_t *x, const void *xa, bf16_t *qr,
+                           void *qra, bf16_t *q);
+void attention_project_q(struct model *m, int layer, struct batch *b, const bf16_t *x, const void *xa, bf16_t *qr,
+                         void *qra, bf16_t *q);
+int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr, const void *qra,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks);
 static inline int64_t attention_out_blocks(const struct model *m) { return m->tp_size; }
 

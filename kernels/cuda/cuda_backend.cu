@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "cuda_internal.h"
+#include "linear_mma.h"
 #include "cuda_linear.h"
 #include "formats.h"
 
@@ -761,6 +762,11 @@ static void cu_tensor_release(struct backend *be, const void *dptr) {
         }
 }
 
+/* The tensor-core linears' activation form (linear_mma.h), none for the exact ones. */
+static size_t cu_act_bytes(struct backend *be, int64_t T, int64_t k) {
+    return cb(be)->mma && T > 0 && k % 32 == 0 ? cuda_linear_mma_act_bytes(T, k) : 0;
+}
+
 static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .alloc = cu_alloc,
@@ -779,6 +785,7 @@ static const struct backend_ops cuda_ops = {
     .tensor_release = cu_tensor_release,
     .linear = cuda_op_linear,
     .linear_post = cuda_op_linear_post,
+    .linear_post_pair = cuda_op_linear_post_pair,
     .linear_f32 = cuda_op_linear_f32,
     .grouped_linear = cuda_op_grouped_linear,
     .head = cuda_op_head,
@@ -793,6 +800,8 @@ static const struct backend_ops cuda_ops = {
     .hc_mixes = cuda_op_hc_mixes,
     .hc_prepare = cuda_op_hc_prepare,
     .hc_collapse = cuda_op_hc_collapse,
+    .act_bytes = cu_act_bytes,
+    .hc_collapse_act = cuda_op_hc_collapse_act,
     .hc_expand = cuda_op_hc_expand,
     .hc_init = cuda_op_hc_init,
     .embed = cuda_op_embed,
@@ -810,6 +819,7 @@ static const struct backend_ops cuda_ops = {
     .moe_experts = cuda_op_moe_experts,
     .moe_combine = cuda_op_moe_combine,
     .shared_expert = cuda_op_shared_expert,
+    .shared_expert_act = cuda_op_shared_expert_act,
     .interleave = cuda_op_interleave,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,

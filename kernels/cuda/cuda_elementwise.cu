@@ -23,6 +23,8 @@
 
 #include "cuda_rows.cuh"
 #include "rope_common.cuh"
+#include "linear_mma.h"
+#include "mma_sm80.cuh"
 
 /* ---------------------------------------------------------------------------------------------
  * RMSNorm: one CTA of RMS_WARPS warps per row, the sum of squares by torch_sum_block (a row of
@@ -259,17 +261,17 @@ static void qdq_launch(struct backend *be, bf16_t *x, int64_t n, int64_t block, 
  * left it unfolded (parts [nch][T][n] fp32, CUDA_MMA_OUT_PARTS), folded and rounded to bf16 as the
  * linear's chunk fold would (mma_fold_chunks, mma_fold_bf16) into shared memory first: linear_post's
  * projection + norm, the fold's launch and the bf16 row's round trip saved, the same bits. */
-template <int MODE, bool PARTS>
-__global__ void __launch_bounds__(RMS_WARPS * 32)
-    rmsnorm_post_kernel(uint16_t *y, const uint16_t *x, const float *__restrict__ parts, int nch,
-                        const uint16_t *__restrict__ w, int64_t n, float eps, int64_t off, int64_t rd,
-                        const int32_t *__restrict__ pos, const float *__restrict__ freqs) {
+/* One row of rmsnorm_post_kernel (a CTA's), in shared memory the caller's kernel declares: l0
+ * [TSB_CAP · 64], r_s [1], cs_s [RMS_WARPS · 32], xs [RMS_PRE · RMS_WARPS · 256] (PARTS). PARTS: the
+ * row's partials start at parts + row · ldp, one chunk's cs floats apart (the pair form reads its
+ * half of a pair linear's [nch][T][n1 + n2] partials). */
+template <int MODE, bool PARTS, bool ACT>
+__device__ __forceinline__ void rmsnorm_post_row(int64_t row, uint16_t *y, const uint16_t *x, const float *__restrict__ parts,
+                                                 int64_t ldp, int64_t cs, int nch, const uint16_t *__restrict__ w,
+                                                 int64_t n, float eps, int64_t off, int64_t rd,
+                                                 const int32_t *__restrict__ pos, const float *__restrict__ freqs,
+                                                 uint32_t *ya, float *l0, float *r_s, float2 *cs_s, uint16_t *xs) {
     constexpr int STEP = RMS_WARPS * 32 * 8;
-    __shared__ float l0[TSB_CAP * 64];
-    __shared__ float r_s;
-    __shared__ float2 cs_s[RMS_WARPS * 32]; /* (cos, sin) of each rotary pair */
-    __shared__ __align__(16) uint16_t xs[PARTS ? RMS_PRE * STEP : 8]; /* PARTS: the folded row [n] bf16 */
-    const int64_t row = blockIdx.x;
     const uint16_t *xr = PARTS ? xs : x + row * n; /* [n] bf16 */
     uint16_t *yr = y + row * n;                    /* [n] bf16 */
     uint4 wp[RMS_PRE];
@@ -286,12 +288,11 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
      * step's path */
     if (threadIdx.x < rd / 2) cs_s[threadIdx.x] = rope_cs(pos[row], freqs[threadIdx.x]);
     if constexpr (PARTS) {
-        const int64_t cs = (int64_t)gridDim.x * n; /* T·n (a CTA a row): one chunk's partials */
         /* 4 values a step, one 16-byte load a chunk; the weights are fetched after it, during the
          * statistic (held across the fold, the SM90 compiler spilled the QDQ forms) */
 #pragma unroll 1
         for (int64_t e = (int64_t)threadIdx.x * 4; e < n; e += RMS_WARPS * 32 * 4) {
-            const float4 v = mma_fold_chunks4(reinterpret_cast<const float4 *>(parts + row * n + e), cs / 4, nch);
+            const float4 v = mma_fold_chunks4(reinterpret_cast<const float4 *>(parts + row * ldp + e), cs / 4, nch);
             *reinterpret_cast<uint2 *>(xs + e) =
                 make_uint2((uint32_t)mma_fold_bf16(v.x) | ((uint32_t)mma_fold_bf16(v.y) << 16),
                            (uint32_t)mma_fold_bf16(v.z) | ((uint32_t)mma_fold_bf16(v.w) << 16));
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
         __syncthreads();
         prefetch_w();
     }
-    const float r = row_rstd_block(xr, n, eps, l0, &r_s);
+    const float r = row_rstd_block(xr, n, eps, l0, r_s);
 #pragma unroll
     for (int p = 0; p < RMS_PRE; p++) {
         if ((int64_t)p * STEP >= n) continue; /* CTA-uniform */
@@ -318,15 +319,73 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
             for (int i = 0; i < 8; i += 2) {
                 const int64_t q = e + i - off; /* even */
                 if (q < 0 || q >= rd) continue;
-                const float2 cs = cs_s[q / 2];
+                const float2 c = cs_s[q / 2];
                 uint16_t o0, o1;
-                rope_rotate(v[i], v[i + 1], cs.x, cs.y, o0, o1);
+                rope_rotate(v[i], v[i + 1], c.x, c.y, o0, o1);
                 v[i] = ds_bf16f(o0), v[i + 1] = ds_bf16f(o1);
             }
         }
         if constexpr (MODE >= 0) qdq_group<MODE, 8>(v);
         if (on) *reinterpret_cast<uint4 *>(yr + e) = pack8(v);
+        if constexpr (ACT) { /* y's act quant (linear_post's ya): v holds its bf16 values, every lane on */
+            uint32_t o[4];
+            mma_quant8(v, o);
+            if (on) mma_store_perm8(ya + (row * n + e) / 32 * 16, (int)((e >> 3) & 3), o);
+        }
     }
+}
+
+template <int MODE, bool PARTS, bool ACT = false>
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    rmsnorm_post_kernel(uint16_t *y, const uint16_t *x, const float *__restrict__ parts, int nch,
+                        const uint16_t *__restrict__ w, int64_t n, float eps, int64_t off, int64_t rd,
+                        const int32_t *__restrict__ pos, const float *__restrict__ freqs, uint32_t *ya = nullptr) {
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float r_s;
+    __shared__ float2 cs_s[RMS_WARPS * 32]; /* (cos, sin) of each rotary pair */
+    __shared__ __align__(16) uint16_t xs[PARTS ? RMS_PRE * RMS_WARPS * 32 * 8 : 8]; /* PARTS: the folded row [n] bf16 */
+    /* T·n between chunks (a CTA a row) */
+    rmsnorm_post_row<MODE, PARTS, ACT>(blockIdx.x, y, x, parts, n, (int64_t)gridDim.x * n, nch, w, n, eps, off, rd, pos,
+                                       freqs, ya, l0, &r_s, cs_s, xs);
+}
+
+/* linear_post_pair's norms in one launch (cuda_op_linear_post_pair): CTA (row, half) folds and
+ * normalizes its half of a pair linear's partials (parts [nch][T][n1 + n2] fp32): half 0 columns
+ * 0 .. n1 - 1 with no QDQ (and y's act form where ya0 is given), half 1 the rest with QDQ MODE1;
+ * each with its own weights, eps and RoPE. The two norms' bits, one launch and no two one-CTA
+ * norms side by side on two lanes. */
+struct rms_pair_half {
+    uint16_t *y;
+    const uint16_t *w;
+    int64_t n, col, off, rd;
+    float eps;
+    const int32_t *pos;
+    const float *freqs;
+};
+template <int MODE1, bool ACT0>
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    rmsnorm_post_pair_kernel(const float *__restrict__ parts, int64_t ldp, int nch, rms_pair_half h0, rms_pair_half h1,
+                             uint32_t *ya0) {
+    __shared__ float l0[TSB_CAP * 64];
+    __shared__ float r_s;
+    __shared__ float2 cs_s[RMS_WARPS * 32];
+    __shared__ __align__(16) uint16_t xs[RMS_PRE * RMS_WARPS * 32 * 8];
+    const int64_t cs = (int64_t)gridDim.x * ldp;
+    const bool second = blockIdx.y != 0;
+    /* the half's parameters picked first, so the two bodies share their registers' setup */
+    uint16_t *y = second ? h1.y : h0.y;
+    const uint16_t *w = second ? h1.w : h0.w;
+    const int64_t n = second ? h1.n : h0.n, col = second ? h1.col : h0.col, off = second ? h1.off : h0.off,
+                  rd = second ? h1.rd : h0.rd;
+    const float eps = second ? h1.eps : h0.eps;
+    const int32_t *pos = second ? h1.pos : h0.pos;
+    const float *freqs = second ? h1.freqs : h0.freqs;
+    if (!second)
+        rmsnorm_post_row<-1, true, ACT0>(blockIdx.x, y, NULL, parts + col, ldp, cs, nch, w, n, eps, off, rd, pos, freqs,
+                                          ya0, l0, &r_s, cs_s, xs);
+    else
+        rmsnorm_post_row<MODE1, true, false>(blockIdx.x, y, NULL, parts + col, ldp, cs, nch, w, n, eps, off, rd, pos,
+                                             freqs, NULL, l0, &r_s, cs_s, xs);
 }
 
 bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post) {
@@ -367,11 +426,52 @@ static bool rmsnorm_post_launch(struct backend *be, bf16_t *y, const bf16_t *x, 
 }
 
 void cuda_rmsnorm_post_parts(struct backend *be, bf16_t *y, const float *parts, int nch, const bf16_t *w, int64_t T,
-                             int64_t n, float eps, const struct norm_post *post) {
+                             int64_t n, float eps, const struct norm_post *post, void *ya) {
     if (T <= 0) return;
     if (!cuda_rmsnorm_post_shape(T, n, y, w, post) || !al16(parts) || nch < 1)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda rmsnorm (linear_post)", "a shape the one-pass norm refuses");
+    if (ya && post->qdq == NORM_QDQ_NONE && al16(ya)) { /* y's act form in the same pass (the query chain's qr) */
+        rmsnorm_post_kernel<-1, true, true><<<dim3((unsigned)T), dim3(RMS_WARPS * 32), 0, cuda_be_stream(be)>>>(
+            y, NULL, parts, nch, w, n, eps, post->off, post->rd, post->pos, post->freqs, (uint32_t *)ya);
+        KERNEL_CHECK();
+        return;
+    }
     rmsnorm_post_run<true>(be, y, NULL, parts, nch, w, T, n, eps, post);
+    if (ya) cuda_linear_mma_act_quant((uint16_t *)ya, (const uint16_t *)y, T, n, (void *)cuda_be_stream(be));
+}
+
+bool cuda_rmsnorm_post_pair_shape(int64_t T, const float *parts, int64_t n1, const void *y1, const void *w1,
+                                  const struct norm_post *p1, const void *ya1, int64_t n2, const void *y2, const void *w2,
+                                  const struct norm_post *p2) {
+    return cuda_rmsnorm_post_shape(T, n1, y1, w1, p1) && cuda_rmsnorm_post_shape(T, n2, y2, w2, p2) &&
+           p1->qdq == NORM_QDQ_NONE && al16(parts) && n1 % 4 == 0 && n2 % 4 == 0 && (!ya1 || al16(ya1));
+}
+
+void cuda_rmsnorm_post_parts_pair(struct backend *be, const float *parts, int nch, int64_t T, bf16_t *y1,
+                                  const bf16_t *w1, int64_t n1, float eps1, const struct norm_post *p1, void *ya1,
+                                  bf16_t *y2, const bf16_t *w2, int64_t n2, float eps2, const struct norm_post *p2) {
+    if (T <= 0) return;
+    if (!cuda_rmsnorm_post_pair_shape(T, parts, n1, y1, w1, p1, ya1, n2, y2, w2, p2) || nch < 1)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda rmsnorm (linear_post_pair)", "a shape the pair norm refuses");
+    const rms_pair_half h0 = {(uint16_t *)y1, (const uint16_t *)w1, n1, 0, p1->off, p1->rd, eps1, p1->pos, p1->freqs};
+    const rms_pair_half h1 = {(uint16_t *)y2, (const uint16_t *)w2, n2, n1, p2->off, p2->rd, eps2, p2->pos, p2->freqs};
+    const dim3 grid((unsigned)T, 2), block(RMS_WARPS * 32);
+    cudaStream_t st = cuda_be_stream(be);
+    const int64_t ldp = n1 + n2;
+    uint32_t *ya = (uint32_t *)ya1;
+#define PAIR_LAUNCH(M)                                                                                                 \
+    do {                                                                                                               \
+        if (ya) rmsnorm_post_pair_kernel<M, true><<<grid, block, 0, st>>>(parts, ldp, nch, h0, h1, ya);                \
+        else rmsnorm_post_pair_kernel<M, false><<<grid, block, 0, st>>>(parts, ldp, nch, h0, h1, NULL);                \
+    } while (0)
+    switch (p2->qdq) {
+    case NORM_QDQ_NONE: PAIR_LAUNCH(-1); break;
+    case NORM_QDQ_FP8_32: PAIR_LAUNCH(QDQ_FP8_32); break;
+    case NORM_QDQ_FP4_32: PAIR_LAUNCH(QDQ_FP4_32); break;
+    default: ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "rmsnorm", "unknown QDQ mode after the norm");
+    }
+#undef PAIR_LAUNCH
+    KERNEL_CHECK();
 }
 
 /* y [T, n] bf16 = a tensor-core linear's unfolded partials (parts [nch][T][n] fp32) folded and

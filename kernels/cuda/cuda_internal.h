@@ -65,6 +65,9 @@ size_t cuda_be_garena_need(struct backend *be);
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W);
 void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W,
                          const struct linear_post *lp);
+void cuda_op_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y2, const bf16_t *x, int64_t T,
+                              const struct qweight *W1, const struct linear_post *lp1, const struct qweight *W2,
+                              const struct linear_post *lp2);
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W);
 /* linear_f32's sums as the tensor-core tilings leave them under the mma switch, unfolded
  * (CUDA_MMA_OUT_PARTS): parts [nch][T][n] fp32, whose fold in chunk order (mma_fold_chunks) is
@@ -89,7 +92,15 @@ void cuda_op_row_lse(struct backend *be, struct be_lse_part *out, const float *x
 void cuda_norm_qdq(struct backend *be, bf16_t *y, int64_t n, enum norm_qdq q);
 bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post);
 void cuda_rmsnorm_post_parts(struct backend *be, bf16_t *y, const float *parts, int nch, const bf16_t *w, int64_t T,
-                             int64_t n, float eps, const struct norm_post *post);
+                             int64_t n, float eps, const struct norm_post *post, void *ya);
+/* linear_post_pair's norms, both halves of a pair linear's partials (parts [nch][T][n1 + n2]) in
+ * one launch: half 1 without QDQ (ya1: y1's act form, or NULL), half 2 with any */
+bool cuda_rmsnorm_post_pair_shape(int64_t T, const float *parts, int64_t n1, const void *y1, const void *w1,
+                                  const struct norm_post *p1, const void *ya1, int64_t n2, const void *y2, const void *w2,
+                                  const struct norm_post *p2);
+void cuda_rmsnorm_post_parts_pair(struct backend *be, const float *parts, int nch, int64_t T, bf16_t *y1,
+                                  const bf16_t *w1, int64_t n1, float eps1, const struct norm_post *p1, void *ya1,
+                                  bf16_t *y2, const bf16_t *w2, int64_t n2, float eps2, const struct norm_post *p2);
 bool cuda_rope_parts_shape(int64_t n, int64_t head, const void *y, const struct norm_post *post);
 void cuda_rope_parts(struct backend *be, bf16_t *y, const float *parts, int nch, int64_t T, int64_t n, int64_t head,
                      const struct norm_post *post);
@@ -115,6 +126,8 @@ void cuda_op_hc_mixes(struct backend *be, float *pre, float *post, float *comb, 
 void cuda_op_hc_prepare(struct backend *be, const float *fn, int64_t hc, int64_t D);
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                          int64_t D, const bf16_t *norm_w, float eps);
+void cuda_op_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16_t *X, const float *p, int64_t T,
+                             int64_t hc, int64_t D, const bf16_t *norm_w, float eps);
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                        const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks);
 void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
@@ -153,6 +166,8 @@ void cuda_op_moe_combine(struct backend *be, bf16_t *out, const bf16_t *y, const
                          int64_t ld_sh, int64_t T, int64_t k, int64_t D, int64_t per_part, int64_t P);
 void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
                            const struct qweight *w3, const struct qweight *w2, float limit);
+void cuda_op_shared_expert_act(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                               const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit);
 
 /* ---- moe_mma_sm80.cu: moe_experts on the tensor cores (cuda_op_moe_experts calls it when the mma
  * switch is on, after checking the shapes) ---- */

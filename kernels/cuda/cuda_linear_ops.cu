@@ -686,21 +686,65 @@ void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t
     const bool post_ok = lp->norm_w ? cuda_rmsnorm_post_shape(T, n, y, lp->norm_w, p) : cuda_rope_parts_shape(n, lp->head, y, p);
     if (!lin_ok || !post_ok) {
         be_linear_post_composed(be, y, x, T, W, lp);
+        if (lp->ya) /* y's act form, which the ops in turn do not make */
+            cuda_linear_mma_act_quant((uint16_t *)lp->ya, (const uint16_t *)y, T, n, (void *)cuda_be_stream(be));
         return;
     }
     const int64_t nch = cuda_linear_mma_chunks(k);
+    const bool pre = quant && lp->xa; /* x's act form from the norm that made it (cuda_op_hc_collapse_act) */
     const size_t pb = ((size_t)nch * (size_t)(T * n) * sizeof(float) + 15) & ~(size_t)15;
-    const size_t ab = quant ? cuda_linear_mma_act_bytes(T, k) : 0;
+    const size_t ab = quant && !pre ? cuda_linear_mma_act_bytes(T, k) : 0;
     uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + ab);
     float *parts = (float *)buf; /* [nch][T][n] fp32 */
-    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS, (int)W->fmt, (uint16_t *)parts, x, T, W->w, W->s, n, k, W->ld,
-                           W->s_ld, quant ? buf + pb : NULL, (void *)cuda_be_stream(be));
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS | (pre ? CUDA_MMA_PREQUANT : 0), (int)W->fmt,
+                           (uint16_t *)parts, pre ? (const uint16_t *)lp->xa : x, T, W->w, W->s, n, k, W->ld, W->s_ld,
+                           quant && !pre ? buf + pb : NULL, (void *)cuda_be_stream(be));
     if (lp->norm_w) {
-        cuda_rmsnorm_post_parts(be, y, parts, (int)nch, lp->norm_w, T, n, lp->eps, p);
+        cuda_rmsnorm_post_parts(be, y, parts, (int)nch, lp->norm_w, T, n, lp->eps, p, lp->ya);
     } else {
         cuda_rope_parts(be, y, parts, (int)nch, T, n, lp->head, p);
         cuda_norm_qdq(be, y, T * n, p->qdq);
+        if (lp->ya) cuda_linear_mma_act_quant((uint16_t *)lp->ya, (const uint16_t *)y, T, n, (void *)cuda_be_stream(be));
     }
+    cuda_be_scratch_free(be, buf);
+}
+
+/* linear_post_pair under the mma switch: one pair linear (cuda_linear_mma_pair: W1's and W2's
+ * outputs side by side, [nch][T][n1 + n2] partials) and one launch of both norms
+ * (cuda_rmsnorm_post_parts_pair), each output with its own linear_post's bits (the linear's per-row
+ * order does not depend on the other weight; the norm's fold and arithmetic are linear_post's).
+ * For the attention's wq_a + q_norm beside wkv + kv_norm: two launches where the two chains took
+ * four or six, on one lane. Where the two do not fit one call (formats, k, strides, one k-chunk, a
+ * QDQ after the first norm, shapes): the two linear_posts in turn. */
+void cuda_op_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y2, const bf16_t *x, int64_t T,
+                              const struct qweight *W1, const struct linear_post *lp1, const struct qweight *W2,
+                              const struct linear_post *lp2) {
+    if (T <= 0) return;
+    const int64_t n1 = W1->n, n2 = W2->n, k = W1->k;
+    const bool quant = W1->fmt == WF_FP8 || W1->fmt == WF_FP4;
+    const int64_t nch = cuda_linear_mma_chunks(k);
+    const bool same = W1->fmt == W2->fmt && W2->k == k && W1->ld == W2->ld && W1->s_ld == W2->s_ld &&
+                      lp1->xa == lp2->xa && !lp2->ya && lp1->norm_w && lp2->norm_w && n1 % 32 == 0 &&
+                      ((uintptr_t)W2->w & 15) == 0 && (!quant || W2->s) &&
+                      /* the prefill tilings take a pair only with its seam between CTA tiles */
+                      (n1 % CUDA_MMA_PAIR_SEAM == 0 || T <= CUDA_MMA_DECODE_AUTO_T);
+    if (!same || !linear_mma_ok(be, x, W1) || !linear_mma_ok(be, x, W2) || nch < 2 ||
+        !cuda_rmsnorm_post_pair_shape(T, NULL, n1, y1, lp1->norm_w, &lp1->post, lp1->ya, n2, y2, lp2->norm_w,
+                                      &lp2->post)) {
+        cuda_op_linear_post(be, y1, x, T, W1, lp1);
+        cuda_op_linear_post(be, y2, x, T, W2, lp2);
+        return;
+    }
+    const bool pre = quant && lp1->xa; /* x's act form from the norm that made it */
+    const size_t pb = ((size_t)nch * (size_t)(T * (n1 + n2)) * sizeof(float) + 15) & ~(size_t)15;
+    const size_t ab = quant && !pre ? cuda_linear_mma_act_bytes(T, k) : 0;
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + ab);
+    float *parts = (float *)buf; /* [nch][T][n1 + n2] fp32 */
+    cuda_linear_mma_pair(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS | (pre ? CUDA_MMA_PREQUANT : 0), (int)W1->fmt,
+                         (uint16_t *)parts, pre ? (const uint16_t *)lp1->xa : x, T, W1->w, W1->s, n1, W2->w, W2->s, n2,
+                         k, W1->ld, W1->s_ld, quant && !pre ? buf + pb : NULL, (void *)cuda_be_stream(be));
+    cuda_rmsnorm_post_parts_pair(be, parts, (int)nch, T, y1, lp1->norm_w, n1, lp1->eps, &lp1->post, lp1->ya, y2,
+                                 lp2->norm_w, n2, lp2->eps, &lp2->post);
     cuda_be_scratch_free(be, buf);
 }
 

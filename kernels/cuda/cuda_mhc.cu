@@ -7,6 +7,7 @@
 
 #include "cuda_rows.cuh"
 #include "linear_mma.h"
+#include "mma_sm80.cuh"
 
 
 /* ---------------------------------------------------------------------------------------------
@@ -575,10 +576,10 @@ __global__ void __launch_bounds__(EW_THREADS)
 #define HCN_WARPS 20
 #define HCN_WARPS_NARROW RMS_WARPS /* above ROW_WIDE_T rows: 1.54 -> 2.05 ms a 2K-token prefill with 20 */
 
-template <int HC, int WARPS>
+template <int HC, int WARPS, bool ACT>
 __global__ void __launch_bounds__(WARPS * 32)
-    hc_collapse_norm_kernel(uint16_t *__restrict__ y, const uint16_t *__restrict__ X, const float *__restrict__ p,
-                            const uint16_t *__restrict__ w, int64_t D, float eps) {
+    hc_collapse_norm_kernel(uint16_t *__restrict__ y, uint32_t *__restrict__ ya, const uint16_t *__restrict__ X,
+                            const float *__restrict__ p, const uint16_t *__restrict__ w, int64_t D, float eps) {
     constexpr int STEP = WARPS * 32 * 8, NP = (HCN_MAX_D + STEP - 1) / STEP;
     __shared__ __align__(16) uint16_t ys[HCN_MAX_D]; /* the row's collapsed y [D] bf16 */
     __shared__ float l0[TSB_CAP * 64];
@@ -620,7 +621,14 @@ __global__ void __launch_bounds__(WARPS * 32)
         unpack8(wp[q], wv);
 #pragma unroll
         for (int i = 0; i < 8; i++) xv[i] = __fmul_rn(wv[i], __fmul_rn(xv[i], r));
-        *reinterpret_cast<uint4 *>(y + t * D + e) = pack8(xv);
+        const uint4 yo = pack8(xv);
+        *reinterpret_cast<uint4 *>(y + t * D + e) = yo;
+        if (ACT) { /* y's act quant from its bf16 values, as mma_act_quant_body (D % 256 == 0: whole warps) */
+            uint32_t o[4];
+            unpack8(yo, xv);
+            mma_quant8(xv, o);
+            mma_store_perm8(ya + (t * D + e) / 32 * 16, (int)((e >> 3) & 3), o);
+        }
     }
 }
 
@@ -634,10 +642,11 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
 #define HCN_CASE(H)                                                                                                    \
     case H:                                                                                                            \
         if (T <= ROW_WIDE_T)                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS><<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, X, p, norm_w, D, eps);    \
+            hc_collapse_norm_kernel<H, HCN_WARPS, false>                                                               \
+                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, NULL, X, p, norm_w, D, eps);                               \
         else                                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW>                                                               \
-                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, X, p, norm_w, D, eps);                              \
+            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, false>                                                        \
+                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, NULL, X, p, norm_w, D, eps);                        \
         break;
             HCN_CASE(1)
             HCN_CASE(2)
@@ -659,6 +668,48 @@ void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const f
         hc_collapse_kernel<1><<<ew_blocks(T * D, EW_THREADS), EW_THREADS, 0, st>>>(y, X, p, T, hc, D);
     KERNEL_CHECK();
     if (norm_w) cuda_op_rmsnorm(be, y, y, norm_w, T, D, eps, NULL);
+}
+
+/* hc_collapse with norm_w, and ya = y's activation form (cuda_linear_mma_act_bytes(T, D)): the
+ * collapse-norm kernel quantizes each row's bf16 outputs as it stores them (mma_quant8 on the
+ * values it holds, the k-permuted store of mma_act_quant_kernel), so the linears after it skip
+ * their act-quant launch (CUDA_MMA_PREQUANT); the same bits as hc_collapse, then the act quant.
+ * Where the one pass cannot take the shape (D not a multiple of 256: a warp's 8-wide chunks would
+ * end mid-warp, and its shuffles need every lane), the two. */
+void cuda_op_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16_t *X, const float *p, int64_t T,
+                             int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
+    if (T <= 0 || D <= 0 || hc <= 0) return;
+    cudaStream_t st = cuda_be_stream(be);
+    if (norm_w && D % 256 == 0 && D <= HCN_MAX_D && al16(y) && al16(ya) && al16(X) && al16(norm_w) && T <= 0x7fffffff) {
+        bool done = true;
+        uint32_t *q = (uint32_t *)ya;
+        switch (hc) {
+#define HCA_CASE(H)                                                                                                    \
+    case H:                                                                                                            \
+        if (T <= ROW_WIDE_T)                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS, true>                                                                \
+                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, q, X, p, norm_w, D, eps);                                  \
+        else                                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, true>                                                         \
+                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, q, X, p, norm_w, D, eps);                           \
+        break;
+            HCA_CASE(1)
+            HCA_CASE(2)
+            HCA_CASE(3)
+            HCA_CASE(4)
+            HCA_CASE(6)
+            HCA_CASE(8)
+#undef HCA_CASE
+        default: done = false;
+        }
+        if (done) {
+            KERNEL_CHECK();
+            return;
+        }
+    }
+    cuda_op_hc_collapse(be, y, X, p, T, hc, D, norm_w, eps);
+    if (D % 32) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "hc_collapse_act", "D is not a multiple of 32");
+    cuda_linear_mma_act_quant((uint16_t *)ya, (const uint16_t *)y, T, D, (void *)st);
 }
 
 /* y's element (t, d) when y is [D / Db, T, Db] (the op's y_blocks; Db = D: [T, D]). A VEC-wide run

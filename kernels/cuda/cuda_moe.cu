@@ -882,8 +882,8 @@ static bool quantized(enum wfmt f) { return f == WF_FP8 || f == WF_FP4; }
  * the two calls: batch 1 4.48 4.48 4.65 -> 4.38 4.36 4.39, batch 8 7.08 7.10 7.16 -> 7.02 6.93
  * 6.99, batch 64 15.52 15.54 15.58 -> 15.34 15.23 15.41, batch 32 10.73 10.78 10.83 -> 10.82
  * 10.66 10.81. */
-static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
-                              const struct qweight *w3, const struct qweight *w2, float limit) {
+static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                              const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
     const int64_t I = w1->n, D = w1->k, Do = w2->n, nch = cuda_linear_mma_chunks(D);
     cudaStream_t st = cuda_be_stream(be);
     const size_t xqb = cuda_linear_mma_act_bytes(T, D), hqb = cuda_linear_mma_act_bytes(T, I);
@@ -894,7 +894,10 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, in
     uint16_t *xq = (uint16_t *)buf, *hq = (uint16_t *)(buf + xqb);
     float *gp = (float *)(buf + xqb + hqb), *up; /* [nch][T][*] fp32 */
     void *ws = gp;
-    cuda_linear_mma_act_quant(xq, x, T, D, st);
+    if (xa) /* x's act form from the norm that made x (cuda_op_hc_collapse_act) */
+        xq = (uint16_t *)xa;
+    else
+        cuda_linear_mma_act_quant(xq, x, T, D, st);
     const int tl = CUDA_MMA_AUTO | CUDA_MMA_PREQUANT;
     /* (I % 32 == 0, which the pair's seam needs, is this path's own condition) */
     const bool pair = (T <= CUDA_MMA_DECODE_AUTO_T || (T <= CUDA_MMA_NARROW_MAX_T && I % CUDA_MMA_PAIR_SEAM == 0)) &&
@@ -928,7 +931,7 @@ void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64
     const int64_t I = w1->n;
     if (cuda_be_mma(be) && quantized(w1->fmt) && quantized(w3->fmt) && quantized(w2->fmt) && I % 32 == 0 &&
         w1->k % 32 == 0) {
-        shared_expert_mma(be, y, x, T, w1, w3, w2, limit);
+        shared_expert_mma(be, y, x, NULL, T, w1, w3, w2, limit);
         return;
     }
     bf16_t *g = (bf16_t *)cuda_be_scratch_raw(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
@@ -939,4 +942,16 @@ void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64
     KERNEL_CHECK();
     cuda_op_linear(be, y, g, T, w2);
     cuda_be_scratch_free(be, g);
+}
+
+/* shared_expert with x's activation form xa (backend.h's act_bytes): the same work less x's act quant.
+ * Where the tensor-core path does not take the call, xa is not needed (shared_expert as it is). */
+void cuda_op_shared_expert_act(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                               const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
+    if (T > 0 && cuda_be_mma(be) && quantized(w1->fmt) && quantized(w3->fmt) && quantized(w2->fmt) && w1->n % 32 == 0 &&
+        w1->k % 32 == 0 && w3->n == w1->n && w3->k == w1->k && w2->k == w1->n) {
+        shared_expert_mma(be, y, x, xa, T, w1, w3, w2, limit);
+        return;
+    }
+    cuda_op_shared_expert(be, y, x, T, w1, w3, w2, limit);
 }

@@ -5,7 +5,10 @@
  * may produce for a fused op, given backend.h's rounding points and tolerances.h's freedoms. */
 #include "cuda_weights_ref.h"
 #ifdef DS_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "cuda/cuda_router.h"
+#include "cuda/linear_mma.h"
 #endif
 
 /* ---------------------------------------------------------------------------------------------
@@ -666,10 +669,30 @@ static void shared_expert_case(const char *name, int64_t T, int64_t D, int64_t I
     void *dx = g_in(x, (size_t)(T * D) * 2), *dy = g_out((size_t)(T * D) * 2, PZ_16);
     GPU->shared_expert(&gpu_be, dy, dx, T, &g1, &g3, &g2, limit);
     g_get(yg, dy, (size_t)(T * D) * 2);
-    g_free(dx);
     g_free(dy);
-    double *lo = NEW(double, D), *hi = NEW(double, D);
     struct cmp c;
+#ifdef DS_HAVE_CUDA
+    /* with x's activation form (shared_expert_act, under the mma switch): the same bits */
+    if (gpu_state == 1 && GPU->shared_expert_act && GPU->act_bytes && GPU->act_bytes(&gpu_be, T, D)) {
+        const size_t ab = GPU->act_bytes(&gpu_be, T, D);
+        void *dq = g_out(ab, PZ_16);
+        cuda_linear_mma_act_quant(dq, dx, T, D, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream */
+        bf16_t *ya = NEW(bf16_t, T * D);
+        dy = g_out((size_t)(T * D) * 2, PZ_16);
+        GPU->shared_expert_act(&gpu_be, dy, dx, dq, T, &g1, &g3, &g2, limit);
+        g_get(ya, dy, (size_t)(T * D) * 2);
+        g_free(dy);
+        g_free(dq);
+        cmp_begin(&c, "shared_expert_act", "%s T=%lld = shared_expert", name, (long long)T);
+        cmp_bf16_exact(&c, ya, yg, T * D);
+        cmp_end(&c);
+        free(ya);
+    }
+#endif
+    g_free(dx);
+    double *lo = NEW(double, D), *hi = NEW(double, D);
+
     cmp_begin(&c, "shared_expert", "%s T=%lld", name, (long long)T);
     for (int64_t t = 0; t < T; t++) {
         expert_model(x + t * D, &w1.q, &w3.q, &w2.q, false, 0.0f, limit, lo, hi);

@@ -350,7 +350,7 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
     struct norm_in a = norm_in_new(T, n, rd);
     struct qweight gw = g_weight(&h->q, false);
     bf16_t *dx = g_in(x, (size_t)(T * k) * 2);
-    const struct linear_post lp = {norm ? a.dw : NULL, 1e-6f, head, {off, rd, a.dpos, a.df, q}};
+    const struct linear_post lp = {norm ? a.dw : NULL, 1e-6f, head, {off, rd, a.dpos, a.df, q}, NULL, NULL};
     bf16_t *dy = g_out((size_t)(T * n) * 2, PZ_16);
     be_linear_post_composed(&gpu_be, dy, dx, T, &gw, &lp); /* the ops in turn */
     g_get(yc, dy, (size_t)(T * n) * 2);
@@ -359,17 +359,158 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
     be_linear_post(&gpu_be, dy, dx, T, &gw, &lp); /* the op */
     g_get(yg, dy, (size_t)(T * n) * 2);
     g_free(dy);
+    struct cmp c;
+#ifdef DS_HAVE_CUDA
+    /* the op reading x's activation form (lp.xa, as hc_collapse_act leaves it): the same bits */
+    if (gpu_state == 1 && mma && GPU->act_bytes && GPU->act_bytes(&gpu_be, T, k)) {
+        const size_t ab = GPU->act_bytes(&gpu_be, T, k);
+        void *dq = g_out(ab, PZ_16);
+        cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream */
+        /* and y's own act form (lp.ya, as the query chain's qr takes it), where n allows one:
+         * the act quant kernel's of y, bit for bit */
+        const size_t abn = n % 32 ? 0 : GPU->act_bytes(&gpu_be, T, n);
+        struct linear_post lpa = lp;
+        lpa.xa = dq;
+        void *dqy = abn ? g_out(abn, PZ_16) : NULL;
+        lpa.ya = dqy;
+        bf16_t *ya = NEW(bf16_t, T * n);
+        dy = g_out((size_t)(T * n) * 2, PZ_16);
+        be_linear_post(&gpu_be, dy, dx, T, &gw, &lpa);
+        g_get(ya, dy, (size_t)(T * n) * 2);
+        cmp_begin(&c, "linear_post xa", "%s T=%lld = without it%s", name, (long long)T, abn ? ", ya its act form" : "");
+        cmp_bf16_exact(&c, ya, yg, T * n);
+        if (abn) {
+            bf16_t *qg = NEW(bf16_t, T * n), *qr = NEW(bf16_t, T * n);
+            void *dqr = g_out(abn, PZ_16);
+            g_get(qg, dqy, (size_t)(T * n) * 2);
+            cuda_linear_mma_act_quant(dqr, dy, T, n, NULL);
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            g_get(qr, dqr, (size_t)(T * n) * 2);
+            cmp_bf16_exact(&c, qg, qr, T * n);
+            g_free(dqr);
+            g_free(dqy);
+            free(qg), free(qr);
+        }
+        cmp_end(&c);
+        g_free(dy);
+        g_free(dq);
+        free(ya);
+    }
+#endif
     g_free(dx);
+
     norm_in_free(&a);
     GPU->weight_release(&gpu_be, &gw);
     mma_switch(false);
-    struct cmp c;
     cmp_begin(&c, "linear_post", "%s T=%lld%s = its ops in turn", name, (long long)T, mma ? " mma" : "");
     cmp_bf16_exact(&c, yg, yc, T * n);
     cmp_end(&c);
     free(x);
     free(yc);
     free(yg);
+}
+
+/* linear_post_pair: two linear_posts of one x (wq_a + q_norm beside wkv + kv_norm with RoPE and
+ * QDQ) must give each output the bits of its own linear_post, with and without x's activation form
+ * (xa) and the first output's (ya: then compared with the act quant of the first output). Under
+ * the mma switch the CUDA backend makes both in one pair linear and one norm launch; the shapes it
+ * refuses (here a second weight of another k) run the two in turn. */
+static void linear_post_pair_case(const struct hw *h1, const struct hw *h2, int64_t T, bool act, bool mma) {
+    const int64_t n1 = h1->q.n, n2 = h2->q.n, k = h1->q.k, k2 = h2->q.k;
+    char tag[200];
+    snprintf(tag, sizeof tag, "linear_post_pair [%lld,%lld]+[%lld,%lld] T=%lld%s%s", (long long)n1, (long long)k,
+             (long long)n2, (long long)k2, (long long)T, act ? " act" : "", mma ? " mma" : "");
+    seed_tag(tag);
+    mma_switch(mma);
+    bf16_t *x = NEW(bf16_t, T * k), *y1 = NEW(bf16_t, T * n1), *y2 = NEW(bf16_t, T * n2);
+    bf16_t *r1 = NEW(bf16_t, T * n1), *r2 = NEW(bf16_t, T * n2);
+    fill_act(x, T * k, 1.0f);
+    struct norm_in a1 = norm_in_new(T, n1, 0), a2 = norm_in_new(T, n2, 64);
+    struct qweight g1 = g_weight(&h1->q, false), g2 = g_weight(&h2->q, false);
+    bf16_t *dx = g_in(x, (size_t)(T * k) * 2);
+    struct linear_post lp1 = {a1.dw, 1e-6f, n1, {0, 0, NULL, NULL, NORM_QDQ_NONE}, NULL, NULL};
+    struct linear_post lp2 = {a2.dw, 1e-6f, n2, {n2 - 64, 64, a2.dpos, a2.df, NORM_QDQ_FP8_32}, NULL, NULL};
+    void *dq = NULL, *dqy = NULL;
+    size_t abn = 0;
+#ifdef DS_HAVE_CUDA
+    if (act && gpu_state == 1 && GPU->act_bytes && GPU->act_bytes(&gpu_be, T, k) && k == k2) {
+        dq = g_out(GPU->act_bytes(&gpu_be, T, k), PZ_16);
+        cuda_linear_mma_act_quant(dq, dx, T, k, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream */
+        abn = GPU->act_bytes(&gpu_be, T, n1);
+        if (abn) dqy = g_out(abn, PZ_16);
+        lp1.xa = lp2.xa = dq;
+        lp1.ya = dqy;
+    }
+#endif
+    /* each alone */
+    bf16_t *d1 = g_out((size_t)(T * n1) * 2, PZ_16), *d2 = g_out((size_t)(T * n2) * 2, PZ_16);
+    struct linear_post s1 = lp1;
+    s1.ya = NULL;
+    be_linear_post(&gpu_be, d1, dx, T, &g1, &s1);
+    be_linear_post(&gpu_be, d2, dx, T, &g2, &lp2);
+    g_get(r1, d1, (size_t)(T * n1) * 2);
+    g_get(r2, d2, (size_t)(T * n2) * 2);
+    g_free(d1);
+    g_free(d2);
+    /* the pair */
+    d1 = g_out((size_t)(T * n1) * 2, PZ_16);
+    d2 = g_out((size_t)(T * n2) * 2, PZ_16);
+    be_linear_post_pair(&gpu_be, d1, d2, dx, T, &g1, &lp1, &g2, &lp2);
+    g_get(y1, d1, (size_t)(T * n1) * 2);
+    g_get(y2, d2, (size_t)(T * n2) * 2);
+    struct cmp c;
+    cmp_begin(&c, "linear_post_pair", "[%lld,%lld]+[%lld,%lld] T=%lld%s%s = each alone", (long long)n1, (long long)k,
+              (long long)n2, (long long)k2, (long long)T, dq ? " xa" : "", mma ? " mma" : "");
+    cmp_bf16_exact(&c, y1, r1, T * n1);
+    cmp_bf16_exact(&c, y2, r2, T * n2);
+#ifdef DS_HAVE_CUDA
+    if (dqy) { /* the first output's act form: the act quant kernel's of it */
+        bf16_t *qg = NEW(bf16_t, T * n1), *qr = NEW(bf16_t, T * n1);
+        void *dqr = g_out(abn, PZ_16);
+        g_get(qg, dqy, (size_t)(T * n1) * 2);
+        cuda_linear_mma_act_quant(dqr, d1, T, n1, NULL);
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+        g_get(qr, dqr, (size_t)(T * n1) * 2);
+        cmp_bf16_exact(&c, qg, qr, T * n1);
+        g_free(dqr);
+        free(qg), free(qr);
+    }
+#endif
+    cmp_end(&c);
+    g_free(d1);
+    g_free(d2);
+    if (dqy) g_free(dqy);
+    if (dq) g_free(dq);
+    g_free(dx);
+    norm_in_free(&a1);
+    norm_in_free(&a2);
+    GPU->weight_release(&gpu_be, &g1);
+    GPU->weight_release(&gpu_be, &g2);
+    mma_switch(false);
+    free(x), free(y1), free(y2), free(r1), free(r2);
+}
+
+static void test_linear_post_pair(void **st) {
+    NEED_GPU(st);
+    struct hw wq_a = hw_fp8(Q_LORA, DIM, 0, DIM, 0.02f), wkv = hw_fp8(HD, DIM, 0, DIM, 0.02f);
+    const int64_t Ts[] = {1, 5, 8, 17, 64, 300};
+    for (int i = 0; i < 6; i++)
+        for (int act = 0; act < 2; act++) linear_post_pair_case(&wq_a, &wkv, Ts[i], act, true);
+    linear_post_pair_case(&wq_a, &wkv, 3, false, false); /* without the switch: the two in turn */
+    /* a second weight of another k: the two in turn */
+    struct hw other = hw_fp8(HD, 2048, 0, 2048, 0.02f);
+    linear_post_pair_case(&wq_a, &other, 3, false, true);
+    hw_free(&other);
+    /* a first weight of 64 rows (the golden fixtures' q_lora_rank): the pair in the decode tiling,
+     * the two in turn past it (the prefill tilings want the seam on a 128-row tile's edge) */
+    struct hw q64 = hw_fp8(64, DIM, 0, DIM, 0.02f);
+    linear_post_pair_case(&q64, &wkv, 100, true, true);
+    linear_post_pair_case(&q64, &wkv, 300, true, true);
+    hw_free(&q64);
+    hw_free(&wq_a);
+    hw_free(&wkv);
 }
 
 static void test_linear_post(void **st) {
@@ -797,6 +938,41 @@ static void test_hc_mixes(void **st) {
     }
 }
 
+/* hc_collapse_act (the tensor-core linears' activation form of y written by the collapse + norm):
+ * y as hc_collapse with the norm gave it (yref), and ya as the act quant kernel makes it from that
+ * y, bit for bit — the one pass where D % 256 == 0, the two kernels otherwise. */
+static void hc_collapse_act_check(const bf16_t *yref, const void *dX, const void *dp, const void *dwn, int64_t T,
+                                  int64_t hc, int64_t D) {
+#ifdef DS_HAVE_CUDA
+    if (gpu_state != 1 || !GPU->act_bytes || !GPU->hc_collapse_act || D % 32) return;
+    mma_switch(true);
+    const size_t ab = GPU->act_bytes(&gpu_be, T, D);
+    assert_true(ab >= (size_t)(T * D) * 2);
+    bf16_t *yg = NEW(bf16_t, T * D), *qr = NEW(bf16_t, ab / 2), *qg = NEW(bf16_t, ab / 2);
+    void *dyr = g_in(yref, (size_t)(T * D) * 2), *dqr = g_out(ab, PZ_16);
+    cuda_linear_mma_act_quant(dqr, dyr, T, D, NULL);
+    assert_int_equal(cudaDeviceSynchronize(), cudaSuccess); /* the legacy stream, as test_mma_act_quant */
+    g_get(qr, dqr, ab);
+    void *dy = g_out((size_t)(T * D) * 2, PZ_16), *dq = g_out(ab, PZ_16);
+    GPU->hc_collapse_act(&gpu_be, dy, dq, dX, dp, T, hc, D, dwn, 1e-6f);
+    g_get(yg, dy, (size_t)(T * D) * 2);
+    g_get(qg, dq, ab);
+    mma_switch(false);
+    struct cmp c;
+    cmp_begin(&c, "hc_collapse_act", "D=%lld T=%lld: y and its act form", (long long)D, (long long)T);
+    cmp_bf16_exact(&c, yg, yref, T * D);
+    cmp_bf16_exact(&c, qg, qr, T * D);
+    cmp_end(&c);
+    g_free(dyr);
+    g_free(dqr);
+    g_free(dy);
+    g_free(dq);
+    free(yg), free(qr), free(qg);
+#else
+    (void)yref, (void)dX, (void)dp, (void)dwn, (void)T, (void)hc, (void)D;
+#endif
+}
+
 static void hc_elementwise_case(int64_t T, int64_t D) {
     const int64_t hc = HC;
     char tag[128];
@@ -840,11 +1016,12 @@ static void hc_elementwise_case(int64_t T, int64_t D) {
     GPU->hc_collapse(&gpu_be, dout, dX, dp, T, hc, D, dwn, 1e-6f);
     g_get(og, dout, (size_t)(T * D) * 2);
     g_free(dout);
-    g_free(dwn);
-    free(wn);
     cmp_begin(&c, "hc_collapse+norm", "D=%lld T=%lld", (long long)D, (long long)T);
     cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
+    hc_collapse_act_check(og, dX, dp, dwn, T, hc, D);
+    g_free(dwn);
+    free(wn);
     /* expand */
     CPU->hc_expand(&cpu_be, oc, y, X, post, comb, T, hc, D, 1);
     dout = g_out((size_t)(T * hc * D) * 2, PZ_16);
@@ -916,6 +1093,7 @@ static void test_hc_collapse_expand_init(void **st) {
     hc_elementwise_case(300, DIM); /* above ROW_WIDE_T (256) rows: the collapse + norm's narrow CTA */
     const int64_t odd[] = {1, 37, 129};
     for (int i = 0; i < 3; i++) hc_elementwise_case(i == 1 ? 17 : 3, odd[i]);
+    hc_elementwise_case(5, 96);   /* D % 256 != 0: the collapse's act form by the two kernels */
     hc_elementwise_case(3, 8200); /* above the fused collapse + norm's 8192: the two kernels */
     hc_elementwise_case(2, 8192); /* its largest row */
 }
@@ -1107,6 +1285,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_post),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_linear_post),
+        cmocka_unit_test(test_linear_post_pair),
         cmocka_unit_test(test_qdq), cmocka_unit_test(test_mma_act_quant), cmocka_unit_test(test_mma_weight_decode),
         cmocka_unit_test(test_hc_mixes),
         cmocka_unit_test(test_hc_mixes_mma),
