@@ -9,7 +9,7 @@
 # patch applied (git apply, the path from this checkout's root): the experiments kept as patches
 # in results/experiments/, which later checkouts hold where the branches they came from are gone.
 #   bash tests/gpu/ab_pack.sh main=HEAD new=.
-#   bash tests/gpu/ab_pack.sh main=HEAD pair=HEAD:results/experiments/act_forms_qkv_pair_d6f89a2.patch
+#   bash tests/gpu/ab_pack.sh main=HEAD diag=HEAD:results/experiments/cta_trace_efa1ca7.patch
 #   then, on the device: bash tests/gpu/ab_run.sh   (see there for REPS and BENCH_ARGS)
 # Each worktree's build is kept in tmp/ab/LABEL (make is incremental on the next pack of that
 # label); `git worktree prune` after removing tmp/ab forgets them.

@@ -6,7 +6,8 @@
 # run's output, copy.csv, and alternated.csv (tests/bench/step_alternated.py's rows, each run
 # labelled by its revision's LABEL); stdout has one line per run. VARIANTS="name=args;name=args"
 # runs each revision once per variant in every round, with the variant's arguments after
-# BENCH_ARGS, labelled LABEL-name (bench_step --tp-standin async|sync|graph side by side). To keep the rows:
+# BENCH_ARGS, labelled LABEL-name (bench_step --tp-standin async|sync|graph side by side). LABELS="a b"
+# runs only those packed revisions (a pack that also holds a diagnostic build for step_timeline.sh). To keep the rows:
 #   python3 tests/bench/step_alternated.py --copy-gbps G --device NAME --out results/cuda_step_alternated.csv \
 #       --append LABEL=run.txt ...   (or append alternated.csv's rows as they are)
 set -u
@@ -26,6 +27,12 @@ timeout 120 carry/ab/bench_linear_cuda "$W/copy.csv" 1 > "$W/copy.txt" 2>&1
 gbps=$(awk -F, 'NR == 2 {print $11}' "$W/copy.csv" 2>/dev/null)
 if [ -n "$gbps" ]; then echo "copy: $gbps GB/s"; else echo "copy: not measured"; fi
 mapfile -t labels < carry/ab/LABELS
+if [ -n "${LABELS:-}" ]; then
+  for l in $LABELS; do
+    [ -x "carry/ab/$l/bench_step" ] || { echo "ab_run.sh: LABELS names '$l', which is not packed (${labels[*]})" >&2; exit 2; }
+  done
+  read -r -a labels <<< "$LABELS"
+fi
 IFS=';' read -r -a variants <<< "${VARIANTS:-=}"
 specs=()
 for rep in $(seq 1 "$REPS"); do
