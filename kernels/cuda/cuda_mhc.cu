@@ -632,35 +632,40 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
 }
 
+/* The collapse-norm kernel for hc streams (ya: y's act form, ACT), on the row count's CTA width;
+ * false where hc has no instance. */
+template <bool ACT>
+static bool hc_collapse_norm_launch(cudaStream_t st, bf16_t *y, uint32_t *ya, const bf16_t *X, const float *p, int64_t T,
+                                    int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
+    switch (hc) {
+#define HCN_CASE(H)                                                                                                    \
+    case H:                                                                                                            \
+        if (T <= ROW_WIDE_T)                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS, ACT>                                                                 \
+                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps);                                 \
+        else                                                                                                           \
+            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, ACT>                                                          \
+                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps);                          \
+        break;
+        HCN_CASE(1)
+        HCN_CASE(2)
+        HCN_CASE(3)
+        HCN_CASE(4)
+        HCN_CASE(6)
+        HCN_CASE(8)
+#undef HCN_CASE
+    default: return false;
+    }
+    KERNEL_CHECK();
+    return true;
+}
+
 void cuda_op_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc,
                          int64_t D, const bf16_t *norm_w, float eps) {
     if (T <= 0 || D <= 0 || hc <= 0) return;
     cudaStream_t st = cuda_be_stream(be);
     if (norm_w && D % 8 == 0 && D <= HCN_MAX_D && al16(y) && al16(X) && al16(norm_w) && T <= 0x7fffffff) {
-        bool done = true;
-        switch (hc) {
-#define HCN_CASE(H)                                                                                                    \
-    case H:                                                                                                            \
-        if (T <= ROW_WIDE_T)                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS, false>                                                               \
-                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, NULL, X, p, norm_w, D, eps);                               \
-        else                                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, false>                                                        \
-                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, NULL, X, p, norm_w, D, eps);                        \
-        break;
-            HCN_CASE(1)
-            HCN_CASE(2)
-            HCN_CASE(3)
-            HCN_CASE(4)
-            HCN_CASE(6)
-            HCN_CASE(8)
-#undef HCN_CASE
-        default: done = false;
-        }
-        if (done) {
-            KERNEL_CHECK();
-            return;
-        }
+        if (hc_collapse_norm_launch<false>(st, y, NULL, X, p, T, hc, D, norm_w, eps)) return;
     }
     if (D % 8 == 0 && al16(y) && al16(X))
         hc_collapse_kernel<8><<<ew_blocks(T * D / 8, EW_THREADS), EW_THREADS, 0, st>>>(y, X, p, T, hc, D);
@@ -681,31 +686,7 @@ void cuda_op_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16
     if (T <= 0 || D <= 0 || hc <= 0) return;
     cudaStream_t st = cuda_be_stream(be);
     if (norm_w && D % 256 == 0 && D <= HCN_MAX_D && al16(y) && al16(ya) && al16(X) && al16(norm_w) && T <= 0x7fffffff) {
-        bool done = true;
-        uint32_t *q = (uint32_t *)ya;
-        switch (hc) {
-#define HCA_CASE(H)                                                                                                    \
-    case H:                                                                                                            \
-        if (T <= ROW_WIDE_T)                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS, true>                                                                \
-                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, q, X, p, norm_w, D, eps);                                  \
-        else                                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, true>                                                         \
-                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, q, X, p, norm_w, D, eps);                           \
-        break;
-            HCA_CASE(1)
-            HCA_CASE(2)
-            HCA_CASE(3)
-            HCA_CASE(4)
-            HCA_CASE(6)
-            HCA_CASE(8)
-#undef HCA_CASE
-        default: done = false;
-        }
-        if (done) {
-            KERNEL_CHECK();
-            return;
-        }
+        if (hc_collapse_norm_launch<true>(st, y, (uint32_t *)ya, X, p, T, hc, D, norm_w, eps)) return;
     }
     cuda_op_hc_collapse(be, y, X, p, T, hc, D, norm_w, eps);
     if (D % 32) ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "hc_collapse_act", "D is not a multiple of 32");

@@ -334,6 +334,22 @@ static void test_rmsnorm_post(void **st) {
     rmsnorm_post_case(2, 1024, 256, 258, NORM_QDQ_FP8_32, false);    /* past 256 rotary values: the three kernels */
 }
 
+#ifdef DS_HAVE_CUDA
+/* An op's activation form dq [abn bytes] of y [T, n] on the device, against the act quant
+ * kernel's of y: bit for bit. */
+static void cmp_act_form(struct cmp *c, const void *dq, const bf16_t *dy, int64_t T, int64_t n, size_t abn) {
+    bf16_t *qg = NEW(bf16_t, T * n), *qr = NEW(bf16_t, T * n);
+    void *dqr = g_out(abn, PZ_16);
+    g_get(qg, dq, (size_t)(T * n) * 2);
+    cuda_linear_mma_act_quant(dqr, dy, T, n, NULL);
+    assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+    g_get(qr, dqr, (size_t)(T * n) * 2);
+    cmp_bf16_exact(c, qg, qr, T * n);
+    g_free(dqr);
+    free(qg), free(qr);
+}
+#endif
+
 /* linear_post: a projection and its norm (with RoPE, QDQ) or its RoPE (and QDQ) as one op. Under
  * the mma switch the CUDA backend folds the linear's k-chunks in the second pass; either way the
  * op must give, bit for bit, the GPU's own linear then rmsnorm / rope / qdq ops in turn
@@ -381,16 +397,8 @@ static void linear_post_case(const char *name, const struct hw *h, int64_t T, bo
         cmp_begin(&c, "linear_post xa", "%s T=%lld = without it%s", name, (long long)T, abn ? ", ya its act form" : "");
         cmp_bf16_exact(&c, ya, yg, T * n);
         if (abn) {
-            bf16_t *qg = NEW(bf16_t, T * n), *qr = NEW(bf16_t, T * n);
-            void *dqr = g_out(abn, PZ_16);
-            g_get(qg, dqy, (size_t)(T * n) * 2);
-            cuda_linear_mma_act_quant(dqr, dy, T, n, NULL);
-            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-            g_get(qr, dqr, (size_t)(T * n) * 2);
-            cmp_bf16_exact(&c, qg, qr, T * n);
-            g_free(dqr);
+            cmp_act_form(&c, dqy, dy, T, n, abn);
             g_free(dqy);
-            free(qg), free(qr);
         }
         cmp_end(&c);
         g_free(dy);
@@ -466,17 +474,7 @@ static void linear_post_pair_case(const struct hw *h1, const struct hw *h2, int6
     cmp_bf16_exact(&c, y1, r1, T * n1);
     cmp_bf16_exact(&c, y2, r2, T * n2);
 #ifdef DS_HAVE_CUDA
-    if (dqy) { /* the first output's act form: the act quant kernel's of it */
-        bf16_t *qg = NEW(bf16_t, T * n1), *qr = NEW(bf16_t, T * n1);
-        void *dqr = g_out(abn, PZ_16);
-        g_get(qg, dqy, (size_t)(T * n1) * 2);
-        cuda_linear_mma_act_quant(dqr, d1, T, n1, NULL);
-        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-        g_get(qr, dqr, (size_t)(T * n1) * 2);
-        cmp_bf16_exact(&c, qg, qr, T * n1);
-        g_free(dqr);
-        free(qg), free(qr);
-    }
+    if (dqy) cmp_act_form(&c, dqy, d1, T, n1, abn); /* the first output's act form */
 #endif
     cmp_end(&c);
     g_free(d1);
