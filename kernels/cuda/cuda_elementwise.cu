@@ -262,25 +262,35 @@ static void qdq_launch(struct backend *be, bf16_t *x, int64_t n, int64_t block, 
  * linear's chunk fold would (mma_fold_chunks, mma_fold_bf16) into shared memory first: linear_post's
  * projection + norm, the fold's launch and the bf16 row's round trip saved, the same bits. */
 /* One row of rmsnorm_post_kernel (a CTA's), in shared memory the caller's kernel declares: l0
- * [TSB_CAP · 64], r_s [1], cs_s [RMS_WARPS · 32], xs [RMS_PRE · RMS_WARPS · 256] (PARTS). PARTS: the
- * row's partials start at parts + row · ldp, one chunk's cs floats apart (the pair form reads its
- * half of a pair linear's [nch][T][n1 + n2] partials). */
+ * [TSB_CAP · 64], r_s [1], cs_s [RMS_WARPS · 32], xs [RMS_PRE · RMS_WARPS · 256] (PARTS), ws [the
+ * same]. PARTS: the row's partials start at parts + row · ldp, one chunk's cs floats apart (the
+ * pair form reads its half of a pair linear's [nch][T][n1 + n2] partials).
+ * The output pass is a loop, not unrolled: with its RoPE, QDQ and act quant unrolled RMS_PRE times
+ * the kernel was 72 KB of code a form (140 KB the pair's), run once a call, and at decode the
+ * weights streaming through L2 between two calls leave none of it cached: the pair's norm took
+ * 12.3 µs in a batch-1 step (H200, step_timeline.sh lanes; 4-5 µs a lone norm in a loop of its
+ * own), 10.1 -> 17.3 µs alone with the SMs' instruction caches flushed by other code before it
+ * (event time; the single forms, half the code, moved < 1 µs). As a loop (76 KB the pair, of which
+ * the statistic's torch-order sum is most) it takes 7.1 µs in the step; batch 1 -2.4 %, batch 8
+ * -1.7 % (bench_step, two runs alternated; results/PERFORMANCE_HISTORY.md). The row's weights are
+ * prefetched into ws by cp.async (each thread its own 16-byte pieces, read back by the same
+ * thread), as registers held them before: an array the loop cannot index. */
 template <int MODE, bool PARTS, bool ACT>
 __device__ __forceinline__ void rmsnorm_post_row(int64_t row, uint16_t *y, const uint16_t *x, const float *__restrict__ parts,
                                                  int64_t ldp, int64_t cs, int nch, const uint16_t *__restrict__ w,
                                                  int64_t n, float eps, int64_t off, int64_t rd,
                                                  const int32_t *__restrict__ pos, const float *__restrict__ freqs,
-                                                 uint32_t *ya, float *l0, float *r_s, float2 *cs_s, uint16_t *xs) {
+                                                 uint32_t *ya, float *l0, float *r_s, float2 *cs_s, uint16_t *xs, uint16_t *ws) {
     constexpr int STEP = RMS_WARPS * 32 * 8;
     const uint16_t *xr = PARTS ? xs : x + row * n; /* [n] bf16 */
     uint16_t *yr = y + row * n;                    /* [n] bf16 */
-    uint4 wp[RMS_PRE];
     auto prefetch_w = [&]() {
 #pragma unroll
         for (int p = 0; p < RMS_PRE; p++) {
             const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
-            if (e < n) wp[p] = __ldg(reinterpret_cast<const uint4 *>(w + e));
+            if (e < n) ds_cp16(ws + e, w + e);
         }
+        ds_cp_commit();
     };
     if (!PARTS) prefetch_w();
     /* the angles a thread a pair, before the statistic (whose barriers publish them): one thread
@@ -301,9 +311,10 @@ __device__ __forceinline__ void rmsnorm_post_row(int64_t row, uint16_t *y, const
         prefetch_w();
     }
     const float r = row_rstd_block(xr, n, eps, l0, r_s);
-#pragma unroll
+    ds_cp_wait<0>();
+#pragma unroll 1
     for (int p = 0; p < RMS_PRE; p++) {
-        if ((int64_t)p * STEP >= n) continue; /* CTA-uniform */
+        if ((int64_t)p * STEP >= n) break; /* CTA-uniform */
         const int64_t e = (int64_t)threadIdx.x * 8 + p * STEP;
         const bool on = e < n; /* a warp's lanes: all on or off for whole 32-groups (n % 32 == 0) */
         float v[8];
@@ -312,7 +323,7 @@ __device__ __forceinline__ void rmsnorm_post_row(int64_t row, uint16_t *y, const
         if (on) { /* each thread reads its elements before writing them (y may alias x) */
             float wv[8];
             unpack8(*reinterpret_cast<const uint4 *>(xr + e), v);
-            unpack8(wp[p], wv);
+            unpack8(*reinterpret_cast<const uint4 *>(ws + e), wv);
 #pragma unroll
             for (int i = 0; i < 8; i++) v[i] = ds_bf16f(ds_bf16_rne(__fmul_rn(wv[i], __fmul_rn(v[i], r))));
 #pragma unroll
@@ -344,9 +355,10 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     __shared__ float r_s;
     __shared__ float2 cs_s[RMS_WARPS * 32]; /* (cos, sin) of each rotary pair */
     __shared__ __align__(16) uint16_t xs[PARTS ? RMS_PRE * RMS_WARPS * 32 * 8 : 8]; /* PARTS: the folded row [n] bf16 */
+    __shared__ __align__(16) uint16_t ws[RMS_PRE * RMS_WARPS * 32 * 8];
     /* T·n between chunks (a CTA a row) */
     rmsnorm_post_row<MODE, PARTS, ACT>(blockIdx.x, y, x, parts, n, (int64_t)gridDim.x * n, nch, w, n, eps, off, rd, pos,
-                                       freqs, ya, l0, &r_s, cs_s, xs);
+                                       freqs, ya, l0, &r_s, cs_s, xs, ws);
 }
 
 /* linear_post_pair's norms in one launch (cuda_op_linear_post_pair): CTA (row, half) folds and
@@ -370,6 +382,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     __shared__ float r_s;
     __shared__ float2 cs_s[RMS_WARPS * 32];
     __shared__ __align__(16) uint16_t xs[RMS_PRE * RMS_WARPS * 32 * 8];
+    __shared__ __align__(16) uint16_t ws[RMS_PRE * RMS_WARPS * 32 * 8];
     const int64_t cs = (int64_t)gridDim.x * ldp;
     const bool second = blockIdx.y != 0;
     /* the half's parameters picked first, so the two bodies share their registers' setup */
@@ -382,10 +395,10 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
     const float *freqs = second ? h1.freqs : h0.freqs;
     if (!second)
         rmsnorm_post_row<-1, true, ACT0>(blockIdx.x, y, NULL, parts + col, ldp, cs, nch, w, n, eps, off, rd, pos, freqs,
-                                          ya0, l0, &r_s, cs_s, xs);
+                                          ya0, l0, &r_s, cs_s, xs, ws);
     else
         rmsnorm_post_row<MODE1, true, false>(blockIdx.x, y, NULL, parts + col, ldp, cs, nch, w, n, eps, off, rd, pos,
-                                             freqs, NULL, l0, &r_s, cs_s, xs);
+                                             freqs, NULL, l0, &r_s, cs_s, xs, ws);
 }
 
 bool cuda_rmsnorm_post_shape(int64_t T, int64_t n, const void *y, const void *w, const struct norm_post *post) {
