@@ -668,6 +668,17 @@ void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, c
     }
 }
 
+/* One scratch block for a linear_post call under the mma switch: the linear's unfolded partials
+ * [nch][T][n] fp32 (returned; free it with cuda_be_scratch_free), then, where the linear quantizes
+ * x itself (quant_x), x's act form [T, k] (*xq; NULL otherwise). */
+static float *linear_post_scratch(struct backend *be, int64_t nch, int64_t T, int64_t n, int64_t k, bool quant_x,
+                                  void **xq) {
+    const size_t pb = ((size_t)nch * (size_t)(T * n) * sizeof(float) + 15) & ~(size_t)15;
+    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + (quant_x ? cuda_linear_mma_act_bytes(T, k) : 0));
+    *xq = quant_x ? buf + pb : NULL;
+    return (float *)buf;
+}
+
 /* linear_post under the mma switch: the tensor-core linear leaves its k-chunks unfolded
  * (CUDA_MMA_OUT_PARTS) and the norm's or the RoPE's pass folds them (cuda_rmsnorm_post_parts,
  * cuda_rope_parts): one launch, the chunk fold's, fewer than the ops in turn, and their bits (the
@@ -692,13 +703,11 @@ void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t
     }
     const int64_t nch = cuda_linear_mma_chunks(k);
     const bool pre = quant && lp->xa; /* x's act form from the norm that made it (cuda_op_hc_collapse_act) */
-    const size_t pb = ((size_t)nch * (size_t)(T * n) * sizeof(float) + 15) & ~(size_t)15;
-    const size_t ab = quant && !pre ? cuda_linear_mma_act_bytes(T, k) : 0;
-    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + ab);
-    float *parts = (float *)buf; /* [nch][T][n] fp32 */
+    void *xq;
+    float *parts = linear_post_scratch(be, nch, T, n, k, quant && !pre, &xq); /* [nch][T][n] fp32 */
     cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS | (pre ? CUDA_MMA_PREQUANT : 0), (int)W->fmt,
                            (uint16_t *)parts, pre ? (const uint16_t *)lp->xa : x, T, W->w, W->s, n, k, W->ld, W->s_ld,
-                           quant && !pre ? buf + pb : NULL, (void *)cuda_be_stream(be));
+                           xq, (void *)cuda_be_stream(be));
     if (lp->norm_w) {
         cuda_rmsnorm_post_parts(be, y, parts, (int)nch, lp->norm_w, T, n, lp->eps, p, lp->ya);
     } else {
@@ -706,7 +715,7 @@ void cuda_op_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int64_t
         cuda_norm_qdq(be, y, T * n, p->qdq);
         if (lp->ya) cuda_linear_mma_act_quant((uint16_t *)lp->ya, (const uint16_t *)y, T, n, (void *)cuda_be_stream(be));
     }
-    cuda_be_scratch_free(be, buf);
+    cuda_be_scratch_free(be, parts);
 }
 
 /* linear_post_pair under the mma switch: one pair linear (cuda_linear_mma_pair: W1's and W2's
@@ -736,16 +745,14 @@ void cuda_op_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y2, const 
         return;
     }
     const bool pre = quant && lp1->xa; /* x's act form from the norm that made it */
-    const size_t pb = ((size_t)nch * (size_t)(T * (n1 + n2)) * sizeof(float) + 15) & ~(size_t)15;
-    const size_t ab = quant && !pre ? cuda_linear_mma_act_bytes(T, k) : 0;
-    uint8_t *buf = (uint8_t *)cuda_be_scratch_raw(be, pb + ab);
-    float *parts = (float *)buf; /* [nch][T][n1 + n2] fp32 */
+    void *xq;
+    float *parts = linear_post_scratch(be, nch, T, n1 + n2, k, quant && !pre, &xq); /* [nch][T][n1 + n2] fp32 */
     cuda_linear_mma_pair(CUDA_MMA_AUTO | CUDA_MMA_OUT_PARTS | (pre ? CUDA_MMA_PREQUANT : 0), (int)W1->fmt,
                          (uint16_t *)parts, pre ? (const uint16_t *)lp1->xa : x, T, W1->w, W1->s, n1, W2->w, W2->s, n2,
-                         k, W1->ld, W1->s_ld, quant && !pre ? buf + pb : NULL, (void *)cuda_be_stream(be));
+                         k, W1->ld, W1->s_ld, xq, (void *)cuda_be_stream(be));
     cuda_rmsnorm_post_parts_pair(be, parts, (int)nch, T, y1, lp1->norm_w, n1, lp1->eps, &lp1->post, lp1->ya, y2,
                                  lp2->norm_w, n2, lp2->eps, &lp2->post);
-    cuda_be_scratch_free(be, buf);
+    cuda_be_scratch_free(be, parts);
 }
 
 void cuda_op_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {

@@ -571,8 +571,8 @@ __global__ void __launch_bounds__(EW_THREADS)
  * rounds of runs. H200, Nsight, batch 1 / 64: 8.7 / 9.5 -> 7.1 / 7.6 µs a call, with
  * hc_mix_finish's CTA 256 -> 640 threads (back to 256 since) 15.2 / 15.4 -> 13.3 / 13.5 µs;
  * bench_step decode ms, three runs alternated (both changes over the router's rank kernel): b1
- * 4.28 4.35 4.35 -> 4.28 4.29 4.31,
- * b8 6.80 6.86 6.80 -> 6.77 6.76 6.76, b64 14.85 14.99 14.84 -> 14.59 14.60 14.68. */
+ * 4.28 4.35 4.35 -> 4.28 4.29 4.31, b8 6.80 6.86 6.80 -> 6.77 6.76 6.76, b64 14.85 14.99 14.84 ->
+ * 14.59 14.60 14.68. */
 #define HCN_WARPS 20
 #define HCN_WARPS_NARROW RMS_WARPS /* above ROW_WIDE_T rows: 1.54 -> 2.05 ms a 2K-token prefill with 20 */
 

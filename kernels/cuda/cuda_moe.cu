@@ -923,15 +923,17 @@ static void shared_expert_mma(struct backend *be, bf16_t *y, const bf16_t *x, co
     cuda_be_scratch_free(be, buf);
 }
 
-void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
-                           const struct qweight *w3, const struct qweight *w2, float limit) {
+/* The shared expert, with x's activation form xa where the norm before it made one (backend.h's
+ * act_bytes; NULL: the tensor-core path quantizes x itself, and the exact path needs none). */
+static void shared_expert_run(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                              const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
     if (T <= 0) return;
     if (w3->n != w1->n || w3->k != w1->k || w2->k != w1->n)
         ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda shared_expert", "inconsistent w1/w3/w2 shapes");
     const int64_t I = w1->n;
     if (cuda_be_mma(be) && quantized(w1->fmt) && quantized(w3->fmt) && quantized(w2->fmt) && I % 32 == 0 &&
         w1->k % 32 == 0) {
-        shared_expert_mma(be, y, x, NULL, T, w1, w3, w2, limit);
+        shared_expert_mma(be, y, x, xa, T, w1, w3, w2, limit);
         return;
     }
     bf16_t *g = (bf16_t *)cuda_be_scratch_raw(be, sizeof(bf16_t) * (size_t)(2 * T * I)), *u = g + T * I; /* [T, I] x2 */
@@ -944,14 +946,13 @@ void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64
     cuda_be_scratch_free(be, g);
 }
 
-/* shared_expert with x's activation form xa (backend.h's act_bytes): the same work less x's act quant.
- * Where the tensor-core path does not take the call, xa is not needed (shared_expert as it is). */
+void cuda_op_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *w1,
+                           const struct qweight *w3, const struct qweight *w2, float limit) {
+    shared_expert_run(be, y, x, NULL, T, w1, w3, w2, limit);
+}
+
+/* shared_expert with x's activation form xa: the same work less x's act quant */
 void cuda_op_shared_expert_act(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
                                const struct qweight *w1, const struct qweight *w3, const struct qweight *w2, float limit) {
-    if (T > 0 && cuda_be_mma(be) && quantized(w1->fmt) && quantized(w3->fmt) && quantized(w2->fmt) && w1->n % 32 == 0 &&
-        w1->k % 32 == 0 && w3->n == w1->n && w3->k == w1->k && w2->k == w1->n) {
-        shared_expert_mma(be, y, x, xa, T, w1, w3, w2, limit);
-        return;
-    }
-    cuda_op_shared_expert(be, y, x, T, w1, w3, w2, limit);
+    shared_expert_run(be, y, x, xa, T, w1, w3, w2, limit);
 }
