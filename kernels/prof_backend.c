@@ -176,6 +176,15 @@ static void prof_linear_post(struct backend *be, bf16_t *y, const bf16_t *x, int
     be_linear_post(PR(be)->inner, y, x, T, W, lp);
     prof_end(be, PROF_LINEAR_POST, t0);
 }
+/* both linear_posts in one op where the inner backend has one (be_linear_post_pair), charged as
+ * linear_post */
+static void prof_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y2, const bf16_t *x, int64_t T,
+                                  const struct qweight *W1, const struct linear_post *lp1, const struct qweight *W2,
+                                  const struct linear_post *lp2) {
+    double t0 = prof_begin(be);
+    be_linear_post_pair(PR(be)->inner, y1, y2, x, T, W1, lp1, W2, lp2);
+    prof_end(be, PROF_LINEAR_POST, t0);
+}
 static void prof_linear_f32(struct backend *be, float *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->linear_f32(PR(be)->inner, y, x, T, W);
@@ -242,6 +251,18 @@ static void prof_hc_prepare(struct backend *be, const float *fn, int64_t hc, int
 static void prof_hc_collapse(struct backend *be, bf16_t *y, const bf16_t *X, const float *p, int64_t T, int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->hc_collapse(PR(be)->inner, y, X, p, T, hc, D, norm_w, eps);
+    prof_end(be, PROF_HC_COLLAPSE, t0);
+}
+/* the activation forms as the inner backend has them (none: 0 bytes, so the model asks for none),
+ * the collapse that writes one charged as hc_collapse */
+static size_t prof_act_bytes(struct backend *be, int64_t T, int64_t k) {
+    const struct backend_ops *o = PR(be)->inner->ops;
+    return o->act_bytes && o->hc_collapse_act ? o->act_bytes(PR(be)->inner, T, k) : 0;
+}
+static void prof_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16_t *X, const float *p, int64_t T,
+                                 int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
+    double t0 = prof_begin(be);
+    PR(be)->inner->ops->hc_collapse_act(PR(be)->inner, y, ya, X, p, T, hc, D, norm_w, eps);
     prof_end(be, PROF_HC_COLLAPSE, t0);
 }
 static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post, const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks) {
@@ -312,6 +333,18 @@ static void prof_shared_expert(struct backend *be, bf16_t *y, const bf16_t *x, i
     PR(be)->inner->ops->shared_expert(PR(be)->inner, y, x, T, w1, w3, w2, limit);
     prof_end(be, PROF_SHARED_EXPERT, t0);
 }
+/* xa is optional to shared_expert_act: an inner backend without the op quantizes x itself */
+static void prof_shared_expert_act(struct backend *be, bf16_t *y, const bf16_t *x, const void *xa, int64_t T,
+                                   const struct qweight *w1, const struct qweight *w3, const struct qweight *w2,
+                                   float limit) {
+    double t0 = prof_begin(be);
+    struct backend *in = PR(be)->inner;
+    if (in->ops->shared_expert_act)
+        in->ops->shared_expert_act(in, y, x, xa, T, w1, w3, w2, limit);
+    else
+        in->ops->shared_expert(in, y, x, T, w1, w3, w2, limit);
+    prof_end(be, PROF_SHARED_EXPERT, t0);
+}
 static void prof_interleave(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->interleave(PR(be)->inner, dst, src, S, T, bytes);
@@ -355,6 +388,7 @@ static const struct backend_ops prof_ops = {
     .tensor_release = prof_tensor_release,
     .linear = prof_linear,
     .linear_post = prof_linear_post,
+    .linear_post_pair = prof_linear_post_pair,
     .linear_f32 = prof_linear_f32,
     .grouped_linear = prof_grouped_linear,
     .head = prof_head,
@@ -369,6 +403,8 @@ static const struct backend_ops prof_ops = {
     .hc_mixes = prof_hc_mixes,
     .hc_prepare = prof_hc_prepare,
     .hc_collapse = prof_hc_collapse,
+    .act_bytes = prof_act_bytes,
+    .hc_collapse_act = prof_hc_collapse_act,
     .hc_expand = prof_hc_expand,
     .hc_init = prof_hc_init,
     .embed = prof_embed,
@@ -386,6 +422,7 @@ static const struct backend_ops prof_ops = {
     .moe_experts = prof_moe_experts,
     .moe_combine = prof_moe_combine,
     .shared_expert = prof_shared_expert,
+    .shared_expert_act = prof_shared_expert_act,
     .interleave = prof_interleave,
 };
 
