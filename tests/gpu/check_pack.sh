@@ -10,22 +10,25 @@
 # check_run.sh takes those from there): only dsbatch's own (HDF5 and what it loads, which
 # bench_step does not link, with libcurl's TLS chain) stay. `--verify-only` packs no test, only
 # dsbatch and small6 (the golden verify): 22 MB with AB_LIBS=1, beside a 3-revision A/B pack.
+# BUILD (default build) is the build folder the binaries come from: an A/B pack's worktree after
+# `make -C tmp/ab/LABEL all` (BUILD=tmp/ab/LABEL/build) tests that revision, patch and all.
 #   bash tests/gpu/check_pack.sh test_cuda_attn
 #   then, on the device (carry ["carry/check.tgz", "carry/ab.tgz"]):
 #   bash tests/gpu/check_run.sh && T_RUN=60 REPS=2 bash tests/gpu/ab_run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 GOLDEN=${GOLDEN:-../shared/golden}
+BUILD=${BUILD:-build}
 C=carry
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(test_cuda_ops test_cuda_moe test_cuda_ops_misc test_cuda_attn)
 [ "${tests[*]}" = --verify-only ] && tests=()
 rm -rf $C/check $C/check.tgz
 mkdir -p $C/check/bin $C/check/lib $C/check/golden
-cp build/dsbatch $C/check/bin/
+cp "$BUILD/dsbatch" $C/check/bin/
 for t in ${tests[@]+"${tests[@]}"}; do
-  [ -x "build/tests/$t" ] || { echo "check_pack.sh: no build/tests/$t (make first)" >&2; exit 2; }
-  cp "build/tests/$t" $C/check/bin/
+  [ -x "$BUILD/tests/$t" ] || { echo "check_pack.sh: no $BUILD/tests/$t (make first)" >&2; exit 2; }
+  cp "$BUILD/tests/$t" $C/check/bin/
 done
 strip $C/check/bin/*
 . tests/gpu/carry_libs.sh
