@@ -738,8 +738,15 @@ static moe_scr moe_scr_take(struct backend *be, int64_t T, int64_t tp, int64_t k
 
 /* A pass's first work, the same on both paths, in one launch (they do not depend on each other):
  * CTA 0 buckets its pairs by expert into tiles of P (the plan), the others quantize its tokens' x
- * into qx (n8 = tn·D / 8 groups of 8, 1024 a CTA). Two launches cost a launch more on the step's
- * critical path (at batch 1 the plan 6.0 µs, then the act quant 2.9 µs, H200 Nsight). */
+ * into qx (n8 = tn·D / 8 groups of 8, one a thread). Two launches cost a launch more on the step's
+ * critical path (at batch 1 the plan 6.0 µs, then the act quant 2.9 µs, H200 Nsight).
+ * The CTA's size: a decode pass's launch runs on the routed experts' lane while the shared
+ * expert's split linears fill every SM beside it (4 CTAs of 16K registers each: the whole
+ * register file), and a 1024-thread CTA (32K registers) only found room when that grid drained,
+ * ~3 µs after the router ended at batch 1 (H200 lanes, results/PERFORMANCE_HISTORY.md); one
+ * CTA of 256 threads fits where one of theirs ends, and the high-priority lane's CTAs go first.
+ * The prefill path keeps 1024 (its plan's loops over ~12K pairs). */
+#define MOE_BEGIN_THREADS_DECODE 256
 __global__ void __launch_bounds__(1024)
     moe_begin_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
                      int64_t e0, int n_local, int P, const __nv_bfloat16 *__restrict__ x, __nv_bfloat16 *__restrict__ qx,
@@ -752,8 +759,8 @@ __global__ void __launch_bounds__(1024)
 
 static void moe_pass_begin(cudaStream_t st, const moe_scr &r, const int32_t *idx, const bf16_t *x, int64_t tn,
                            int64_t k, int64_t D, int64_t e0, int64_t n_local, int P) {
-    const int64_t n8 = tn * D / 8;
-    moe_begin_kernel<<<(unsigned)(1 + (n8 + 1023) / 1024), 1024, 0, st>>>(
+    const int64_t n8 = tn * D / 8, nt = tn <= MOE_MMA_DECODE_T ? MOE_BEGIN_THREADS_DECODE : 1024;
+    moe_begin_kernel<<<(unsigned)(1 + (n8 + nt - 1) / nt), (unsigned)nt, 0, st>>>(
         r.plan, r.tiles, idx, tn * k, e0, (int)n_local, P, (const __nv_bfloat16 *)x, r.qx, n8);
     KERNEL_CHECK();
 }
