@@ -288,6 +288,14 @@ struct backend_ops {
      * interleave into [T, D]); 1 is the plain [T, D]. */
     void (*hc_expand)(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                       const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks);
+    /* Optional (NULL: be_hc_expand_collapse runs the ops in turn): Xo = hc_expand(yin, X, post,
+     * comb, y_blocks), then y = rmsnorm(collapse(Xo, p), norm_w) with ya, y's activation form, as
+     * hc_collapse_act writes it (ya NULL: hc_collapse with the norm): a block's residual update and
+     * the next sublayer's input, which a backend may form in one pass over the row (the collapse
+     * then never reads Xo back). Both outputs have the ops' bits. */
+    void (*hc_expand_collapse)(struct backend *be, bf16_t *Xo, const bf16_t *yin, const bf16_t *X, const float *post,
+                               const float *comb, int64_t y_blocks, bf16_t *y, void *ya, const float *p,
+                               const bf16_t *norm_w, float eps, int64_t T, int64_t hc, int64_t D);
     /* X[t,c,:] = e[t,:] for c < hc; pre[t] = one-hot(0). */
     void (*hc_init)(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
                     int64_t D);
@@ -500,6 +508,24 @@ static inline void be_linear_post_pair(struct backend *be, bf16_t *y1, bf16_t *y
         be_linear_post(be, y1, x, T, W1, lp1);
         be_linear_post(be, y2, x, T, W2, lp2);
     }
+}
+
+/* The hc_expand_collapse op where the backend has one, else hc_expand, then hc_collapse_act (ya
+ * given) or hc_collapse of its output. */
+static inline void be_hc_expand_collapse(struct backend *be, bf16_t *Xo, const bf16_t *yin, const bf16_t *X,
+                                         const float *post, const float *comb, int64_t y_blocks, bf16_t *y, void *ya,
+                                         const float *p, const bf16_t *norm_w, float eps, int64_t T, int64_t hc,
+                                         int64_t D) {
+    const struct backend_ops *o = be->ops;
+    if (o->hc_expand_collapse) {
+        o->hc_expand_collapse(be, Xo, yin, X, post, comb, y_blocks, y, ya, p, norm_w, eps, T, hc, D);
+        return;
+    }
+    o->hc_expand(be, Xo, yin, X, post, comb, T, hc, D, y_blocks);
+    if (ya)
+        o->hc_collapse_act(be, y, ya, Xo, p, T, hc, D, norm_w, eps);
+    else
+        o->hc_collapse(be, y, Xo, p, T, hc, D, norm_w, eps);
 }
 
 /* The CPU reference backend (always built). */

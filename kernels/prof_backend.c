@@ -270,6 +270,15 @@ static void prof_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, cons
     PR(be)->inner->ops->hc_expand(PR(be)->inner, Xo, y, X, post, comb, T, hc, D, y_blocks);
     prof_end(be, PROF_HC_EXPAND, t0);
 }
+/* the expand and the collapse in one op where the inner backend has one (be_hc_expand_collapse),
+ * charged as hc_expand */
+static void prof_hc_expand_collapse(struct backend *be, bf16_t *Xo, const bf16_t *yin, const bf16_t *X,
+                                    const float *post, const float *comb, int64_t y_blocks, bf16_t *y, void *ya,
+                                    const float *p, const bf16_t *norm_w, float eps, int64_t T, int64_t hc, int64_t D) {
+    double t0 = prof_begin(be);
+    be_hc_expand_collapse(PR(be)->inner, Xo, yin, X, post, comb, y_blocks, y, ya, p, norm_w, eps, T, hc, D);
+    prof_end(be, PROF_HC_EXPAND, t0);
+}
 static void prof_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc, int64_t D) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->hc_init(PR(be)->inner, X, pre, e, T, hc, D);
@@ -406,6 +415,7 @@ static const struct backend_ops prof_ops = {
     .act_bytes = prof_act_bytes,
     .hc_collapse_act = prof_hc_collapse_act,
     .hc_expand = prof_hc_expand,
+    .hc_expand_collapse = prof_hc_expand_collapse,
     .hc_init = prof_hc_init,
     .embed = prof_embed,
     .engram_gather = prof_engram_gather,

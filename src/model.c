@@ -709,15 +709,30 @@ static bool moe_by_owner(const struct model *m, int64_t T, int64_t k) {
     return (size_t)((P - 1) * T * k * D) * 2 >= MOE_OWNER_MIN_BYTES;
 }
 
+/* The residual update in front of a collapse (block_collapse's ex): X = hc_expand(yin, Xin, post,
+ * comb), yin in y_blocks column blocks (hc_expand's). */
+struct block_expand {
+    const bf16_t *yin, *Xin; /* [y_blocks, T, D / y_blocks], [T, hc, D] bf16 */
+    const float *post, *comb;
+    int64_t y_blocks;
+};
+
 /* A sublayer's input: y [T, D] = rmsnorm(collapse(X, p), norm_w), and where ya is given (block_act)
- * y's activation form for the FP8 linears that read it, written in the same pass. */
-static void block_collapse(struct model *m, const struct batch *b, bf16_t *y, void *ya, const bf16_t *X, const float *p,
-                           const bf16_t *norm_w) {
+ * y's activation form for the FP8 linears that read it, written in the same pass. With ex, X is
+ * first made by that expand, in one op (be_hc_expand_collapse: a backend may form both in one pass
+ * over the row, one launch fewer on the critical path, twice a block). */
+static void block_collapse(struct model *m, const struct batch *b, bf16_t *y, void *ya, bf16_t *X, const float *p,
+                           const bf16_t *norm_w, const struct block_expand *ex) {
     const struct model_config *c = m->cfg;
-    if (ya)
-        OPS->hc_collapse_act(m->be, y, ya, X, p, b->T, c->hc_mult, c->dim, norm_w, (float)c->norm_eps);
+    const int64_t T = b->T, hc = c->hc_mult, D = c->dim;
+    const float eps = (float)c->norm_eps;
+    if (ex)
+        be_hc_expand_collapse(m->be, X, ex->yin, ex->Xin, ex->post, ex->comb, ex->y_blocks, y, ya, p, norm_w, eps, T,
+                              hc, D);
+    else if (ya)
+        OPS->hc_collapse_act(m->be, y, ya, X, p, T, hc, D, norm_w, eps);
     else
-        OPS->hc_collapse(m->be, y, X, p, b->T, c->hc_mult, c->dim, norm_w, (float)c->norm_eps);
+        OPS->hc_collapse(m->be, y, X, p, T, hc, D, norm_w, eps);
 }
 
 /* A buffer (id) for the activation form of a [T, k] input of FP8 linears, or NULL where the
@@ -746,11 +761,12 @@ static void *block_act(struct model *m, const struct batch *b, enum fbuf_id id, 
  * 4.5-5.5, and the activation forms made that worse. The pair (H200, same command, two runs
  * alternated with three lanes): 3.607 3.609 / 4.636 4.602 / 9.833 9.851 / 16.58 16.59 -> 3.443
  * 3.455 / 4.645 4.666 / 9.776 9.820 / 16.62 16.59 ms. */
-static void block_attn_in(struct model *m, int l, struct batch *b, const bf16_t *X, float *apre, float *post,
-                          float *comb, bf16_t *y, void *ya, bf16_t *qr, void *qra, bf16_t *q, const float *P) {
+static void block_attn_in(struct model *m, int l, struct batch *b, bf16_t *X, float *apre, float *post, float *comb,
+                          bf16_t *y, void *ya, bf16_t *qr, void *qra, bf16_t *q, const float *P,
+                          const struct block_expand *ex) {
     const struct model_config *c = m->cfg;
     const struct layer_weights *lw = &m->w->layers[l];
-    block_collapse(m, b, y, ya, X, P, lw->attn_norm);
+    block_collapse(m, b, y, ya, X, P, lw->attn_norm, ex); /* with ex, X is made here (the block before's last expand) */
     model_branch_begin(m);
     OPS->hc_mixes(m->be, apre, post, comb, X, b->T, c->hc_mult, c->dim, lw->hc_attn_fn, lw->hc_attn_scale,
                   lw->hc_attn_base, c->hc_sinkhorn_iters, (float)c->norm_eps, (float)c->hc_eps);
@@ -806,7 +822,7 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     const void *ka_p[] = {X, P, apre, post, comb, y, ya, qr, qra, q, kvr, b->pos};
     for (size_t i = 0; i < sizeof ka_p / sizeof *ka_p; i++) graph_key_ptr(&ka, ka_p[i]);
     if (b->attn_in_next != l && model_graph_begin(m, b, &ka)) { /* else the block before issued it */
-        block_attn_in(m, l, b, X, apre, post, comb, y, ya, qr, qra, q, P);
+        block_attn_in(m, l, b, X, apre, post, comb, y, ya, qr, qra, q, P, NULL);
         model_graph_end(m);
     }
     const int nx = next_attn_in(m, l, b, hooks);
@@ -849,8 +865,8 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         }
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
-            OPS->hc_expand(m->be, X1, o, X, post, comb, T, hc, D, attention_out_blocks(m));
-            block_collapse(m, b, y, ya, X1, apre, lw->ffn_norm);
+            const struct block_expand ex = {o, X, post, comb, attention_out_blocks(m)};
+            block_collapse(m, b, y, ya, X1, apre, lw->ffn_norm, &ex);
             /* three lanes: the FFN's mixes (P for the next block, post and comb for the expand
              * below) and the Engram gathers on one branch, the shared expert on another, the
              * router and the routed experts on the main lane */
@@ -880,8 +896,11 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             moe_finish(m, l, b, idx, all, sh, D, D, o);
         }
         if (issue) {
-            OPS->hc_expand(m->be, X, owner ? og : o, X1, post, comb, T, hc, D, owner ? np : 1);
-            if (nx >= 0) block_attn_in(m, nx, b, X, apre, post, comb, y, ya, qr, qra, q, P);
+            const struct block_expand ex = {owner ? og : o, X1, post, comb, owner ? np : 1};
+            if (nx >= 0) /* the next block's collapse reads the expand's output: one op */
+                block_attn_in(m, nx, b, X, apre, post, comb, y, ya, qr, qra, q, P, &ex);
+            else
+                OPS->hc_expand(m->be, X, ex.yin, ex.Xin, post, comb, T, hc, D, ex.y_blocks);
             model_graph_end(m);
         }
         b->attn_in_next = nx;

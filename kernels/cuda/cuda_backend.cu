@@ -803,6 +803,7 @@ static const struct backend_ops cuda_ops = {
     .act_bytes = cu_act_bytes,
     .hc_collapse_act = cuda_op_hc_collapse_act,
     .hc_expand = cuda_op_hc_expand,
+    .hc_expand_collapse = cuda_op_hc_expand_collapse,
     .hc_init = cuda_op_hc_init,
     .embed = cuda_op_embed,
     .engram_gather = cuda_op_engram_gather,

@@ -130,6 +130,9 @@ void cuda_op_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16
                              int64_t hc, int64_t D, const bf16_t *norm_w, float eps);
 void cuda_op_hc_expand(struct backend *be, bf16_t *Xo, const bf16_t *y, const bf16_t *X, const float *post,
                        const float *comb, int64_t T, int64_t hc, int64_t D, int64_t y_blocks);
+void cuda_op_hc_expand_collapse(struct backend *be, bf16_t *Xo, const bf16_t *yin, const bf16_t *X, const float *post,
+                                const float *comb, int64_t y_blocks, bf16_t *y, void *ya, const float *p,
+                                const bf16_t *norm_w, float eps, int64_t T, int64_t hc, int64_t D);
 void cuda_op_hc_init(struct backend *be, bf16_t *X, float *pre, const bf16_t *e, int64_t T, int64_t hc,
                      int64_t D);
 

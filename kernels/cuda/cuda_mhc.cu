@@ -576,19 +576,46 @@ __global__ void __launch_bounds__(EW_THREADS)
 #define HCN_WARPS 20
 #define HCN_WARPS_NARROW RMS_WARPS /* above ROW_WIDE_T rows: 1.54 -> 2.05 ms a 2K-token prefill with 20 */
 
-template <int HC, int WARPS, bool ACT>
+/* y's element (t, d) when y is [D / Db, T, Db] (the op's y_blocks; Db = D: [T, D]). A VEC-wide run
+ * from d stays in one block: VEC divides Db. */
+__device__ __forceinline__ int64_t hc_y_at(int64_t t, int64_t d, int64_t T, int64_t Db) {
+    return (d / Db * T + t) * Db + d % Db;
+}
+
+/* The expand in front of the collapse (hc_expand_collapse): Xo = hc_expand(yin, X, post, comb),
+ * yin in y_blocks column blocks of Db (hc_y_at), and the collapse reads Xo's bf16 values as they
+ * are stored rather than X's. */
+struct hc_expand_in {
+    uint16_t *Xo;         /* [T, HC, D] bf16 */
+    const uint16_t *yin;  /* [D / Db, T, Db] bf16 */
+    const float *post;    /* [T, HC] */
+    const float *comb;    /* [T, HC, HC] */
+    int64_t T, Db;
+};
+
+template <int HC, int WARPS, bool ACT, bool EXPAND>
 __global__ void __launch_bounds__(WARPS * 32)
     hc_collapse_norm_kernel(uint16_t *__restrict__ y, uint32_t *__restrict__ ya, const uint16_t *__restrict__ X,
-                            const float *__restrict__ p, const uint16_t *__restrict__ w, int64_t D, float eps) {
+                            const float *__restrict__ p, const uint16_t *__restrict__ w, int64_t D, float eps,
+                            hc_expand_in ex) {
     constexpr int STEP = WARPS * 32 * 8, NP = (HCN_MAX_D + STEP - 1) / STEP;
     __shared__ __align__(16) uint16_t ys[HCN_MAX_D]; /* the row's collapsed y [D] bf16 */
     __shared__ float l0[TSB_CAP * 64];
     __shared__ float r_s;
     const int64_t t = blockIdx.x;
     const uint16_t *xr = X + t * HC * D; /* X [T, HC, D] bf16 */
+    /* the expand's post [HC] and comb [HC][HC] (c[j*hc + k]) in shared memory: in registers beside
+     * the row's values they made the 640-thread CTA spill under the SM90 compiler (96 registers) */
+    __shared__ float pc_s[EXPAND ? HC + HC * HC : 1];
     float pj[HC];
 #pragma unroll
     for (int j = 0; j < HC; j++) pj[j] = p[t * HC + j];
+    if constexpr (EXPAND) {
+        if (threadIdx.x < HC + HC * HC)
+            pc_s[threadIdx.x] = threadIdx.x < HC ? ex.post[t * HC + threadIdx.x] : ex.comb[t * HC * HC + threadIdx.x - HC];
+        __syncthreads();
+    }
+    const float *pk = pc_s, *ck = pc_s + HC;
     uint4 wp[NP];
 #pragma unroll
     for (int q = 0; q < NP; q++) {
@@ -597,16 +624,42 @@ __global__ void __launch_bounds__(WARPS * 32)
         uint4 xv[HC];
 #pragma unroll
         for (int j = 0; j < HC; j++) xv[j] = *reinterpret_cast<const uint4 *>(xr + j * D + e);
+        uint4 yv = make_uint4(0, 0, 0, 0);
+        if constexpr (EXPAND) yv = *reinterpret_cast<const uint4 *>(ex.yin + hc_y_at(t, e, ex.T, ex.Db));
         wp[q] = __ldg(reinterpret_cast<const uint4 *>(w + e));
         float acc[8], f[8];
-        unpack8(xv[0], f);
+        if constexpr (EXPAND) { /* hc_expand_all_kernel's arithmetic per output copy k, then its bf16 into the collapse */
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = __fmul_rn(pj[0], f[i]);
+            for (int k = 0; k < HC; k++) { /* the inputs unpacked per use: packed they hold a quarter of the registers */
+                float mix[8];
+                unpack8(xv[0], f);
 #pragma unroll
-        for (int j = 1; j < HC; j++) {
-            unpack8(xv[j], f);
+                for (int i = 0; i < 8; i++) mix[i] = __fmul_rn(ck[k], f[i]);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(pj[j], f[i]));
+                for (int jj = 1; jj < HC; jj++) {
+                    unpack8(xv[jj], f);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) mix[i] = __fadd_rn(mix[i], __fmul_rn(ck[jj * HC + k], f[i]));
+                }
+                unpack8(yv, f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) mix[i] = __fadd_rn(__fmul_rn(pk[k], f[i]), mix[i]);
+                const uint4 xo = pack8(mix);
+                *reinterpret_cast<uint4 *>(ex.Xo + (t * HC + k) * D + e) = xo;
+                unpack8(xo, f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = k == 0 ? __fmul_rn(pj[0], f[i]) : __fadd_rn(acc[i], __fmul_rn(pj[k], f[i]));
+            }
+        } else {
+            unpack8(xv[0], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] = __fmul_rn(pj[0], f[i]);
+#pragma unroll
+            for (int j = 1; j < HC; j++) {
+                unpack8(xv[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(pj[j], f[i]));
+            }
         }
         *reinterpret_cast<uint4 *>(ys + e) = pack8(acc);
     }
@@ -632,29 +685,39 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
 }
 
-/* The collapse-norm kernel for hc streams (ya: y's act form, ACT), on the row count's CTA width;
- * false where hc has no instance. */
+/* One launch of the collapse-norm kernel on the row count's CTA width. */
+template <int HC, bool ACT, bool EXPAND>
+static void hcn_launch(cudaStream_t st, bf16_t *y, uint32_t *ya, const bf16_t *X, const float *p, int64_t T, int64_t D,
+                       const bf16_t *norm_w, float eps, const hc_expand_in &ex) {
+    if (T <= ROW_WIDE_T)
+        hc_collapse_norm_kernel<HC, HCN_WARPS, ACT, EXPAND>
+            <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps, ex);
+    else
+        hc_collapse_norm_kernel<HC, HCN_WARPS_NARROW, ACT, EXPAND>
+            <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps, ex);
+}
+
+/* The collapse-norm kernel for hc streams (ya: y's act form, ACT; ex: the expand in front, or
+ * NULL); false where hc has no instance (with the expand hc = 4 only, the release's hc_mult: an
+ * instance is 40-90 KB of SASS in every binary of the suite). */
 template <bool ACT>
 static bool hc_collapse_norm_launch(cudaStream_t st, bf16_t *y, uint32_t *ya, const bf16_t *X, const float *p, int64_t T,
-                                    int64_t hc, int64_t D, const bf16_t *norm_w, float eps) {
-    switch (hc) {
-#define HCN_CASE(H)                                                                                                    \
-    case H:                                                                                                            \
-        if (T <= ROW_WIDE_T)                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS, ACT>                                                                 \
-                <<<(unsigned)T, HCN_WARPS * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps);                                 \
-        else                                                                                                           \
-            hc_collapse_norm_kernel<H, HCN_WARPS_NARROW, ACT>                                                          \
-                <<<(unsigned)T, HCN_WARPS_NARROW * 32, 0, st>>>(y, ya, X, p, norm_w, D, eps);                          \
-        break;
-        HCN_CASE(1)
-        HCN_CASE(2)
-        HCN_CASE(3)
-        HCN_CASE(4)
-        HCN_CASE(6)
-        HCN_CASE(8)
-#undef HCN_CASE
-    default: return false;
+                                    int64_t hc, int64_t D, const bf16_t *norm_w, float eps,
+                                    const hc_expand_in *ex = NULL) {
+    const hc_expand_in none = {NULL, NULL, NULL, NULL, 0, 0};
+    if (ex) {
+        if (hc != 4) return false;
+        hcn_launch<4, ACT, true>(st, y, ya, X, p, T, D, norm_w, eps, *ex);
+    } else {
+        switch (hc) {
+        case 1: hcn_launch<1, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        case 2: hcn_launch<2, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        case 3: hcn_launch<3, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        case 4: hcn_launch<4, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        case 6: hcn_launch<6, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        case 8: hcn_launch<8, ACT, false>(st, y, ya, X, p, T, D, norm_w, eps, none); break;
+        default: return false;
+        }
     }
     KERNEL_CHECK();
     return true;
@@ -693,10 +756,35 @@ void cuda_op_hc_collapse_act(struct backend *be, bf16_t *y, void *ya, const bf16
     cuda_linear_mma_act_quant((uint16_t *)ya, (const uint16_t *)y, T, D, (void *)st);
 }
 
-/* y's element (t, d) when y is [D / Db, T, Db] (the op's y_blocks; Db = D: [T, D]). A VEC-wide run
- * from d stays in one block: VEC divides Db. */
-__device__ __forceinline__ int64_t hc_y_at(int64_t t, int64_t d, int64_t T, int64_t Db) {
-    return (d / Db * T + t) * Db + d % Db;
+/* hc_expand, then the collapse (+ norm, + y's act form where ya is given) of its output: one pass
+ * where the collapse-norm kernel takes the shape (hc = 4, the norm, its D and alignment, y's
+ * column blocks a multiple of 8 wide): a CTA per row forms the row's hc expanded copies with
+ * hc_expand_all_kernel's arithmetic, stores them, and collapses their bf16 values as
+ * hc_collapse_norm_kernel would have read them back, so both outputs have the two ops' bits. It
+ * saves the expand's launch and the collapse's read of Xo: at batch 1 the expand is a 2-CTA
+ * kernel of ~2.3 µs on the critical path, twice a block (results/PERFORMANCE_HISTORY.md).
+ * Other shapes run the two ops. */
+void cuda_op_hc_expand_collapse(struct backend *be, bf16_t *Xo, const bf16_t *yin, const bf16_t *X, const float *post,
+                                const float *comb, int64_t y_blocks, bf16_t *y, void *ya, const float *p,
+                                const bf16_t *norm_w, float eps, int64_t T, int64_t hc, int64_t D) {
+    if (y_blocks < 1 || D % y_blocks)
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "hc_expand_collapse", "y_blocks does not divide D");
+    if (T <= 0 || D <= 0 || hc <= 0) return;
+    const int64_t Db = D / y_blocks;
+    const bool act_ok = !ya || (D % 256 == 0 && al16(ya));
+    if (norm_w && act_ok && D % 8 == 0 && Db % 8 == 0 && D <= HCN_MAX_D && al16(Xo) && al16(yin) && al16(X) &&
+        al16(y) && al16(norm_w) && T <= 0x7fffffff) {
+        const hc_expand_in ex = {(uint16_t *)Xo, (const uint16_t *)yin, post, comb, T, Db};
+        cudaStream_t st = cuda_be_stream(be);
+        if (ya ? hc_collapse_norm_launch<true>(st, y, (uint32_t *)ya, X, p, T, hc, D, norm_w, eps, &ex)
+               : hc_collapse_norm_launch<false>(st, y, NULL, X, p, T, hc, D, norm_w, eps, &ex))
+            return;
+    }
+    cuda_op_hc_expand(be, Xo, yin, X, post, comb, T, hc, D, y_blocks);
+    if (ya)
+        cuda_op_hc_collapse_act(be, y, ya, Xo, p, T, hc, D, norm_w, eps);
+    else
+        cuda_op_hc_collapse(be, y, Xo, p, T, hc, D, norm_w, eps);
 }
 
 /* Thread (t, k, VEC d's): output copy k reads column k of C over the input copies (L1 serves the

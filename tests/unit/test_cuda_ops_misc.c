@@ -971,6 +971,62 @@ static void hc_collapse_act_check(const bf16_t *yref, const void *dX, const void
 #endif
 }
 
+/* hc_expand_collapse (a block's residual update and the next sublayer's input in one op): Xo as
+ * the GPU's hc_expand gives it and y (and ya, y's act form) as its collapse + norm then gives it
+ * from that Xo, bit for bit — one pass where the kernel takes the shape (hc 4, D % 8, column
+ * blocks of a multiple of 8, D % 256 with ya), the ops in turn otherwise; y whole and in column
+ * blocks (nb), with and without ya. */
+static void hc_expand_collapse_check(const bf16_t *y, const void *dX, const void *dpost, const void *dcomb,
+                                     const void *dp, const void *dwn, int64_t T, int64_t hc, int64_t D) {
+#ifdef DS_HAVE_CUDA
+    if (gpu_state != 1 || !GPU->hc_expand_collapse) return;
+    const size_t xb = (size_t)(T * hc * D) * 2, yb = (size_t)(T * D) * 2;
+    bf16_t *xr = NEW(bf16_t, T * hc * D), *xg = NEW(bf16_t, T * hc * D), *yr = NEW(bf16_t, T * D),
+           *yg = NEW(bf16_t, T * D), *yblk = NEW(bf16_t, T * D);
+    for (int64_t nb = 1; nb <= 8; nb *= 8) {
+        if (D % nb) continue;
+        const int64_t Db = D / nb;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++) yblk[(d / Db * T + t) * Db + d % Db] = y[t * D + d];
+        void *dyin = g_in(yblk, yb);
+        for (int act = 0; act < 2; act++) {
+            mma_switch(act == 1);
+            const size_t ab = act && GPU->act_bytes && GPU->hc_collapse_act ? GPU->act_bytes(&gpu_be, T, D) : 0;
+            if (act && !ab) {
+                mma_switch(false);
+                continue;
+            }
+            bf16_t *qr = ab ? NEW(bf16_t, ab / 2) : NULL, *qg = ab ? NEW(bf16_t, ab / 2) : NULL;
+            void *dxr = g_out(xb, PZ_16), *dyr = g_out(yb, PZ_16), *dqr = ab ? g_out(ab, PZ_16) : NULL;
+            GPU->hc_expand(&gpu_be, dxr, dyin, dX, dpost, dcomb, T, hc, D, nb);
+            if (ab)
+                GPU->hc_collapse_act(&gpu_be, dyr, dqr, dxr, dp, T, hc, D, dwn, 1e-6f);
+            else
+                GPU->hc_collapse(&gpu_be, dyr, dxr, dp, T, hc, D, dwn, 1e-6f);
+            void *dxg = g_out(xb, PZ_16), *dyg = g_out(yb, PZ_16), *dqg = ab ? g_out(ab, PZ_16) : NULL;
+            GPU->hc_expand_collapse(&gpu_be, dxg, dyin, dX, dpost, dcomb, nb, dyg, dqg, dp, dwn, 1e-6f, T, hc, D);
+            g_get(xr, dxr, xb), g_get(xg, dxg, xb), g_get(yr, dyr, yb), g_get(yg, dyg, yb);
+            if (ab) g_get(qr, dqr, ab), g_get(qg, dqg, ab);
+            mma_switch(false);
+            struct cmp c;
+            cmp_begin(&c, "hc_expand_collapse", "D=%lld T=%lld blocks=%lld%s", (long long)D, (long long)T, (long long)nb,
+                      ab ? " with ya" : "");
+            cmp_bf16_exact(&c, xg, xr, T * hc * D);
+            cmp_bf16_exact(&c, yg, yr, T * D);
+            if (ab) cmp_bf16_exact(&c, qg, qr, (int64_t)(ab / 2));
+            cmp_end(&c);
+            g_free(dxr), g_free(dyr), g_free(dxg), g_free(dyg);
+            if (ab) g_free(dqr), g_free(dqg);
+            free(qr), free(qg);
+        }
+        g_free(dyin);
+    }
+    free(xr), free(xg), free(yr), free(yg), free(yblk);
+#else
+    (void)y, (void)dX, (void)dpost, (void)dcomb, (void)dp, (void)dwn, (void)T, (void)hc, (void)D;
+#endif
+}
+
 static void hc_elementwise_case(int64_t T, int64_t D) {
     const int64_t hc = HC;
     char tag[128];
@@ -1018,6 +1074,7 @@ static void hc_elementwise_case(int64_t T, int64_t D) {
     cmp_bf16_exact(&c, og, oc, T * D);
     cmp_end(&c);
     hc_collapse_act_check(og, dX, dp, dwn, T, hc, D);
+    hc_expand_collapse_check(y, dX, dpost, dcomb, dp, dwn, T, hc, D);
     g_free(dwn);
     free(wn);
     /* expand */
