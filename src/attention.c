@@ -379,10 +379,15 @@ static void attention_out(struct model *m, int l, struct batch *b, const struct 
         model_tfree(m, idx_d);
         /* the ring keeps the last W positions for later steps: written after the attention, which
          * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
-         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff) */
+         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff); on a branch beside
+         * the output's linears, which do not read it (on the main lane it was a ~1.3 µs kernel and
+         * a ~0.5 µs gap a layer on the critical path at batch 1, H200 timeline of fb5cbc4) */
+        model_branch_begin(m);
         OPS->ring_store(m->be, lc->ring, kv, b->geo, T, c->window, c->head_dim);
+        model_branch_end(m);
         OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
         if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
+        model_branch_join(m);
     }
     if (!one) {
         /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b; the
