@@ -58,20 +58,36 @@ __device__ __forceinline__ float2 mo_swiglu_parts(const float *__restrict__ pg, 
  * pair ids t*k + slot, grouped by expert). Tiles hold at most P pairs of one expert; with `tiles`
  * (else NULL) the kernel also writes each tile's entry {le | np << 16, first list entry}, so that a
  * CTA finds its tile with one load instead of a binary search (moe_tiles_max entries, moe_mma.h). One CTA
- * of 1024 threads: count per expert, prefix sums by one warp, then scatter. (Thread 0's serial
- * prefix over the experts was a ~48-step chain of shared-memory round trips.) The order of
+ * (of 256 or 1024 threads): count per expert, prefix sums by one warp, then scatter. (Thread 0's serial
+ * prefix over the experts was a ~48-step chain of shared-memory round trips.) A thread's first
+ * MOE_PLAN_PT pairs are read once, all loads issued together, and kept for the scatter: a loop of
+ * a load and an atomic a pair is a chain of memory latencies (6 rounds at 1,536 pairs on 256
+ * threads, batch 256), now one up to 1,024 pairs; pairs past them are read in the loops. The
+ * kernels running it are bounded (1024, 1): with (1024) alone ptxas kept them to 32 registers and
+ * the kept pairs spilled. The order of
  * pairs inside an expert's group comes from shared-memory atomics and is not deterministic; the
  * users compute each pair the same way whatever its place. */
+#define MOE_PLAN_PT 4
 __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *__restrict__ tiles,
                                               const int32_t *__restrict__ idx, int64_t M, int64_t e0, int n_local, int P) {
     __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL], tst[MOE_MAX_LOCAL];
     int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
+    const int64_t bd = blockDim.x, rest = MOE_PLAN_PT * bd; /* pairs from rest on: the loops below */
+    int le[MOE_PLAN_PT]; /* the local expert of pair threadIdx.x + i·bd, or -1 (none, or another rank's) */
+#pragma unroll
+    for (int i = 0; i < MOE_PLAN_PT; i++) {
+        const int64_t p = threadIdx.x + i * bd, e = p < M ? (int64_t)idx[p] - e0 : -1;
+        le[i] = e >= 0 && e < n_local ? (int)e : -1;
+    }
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
         cnt[i] = 0;
         fill[i] = 0;
     }
     __syncthreads();
-    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < MOE_PLAN_PT; i++)
+        if (le[i] >= 0) atomicAdd(&cnt[le[i]], 1);
+    for (int64_t p = threadIdx.x + rest; p < M; p += bd) {
         int64_t e = (int64_t)idx[p] - e0;
         if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
     }
@@ -102,7 +118,10 @@ __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *
         }
     }
     __syncthreads();
-    for (int64_t p = threadIdx.x; p < M; p += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < MOE_PLAN_PT; i++)
+        if (le[i] >= 0) list[offs[le[i]] + atomicAdd(&fill[le[i]], 1)] = (int32_t)(threadIdx.x + i * bd);
+    for (int64_t p = threadIdx.x + rest; p < M; p += bd) {
         int64_t e = (int64_t)idx[p] - e0;
         if (e >= 0 && e < n_local) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
     }
@@ -114,7 +133,7 @@ __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *
             }
 }
 
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, 1)
     moe_plan_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
                     int64_t e0, int n_local, int P) {
     moe_plan_body(plan, tiles, idx, M, e0, n_local, P);

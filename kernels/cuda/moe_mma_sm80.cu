@@ -747,7 +747,7 @@ static moe_scr moe_scr_take(struct backend *be, int64_t T, int64_t tp, int64_t k
  * CTA of 256 threads fits where one of theirs ends, and the high-priority lane's CTAs go first.
  * The prefill path keeps 1024 (its plan's loops over ~12K pairs). */
 #define MOE_BEGIN_THREADS_DECODE 256
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, 1)
     moe_begin_kernel(int32_t *__restrict__ plan, int2 *__restrict__ tiles, const int32_t *__restrict__ idx, int64_t M,
                      int64_t e0, int n_local, int P, const __nv_bfloat16 *__restrict__ x, __nv_bfloat16 *__restrict__ qx,
                      int64_t n8) {
