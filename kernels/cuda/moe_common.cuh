@@ -73,12 +73,13 @@ __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *
     __shared__ int cnt[MOE_MAX_LOCAL], fill[MOE_MAX_LOCAL], offs[MOE_MAX_LOCAL], tst[MOE_MAX_LOCAL];
     int32_t *tstart = plan, *off = plan + n_local + 1, *list = plan + 2 * (n_local + 1);
     const int64_t bd = blockDim.x, rest = MOE_PLAN_PT * bd; /* pairs from rest on: the loops below */
-    int le[MOE_PLAN_PT]; /* the local expert of pair threadIdx.x + i·bd, or -1 (none, or another rank's) */
+    auto local = [&](int64_t p) { /* pair p's local expert, or -1 (none, or another rank's) */
+        const int64_t e = p < M ? (int64_t)idx[p] - e0 : -1;
+        return e >= 0 && e < n_local ? (int)e : -1;
+    };
+    int le[MOE_PLAN_PT]; /* local(threadIdx.x + i·bd) */
 #pragma unroll
-    for (int i = 0; i < MOE_PLAN_PT; i++) {
-        const int64_t p = threadIdx.x + i * bd, e = p < M ? (int64_t)idx[p] - e0 : -1;
-        le[i] = e >= 0 && e < n_local ? (int)e : -1;
-    }
+    for (int i = 0; i < MOE_PLAN_PT; i++) le[i] = local(threadIdx.x + i * bd);
     for (int i = threadIdx.x; i < n_local; i += blockDim.x) {
         cnt[i] = 0;
         fill[i] = 0;
@@ -88,8 +89,8 @@ __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *
     for (int i = 0; i < MOE_PLAN_PT; i++)
         if (le[i] >= 0) atomicAdd(&cnt[le[i]], 1);
     for (int64_t p = threadIdx.x + rest; p < M; p += bd) {
-        int64_t e = (int64_t)idx[p] - e0;
-        if (e >= 0 && e < n_local) atomicAdd(&cnt[e], 1);
+        const int e = local(p);
+        if (e >= 0) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
     if (threadIdx.x < 32) { /* prefix sums by warp 0: a lane's run of experts, a shuffle scan of the runs */
@@ -122,8 +123,8 @@ __device__ __forceinline__ void moe_plan_body(int32_t *__restrict__ plan, int2 *
     for (int i = 0; i < MOE_PLAN_PT; i++)
         if (le[i] >= 0) list[offs[le[i]] + atomicAdd(&fill[le[i]], 1)] = (int32_t)(threadIdx.x + i * bd);
     for (int64_t p = threadIdx.x + rest; p < M; p += bd) {
-        int64_t e = (int64_t)idx[p] - e0;
-        if (e >= 0 && e < n_local) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
+        const int e = local(p);
+        if (e >= 0) list[offs[e] + atomicAdd(&fill[e], 1)] = (int32_t)p;
     }
     if (tiles)
         for (int e = threadIdx.x; e < n_local; e += blockDim.x)
