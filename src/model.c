@@ -675,14 +675,18 @@ static void moe_shared(struct model *m, int l, struct batch *b, const bf16_t *x,
         OPS->shared_expert(m->be, sh, x, b->T, &fw->sh_w1, &fw->sh_w3, &fw->sh_w2, (float)m->cfg->swiglu_limit);
 }
 
-static void moe_routed(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts,
+static void moe_router(struct model *m, int l, struct batch *b, const bf16_t *x, int32_t *idx, float *wts) {
+    const struct model_config *c = m->cfg;
+    const struct ffn_weights *fw = &m->w->layers[l].ffn;
+    OPS->router(m->be, idx, wts, x, b->T, &fw->gate, fw->bias, c->role[l].n_active, (float)c->gate_temp,
+                c->norm_topk_prob, (float)c->route_scale);
+}
+
+static void moe_routed(struct model *m, int l, struct batch *b, const bf16_t *x, const int32_t *idx, const float *wts,
                        bf16_t *ye) {
     const struct model_config *c = m->cfg;
     const struct ffn_weights *fw = &m->w->layers[l].ffn;
-    int64_t T = b->T, k = c->role[l].n_active;
-    OPS->router(m->be, idx, wts, x, T, &fw->gate, fw->bias, k, (float)c->gate_temp, c->norm_topk_prob,
-                (float)c->route_scale);
-    OPS->moe_experts(m->be, ye, x, idx, wts, T, k, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
+    OPS->moe_experts(m->be, ye, x, idx, wts, b->T, c->role[l].n_active, fw->e0, fw->n_local, fw->w1, fw->w3, fw->w2,
                      (float)c->swiglu_limit);
 }
 
@@ -869,12 +873,17 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             block_collapse(m, b, y, ya, X1, apre, lw->ffn_norm, &ex);
             /* three lanes: the FFN's mixes (P for the next block, post and comb for the expand
              * below) and the Engram gathers on one branch, the shared expert on another, the
-             * router and the routed experts on the main lane */
+             * router and the routed experts on the main lane. The shared expert's lane opens after
+             * the router: beside it, its split linears' weight stream took the memory system while
+             * the router's latency-bound chain (the gate, the rank kernel), the critical lane's
+             * start, ran (at batch 1 the rank kernel 15 µs beside it, 8 alone; H200 lanes of
+             * fb5cbc4), and it has ~25 µs to spare beside the routed experts */
             model_branch_begin(m);
             if (b->eg_at == l) engram_gathers(m, b); /* first: its CTAs wait on the bus beside the experts' */
             OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
                           c->hc_sinkhorn_iters, eps, hc_eps);
             model_branch_end(m);
+            moe_router(m, l, b, y, idx, wts);
             model_branch_begin(m);
             moe_shared(m, l, b, y, ya, sh);
             model_branch_end(m);
