@@ -324,23 +324,14 @@ void attention_project_qkv(struct model *m, int l, struct batch *b, const bf16_t
     project_q_b(m, l, b, qr, qra, q);
 }
 
-/* The attention itself, the first ops of attention_out's segment: the index lists from the batch
- * geometry (ip, n_idx wide), sparse_attn over them into o with its inverse RoPE. */
-struct attn_core {
-    const bf16_t *q; /* [T, Hl, hd] */
-    int64_t Hl, n_idx;
-    struct attn_index_par ip;
-    const float *sink;
-    float scale;
-    struct attn_rope inv;
-};
-
 /* The attention (ac) into the heads' output o [T, Hl·hd] (after its inverse RoPE), the window
  * ring's update from this forward's rows, then o to the sublayer's out: wo_a by group, the groups
  * gathered over the TP group, this rank's rows of wo_b, gathered. Its shapes are fixed at a given T
  * and the rounded widths (MODEL_GRAPH_WIDTH_STEP), so in a decode step it replays as graph
  * segments: one, or two around the first gather where the TP group's collectives come between
- * (one again where the TP comm is stream_ordered: model_tp_between).
+ * (one again where the TP comm is stream_ordered: model_tp_between). In three parts, so that the
+ * first segment's ops can join the segment before it (attention_out_ops under a key holding
+ * attention_out_prepare's words, then attention_forward_rest).
  * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
  * quant, the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
@@ -348,82 +339,128 @@ struct attn_core {
  * costs the step little more than one from a graph. With one rank there is nothing to gather:
  * wo_b reads wo_a's output and writes the sublayer's (two device copies a layer fewer). out is
  * [attention_out_blocks(m), T, D / that] (model_internal.h). */
-static void attention_out(struct model *m, int l, struct batch *b, const struct attn_core *ac, bf16_t *o,
-                          bf16_t *out) {
+int attention_out_prepare(struct model *m, int l, struct batch *b, const bf16_t *q, bf16_t *out,
+                          struct attn_out_plan *p) {
+    const struct model_config *c = m->cfg;
+    const struct layer_role *r = &c->role[l];
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, hd = c->head_dim, W = c->window;
+    int64_t Hl = aw->wq_b.n / hd;
+    int src = r->ratio > 0 ? r->kv_src : -1;
+    const int32_t *ctop = src >= 0 ? b->topk[r->topk_src] : NULL;
+    int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0; /* the top-k rows' stride, all of it taken */
+    if (src >= 0 && !ctop) {
+        ds_err_set("layer %d: top-k source layer %d did not run in this forward", l, r->topk_src);
+        return -1;
+    }
+    /* sparse_attn reads every row where it lives, in the model's kv arena (model_internal.h): the
+     * chunk's own rows (scratch rows after the caches), older window positions in this layer's
+     * ring, compressed rows in the KV source's cache. Per row the index list is [window |
+     * compressed | -1 padding]; padding at the end of a row changes nothing. */
+    int64_t n_idx = 0;
+    for (int i = 0; i < b->n; i++) n_idx = i64max(n_idx, model_window_width(m, &b->seqs[i]) + kc);
+    if (b->graphs) n_idx = round_up(n_idx, MODEL_GRAPH_WIDTH_STEP);
+    /* the lists on the backend from the batch's geometry (uploaded once a forward, b->geo) */
+    const struct layer_cache *lc = &m->lc[l], *sc = src >= 0 ? &m->lc[src] : NULL;
+    /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
+    const struct attn_core ac = {q,
+                                 Hl,
+                                 n_idx,
+                                 {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0},
+                                 aw->attn_sink,
+                                 (float)pow((double)hd, -0.5),
+                                 {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true}};
+    p->ac = ac;
+    int64_t K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
+    const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
+    p->out = out;
+    p->o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);             /* [T, Hl·hd] */
+    p->u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);          /* [T, Gl·o_lora] */
+    p->uf = one ? p->u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false); /* [T, K] all ranks' */
+    p->ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
+    p->ug = one ? p->u : model_fbuf(m, b, FB_ATTN_UG, (size_t)(T * K) * 2, false); /* [tp, T, Gl·o_lora] */
+    const bf16_t *kv = attention_kv_rows(m);
+    p->k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
+    const void *k_p[] = {p->o, p->u, p->uf, p->ol, out, p->ug, lc->ring, kv, b->geo, ac.q, m->kv, ac.ip.src, ac.sink};
+    for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&p->k, k_p[i]);
+    const int64_t k_w[] = {ac.n_idx, ac.ip.ld_src, ac.ip.k, ac.ip.ring0, ac.ip.src0, ac.ip.cap};
+    for (size_t i = 0; i < sizeof k_w / sizeof *k_w; i++) graph_key_word(&p->k, (uint64_t)k_w[i]);
+    return 0;
+}
+
+/* The first segment's ops: the index lists and the attention (with graphs their widths are rounded
+ * up, so the key changes every 64 entries of context, not every step: MODEL_GRAPH_WIDTH_STEP; as
+ * eager launches between segments each left the GPU idle 1.3-2.0 µs before it at batch 1, H100
+ * timeline of 2ca5d88), the ring's update, wo_a (and wo_b with one rank). */
+void attention_out_ops(struct model *m, int l, struct batch *b, const struct attn_out_plan *p) {
     const struct model_config *c = m->cfg;
     const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T;
-    int64_t Gl = aw->wo_a.n / c->o_lora_rank, K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
-    const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
-    bf16_t *u = model_fbuf(m, b, FB_ATTN_U, (size_t)T * aw->wo_a.n * 2, false);         /* [T, Gl·o_lora] */
-    bf16_t *uf = one ? u : model_fbuf(m, b, FB_ATTN_UF, (size_t)(T * K) * 2, false);    /* [T, K] all ranks' */
-    bf16_t *ol = one ? out : model_fbuf(m, b, FB_ATTN_OL, (size_t)(T * Dl) * 2, false); /* [T, Dl] */
-    bf16_t *ug = one ? u : model_fbuf(m, b, FB_ATTN_UG, (size_t)(T * K) * 2, false);    /* [tp, T, Gl·o_lora] */
-    const struct layer_cache *lc = &m->lc[l];
-    const bf16_t *kv = attention_kv_rows(m);
-    struct graph_key k = graph_key_new(m, GSEG_ATTN_OUT, l, b);
-    const void *k_p[] = {o, u, uf, ol, out, ug, lc->ring, kv, b->geo, ac->q, m->kv, ac->ip.src, ac->sink};
-    for (size_t i = 0; i < sizeof k_p / sizeof *k_p; i++) graph_key_ptr(&k, k_p[i]);
-    const int64_t k_w[] = {ac->n_idx, ac->ip.ld_src, ac->ip.k, ac->ip.ring0, ac->ip.src0, ac->ip.cap};
-    for (size_t i = 0; i < sizeof k_w / sizeof *k_w; i++) graph_key_word(&k, (uint64_t)k_w[i]);
-    bool issue = model_graph_begin(m, b, &k);
-    if (issue) {
-        /* the index lists and the attention (with graphs their widths are rounded up, so the
-         * key changes every 64 entries of context, not every step: MODEL_GRAPH_WIDTH_STEP); as
-         * eager launches between segments each left the GPU idle 1.3-2.0 µs before it at batch 1
-         * (H100 timeline of 2ca5d88) */
-        int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * ac->n_idx));
-        OPS->attn_index(m->be, idx_d, ac->n_idx, b->geo, T, &ac->ip);
-        be_sparse_attn_rope(m->be, o, ac->q, m->kv, idx_d, T, ac->Hl, c->head_dim, ac->n_idx, ac->sink, ac->scale,
-                            &ac->inv);
-        model_tfree(m, idx_d);
-        /* the ring keeps the last W positions for later steps: written after the attention, which
-         * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
-         * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff); on a branch beside
-         * the output's linears, which do not read it (on the main lane it was a ~1.3 µs kernel and
-         * a ~0.5 µs gap a layer on the critical path at batch 1, H200 timeline of fb5cbc4) */
-        model_branch_begin(m);
-        OPS->ring_store(m->be, lc->ring, kv, b->geo, T, c->window, c->head_dim);
-        model_branch_end(m);
-        OPS->grouped_linear(m->be, u, o, T, Gl, &aw->wo_a);
-        if (one) OPS->linear(m->be, out, u, T, &aw->wo_b);
-        model_branch_join(m);
-    }
+    const struct attn_core *ac = &p->ac;
+    int64_t T = b->T, Gl = aw->wo_a.n / c->o_lora_rank;
+    int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * ac->n_idx));
+    OPS->attn_index(m->be, idx_d, ac->n_idx, b->geo, T, &ac->ip);
+    be_sparse_attn_rope(m->be, p->o, ac->q, m->kv, idx_d, T, ac->Hl, c->head_dim, ac->n_idx, ac->sink, ac->scale,
+                        &ac->inv);
+    model_tfree(m, idx_d);
+    /* the ring keeps the last W positions for later steps: written after the attention, which
+     * reads the older positions in place (a host list of T copies uploaded a layer left the GPU
+     * idle ~11 µs before it at batch 256 on the H200 timeline of 65418ff); on a branch beside
+     * the output's linears, which do not read it (on the main lane it was a ~1.3 µs kernel and
+     * a ~0.5 µs gap a layer on the critical path at batch 1, H200 timeline of fb5cbc4) */
+    model_branch_begin(m);
+    OPS->ring_store(m->be, m->lc[l].ring, attention_kv_rows(m), b->geo, T, c->window, c->head_dim);
+    model_branch_end(m);
+    OPS->grouped_linear(m->be, p->u, p->o, T, Gl, &aw->wo_a);
+    if (m->tp_size == 1) OPS->linear(m->be, p->out, p->u, T, &aw->wo_b);
+    model_branch_join(m);
+}
+
+/* What follows attention_out_ops, under `issue` (model_graph_begin's answer for the segment that
+ * holds them): the TP gathers and wo_b between them, the segments' ends. */
+void attention_out_rest(struct model *m, int l, struct batch *b, struct attn_out_plan *p, bool issue) {
+    const struct attn_weights *aw = &m->w->layers[l].attn;
+    int64_t T = b->T, Dl = aw->wo_b.n;
+    const bool one = m->tp_size == 1;
     if (!one) {
         /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b; the
          * interleave of the gathered blocks into rows is the next segment's first op (as an eager
          * launch between the gather and the segment it left the GPU idle ~1.3 µs more a layer at
          * batch 1, H100 timeline of 63e839c) */
-        const struct tp_call groups = {TP_ALLGATHER, u, ug, (size_t)T * aw->wo_a.n * 2, "attention groups"};
-        issue = model_tp_between(m, b, &k, issue, GSEG_ATTN_WOB, &groups);
+        const struct tp_call groups = {TP_ALLGATHER, p->u, p->ug, (size_t)T * aw->wo_a.n * 2, "attention groups"};
+        issue = model_tp_between(m, b, &p->k, issue, GSEG_ATTN_WOB, &groups);
         if (issue) {
-            OPS->interleave(m->be, uf, ug, m->tp_size, T, (size_t)aw->wo_a.n * 2);
-            OPS->linear(m->be, ol, uf, T, &aw->wo_b);
+            OPS->interleave(m->be, p->uf, p->ug, m->tp_size, T, (size_t)aw->wo_a.n * 2);
+            OPS->linear(m->be, p->ol, p->uf, T, &aw->wo_b);
         }
         /* out as the all-gather leaves it, [tp, T, Dl] (attention_out_blocks): the expand after the
          * block reads the column blocks in place, no interleave into [T, D] (a launch a layer) */
-        const struct tp_call outs = {TP_ALLGATHER, ol, out, (size_t)(T * Dl) * 2, "attention out"};
-        issue = model_tp_between(m, b, &k, issue, 0, &outs);
+        const struct tp_call outs = {TP_ALLGATHER, p->ol, p->out, (size_t)(T * Dl) * 2, "attention out"};
+        issue = model_tp_between(m, b, &p->k, issue, 0, &outs);
     }
     if (issue) model_graph_end(m);
-    model_fbuf_free(m, b, u);
+    model_fbuf_free(m, b, p->u);
     if (!one) {
-        model_fbuf_free(m, b, uf);
-        model_fbuf_free(m, b, ol);
-        model_fbuf_free(m, b, ug);
+        model_fbuf_free(m, b, p->uf);
+        model_fbuf_free(m, b, p->ol);
+        model_fbuf_free(m, b, p->ug);
     }
+    model_fbuf_free(m, b, p->o);
+}
+
+/* Whether layer l's attention has nothing before its output part (no compressor, no indexer):
+ * its first segment's ops may then join the segment before it (model.c, block_forward). */
+bool attention_plain(const struct model *m, int l) {
+    const struct layer_role *r = &m->cfg->role[l];
+    return !r->owns_compressor && !r->is_index_source;
 }
 
 int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, const bf16_t *qr, const void *qra,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks) {
     const struct model_config *c = m->cfg;
     const struct layer_role *r = &c->role[l];
-    const struct attn_weights *aw = &m->w->layers[l].attn;
-    int64_t T = b->T, hd = c->head_dim, W = c->window;
-    int64_t Hl = aw->wq_b.n / hd;
+    int64_t T = b->T;
 
     /* compressed branch: sources write their caches first, then index sources choose rows */
-    int src = r->ratio > 0 ? r->kv_src : -1;
     if (r->owns_compressor) {
         struct emitted em;
         bf16_t *lat = compress(m, l, b, x, &em);
@@ -450,32 +487,17 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
             free(h);
         }
     }
-    const int32_t *ctop = src >= 0 ? b->topk[r->topk_src] : NULL;
-    int64_t kc = src >= 0 ? b->topk_w[r->topk_src] : 0; /* the top-k rows' stride, all of it taken */
-    if (src >= 0 && !ctop) {
-        ds_err_set("layer %d: top-k source layer %d did not run in this forward", l, r->topk_src);
-        return -1;
-    }
+    struct attn_out_plan p;
+    if (attention_out_prepare(m, l, b, q, out, &p)) return -1;
+    const bool issue = model_graph_begin(m, b, &p.k);
+    if (issue) attention_out_ops(m, l, b, &p); /* the attention, the window ring's update, wo_a */
+    attention_out_rest(m, l, b, &p, issue);
+    return 0;
+}
 
-    /* sparse_attn reads every row where it lives, in the model's kv arena (model_internal.h): the
-     * chunk's own rows (scratch rows after the caches), older window positions in this layer's
-     * ring, compressed rows in the KV source's cache. Per row the index list is [window |
-     * compressed | -1 padding]; padding at the end of a row changes nothing. */
-    int64_t n_idx = 0;
-    for (int i = 0; i < b->n; i++) n_idx = i64max(n_idx, model_window_width(m, &b->seqs[i]) + kc);
-    if (b->graphs) n_idx = round_up(n_idx, MODEL_GRAPH_WIDTH_STEP);
-    /* the lists on the backend from the batch's geometry (uploaded once a forward, b->geo) */
-    const struct layer_cache *lc = &m->lc[l], *sc = src >= 0 ? &m->lc[src] : NULL;
-    /* the heads' output with its inverse RoPE (MODEL.md §3.9): on the GPU in the attention's stores */
-    const struct attn_core ac = {q,
-                                 Hl,
-                                 n_idx,
-                                 {W, lc->ring_row, ctop, kc, kc, sc ? sc->ckv_row : 0, sc ? sc->cap : 0},
-                                 aw->attn_sink,
-                                 (float)pow((double)hd, -0.5),
-                                 {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true}};
-    bf16_t *o = model_fbuf(m, b, FB_ATTN_O, (size_t)T * Hl * hd * 2, false);
-    attention_out(m, l, b, &ac, o, out); /* the attention, the window ring's update, the output */
-    model_fbuf_free(m, b, o);
+int attention_forward_rest(struct model *m, int l, struct batch *b, const bf16_t *q, bf16_t *out, bool issue) {
+    struct attn_out_plan p;
+    if (attention_out_prepare(m, l, b, q, out, &p)) return -1;
+    attention_out_rest(m, l, b, &p, issue);
     return 0;
 }

@@ -24,7 +24,7 @@ extern "C" void *ds_malloc(size_t n);
 extern "C" void *ds_calloc(size_t n, size_t m);
 
 #define GRAPHS_MAX 4096
-#define KEY_MAX 32
+#define KEY_MAX 64
 
 struct seg_graph {
     uint64_t key[KEY_MAX + 1]; /* the caller's words, then the mma switch */
