@@ -45,8 +45,7 @@ static const struct backend_ops *g_cpu; /* the decorated CPU table */
 static struct backend *g_inner;
 static bool g_open;
 static uint64_t g_digest;
-#define KEY_WORDS 64 /* model_internal.h GRAPH_KEY_MAX, cuda_graph.cu KEY_MAX */
-static uint64_t g_key[KEY_WORDS];
+static uint64_t g_key[GRAPH_KEY_MAX];
 static int g_key_n;
 static struct {
     const uint8_t *p;
@@ -54,7 +53,7 @@ static struct {
 } g_alloc[MAX_ALLOCS];
 static int g_n_alloc;
 static struct {
-    uint64_t key[KEY_WORDS];
+    uint64_t key[GRAPH_KEY_MAX];
     int n;
     uint64_t digest;
 } g_seen[MAX_KEYS];
@@ -180,7 +179,7 @@ static void chk_branch_join(struct backend *be) {
 static bool chk_graph_begin(struct backend *be, const uint64_t *key, int n) {
     (void)be;
     if (g_open) violation("graph_begin inside a segment");
-    assert_true(n <= KEY_WORDS);
+    assert_true(n <= GRAPH_KEY_MAX);
     memcpy(g_key, key, sizeof *key * (size_t)n);
     g_key_n = n;
     g_open = true;
