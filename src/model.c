@@ -906,7 +906,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
              * the router: beside it, its split linears' weight stream took the memory system while
              * the router's latency-bound chain (the gate, the rank kernel), the critical lane's
              * start, ran (at batch 1 the rank kernel 15 µs beside it, 8 alone; H200 lanes of
-             * fb5cbc4), and it has ~25 µs to spare beside the routed experts */
+             * fb5cbc4), and it has ~25 µs to spare beside the routed experts. Measured only with
+             * the other changes of 2f6ec69 (H100: batch 8 -3.6 %, batch 256 +1.0 %; beside the
+             * routed experts its w1 | w3 takes 20.7 µs at batch 1, so it may not pay alone:
+             * results/experiments/early_shared_2f6ec69.patch is the A/B's other side) */
             model_branch_begin(m);
             if (b->eg_at == l) engram_gathers(m, b); /* first: its CTAs wait on the bus beside the experts' */
             OPS->hc_mixes(m->be, P, post, comb, X1, T, hc, D, lw->hc_ffn_fn, lw->hc_ffn_scale, lw->hc_ffn_base,
