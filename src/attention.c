@@ -331,7 +331,7 @@ void attention_project_qkv(struct model *m, int l, struct batch *b, const bf16_t
  * segments: one, or two around the first gather where the TP group's collectives come between
  * (one again where the TP comm is stream_ordered: model_tp_between). In three parts, so that the
  * first segment's ops can join the segment before it (attention_out_ops under a key holding
- * attention_out_prepare's words, then attention_forward_rest).
+ * attention_out_prepare's words, then attention_out_rest).
  * Each was 3 launches from the host (then the inverse RoPE, wo_a and its chunk fold; wo_b's act
  * quant, the GEMM and its fold). H100, bench_step decode ms at batch 1 / 8 / 64 / 256, two runs
  * alternated with 3d8b3cb: 4.069 4.134 / 5.451 5.525 / 11.02 11.06 / 19.64 20.38 -> 4.042 4.105 /
@@ -371,6 +371,7 @@ int attention_out_prepare(struct model *m, int l, struct batch *b, const bf16_t 
                                  (float)pow((double)hd, -0.5),
                                  {hd - c->rope_dim, c->rope_dim, b->pos, m->freqs[l], true}};
     p->ac = ac;
+    p->layer = l;
     int64_t K = c->o_groups * c->o_lora_rank, Dl = aw->wo_b.n;
     const bool one = m->tp_size == 1; /* no gathers: one segment, wo_b from u into out */
     p->out = out;
@@ -491,13 +492,6 @@ int attention_forward(struct model *m, int l, struct batch *b, const bf16_t *x, 
     if (attention_out_prepare(m, l, b, q, out, &p)) return -1;
     const bool issue = model_graph_begin(m, b, &p.k);
     if (issue) attention_out_ops(m, l, b, &p); /* the attention, the window ring's update, wo_a */
-    attention_out_rest(m, l, b, &p, issue);
-    return 0;
-}
-
-int attention_forward_rest(struct model *m, int l, struct batch *b, const bf16_t *q, bf16_t *out, bool issue) {
-    struct attn_out_plan p;
-    if (attention_out_prepare(m, l, b, q, out, &p)) return -1;
     attention_out_rest(m, l, b, &p, issue);
     return 0;
 }

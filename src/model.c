@@ -842,9 +842,10 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
     const int nx = next_attn_in(m, l, b, hooks);
     b->attn_in_next = -1;
     int rc;
-    if (b->out_next == l) { /* the block before's last segment issued the attention's first ops; still open */
-        b->out_next = -1;
-        rc = attention_forward_rest(m, l, b, q, o, b->out_issue);
+    if (b->out_next && b->out_plan.layer == l) { /* the block before's last segment issued the attention's first ops; still open */
+        b->out_next = false;
+        attention_out_rest(m, l, b, &b->out_plan, b->out_issue);
+        rc = 0;
     } else {
         rc = attention_forward(m, l, b, y, qr, qra, q, o, hooks);
     }
@@ -885,17 +886,17 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
         }
         /* and, where that layer's attention has nothing before its output part, the attention's
          * first ops too (its index lists, sparse_attn, the ring's update, wo_a): the segment then
-         * stays open into that block's attention_forward_rest, which ends it at the first TP
+         * stays open into that block's attention_out_rest, which ends it at the first TP
          * gather. Between the two segments the GPU idled ~3.3 µs a layer at batch 1 (H200
          * records of fb5cbc4: the attention-output segment's first kernel 3.28 µs, median of 100,
          * after the input's last), with nothing on the host between them. o is the next block's
          * out as well (one buffer a batch, model_fbuf). Its key words (they change with the
          * attention's width, every 64 entries of context) go into the last segment's key only:
          * in the earlier segments' they would have them recorded anew as often. */
-        struct attn_out_plan np_out;
-        const bool out_nx = nx >= 0 && attention_plain(m, nx) && attention_out_prepare(m, nx, b, q, o, &np_out) == 0;
+        struct attn_out_plan *np_out = &b->out_plan; /* its attention_out_rest takes it from there */
+        const bool out_nx = nx >= 0 && attention_plain(m, nx) && attention_out_prepare(m, nx, b, q, o, np_out) == 0;
         const bool out_now = out_nx && (one || tp_in_segment(m, b)); /* the last segment is the first */
-        if (out_now) key_append(&kf, &np_out.k);
+        if (out_now) key_append(&kf, &np_out->k);
         bool issue = model_graph_begin(m, b, &kf);
         if (issue) {
             const struct block_expand ex = {o, X, post, comb, attention_out_blocks(m)};
@@ -928,11 +929,11 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
             issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_MID, &x);
             if (issue) moe_finish(m, l, b, idx, ye, sh + m->opt.tp->rank * Dc, D, Dc, oc);
             const struct tp_call g = {TP_ALLGATHER, oc, og, (size_t)(T * Dc) * 2, "moe output (column blocks)"};
-            if (out_nx && !out_now) key_append(&kf, &np_out.k);
+            if (out_nx && !out_now) key_append(&kf, &np_out->k);
             issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_OUT, &g); /* the expand reads og's blocks as they are */
         } else if (!one) {
             const struct tp_call g = {TP_ALLGATHER, ye, all, (size_t)(T * k * D) * 2, "moe experts"};
-            if (out_nx && !out_now) key_append(&kf, &np_out.k);
+            if (out_nx && !out_now) key_append(&kf, &np_out->k);
             issue = model_tp_between(m, b, &kf, issue, GSEG_FFN_OUT, &g);
             if (issue) moe_finish(m, l, b, idx, all, sh, D, D, o);
         } else if (issue) {
@@ -944,11 +945,11 @@ static int block_forward(struct model *m, int l, struct batch *b, bf16_t *X, bf1
                 block_attn_in(m, nx, b, X, apre, post, comb, y, ya, qr, qra, q, P, &ex);
             else
                 OPS->hc_expand(m->be, X, ex.yin, ex.Xin, post, comb, T, hc, D, ex.y_blocks);
-            if (out_nx) attention_out_ops(m, nx, b, &np_out);
+            if (out_nx) attention_out_ops(m, nx, b, np_out);
             else model_graph_end(m);
         }
         b->attn_in_next = nx;
-        b->out_next = out_nx ? nx : -1;
+        b->out_next = out_nx;
         b->out_issue = issue;
         void *mb[] = {all != ye ? all : NULL, ye, sh, idx, wts, oc, og};
         for (size_t i = 0; i < sizeof mb / sizeof *mb; i++)
@@ -1220,7 +1221,7 @@ static int forward_impl(struct model *m, const struct fwd_seq *seqs, int n, cons
         ds_err_set("model_forward_draws: a sequence asks for the logits of every position");
         return -1;
     }
-    struct batch b = {.seqs = seqs, .n = n, .attn_in_next = -1, .out_next = -1};
+    struct batch b = {.seqs = seqs, .n = n, .attn_in_next = -1};
     b.row0 = ds_malloc(sizeof(int64_t) * (size_t)n);
     for (int i = 0; i < n; i++) {
         b.row0[i] = b.T;

@@ -87,6 +87,40 @@ struct model {
 void model_tp_gather_cols(struct model *m, void *dst, const void *src, int64_t T, size_t row_bytes,
                           const char *what);
 
+/* A graph segment's key: the segment, layer, rows and model (its serial number: a model built
+ * later on the same backend, whose buffers may take a freed model's addresses, has other
+ * weights), then every buffer address its ops touch that the layer's weights do not fix (the
+ * caller's promise of backend.h's graph_begin). */
+enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID, GSEG_ATTN_OUT, GSEG_ATTN_WOB };
+#define GRAPH_KEY_MAX 64 /* the CUDA backend keeps up to 64 words (cuda_graph.cu KEY_MAX) */
+struct graph_key {
+    uint64_t w[GRAPH_KEY_MAX];
+    int n;
+};
+
+/* The attention's output part, whose first ops may join the segment before it where the layer is
+ * attention_plain (no compressor, no indexer before it): attention_out_prepare (host-side only: the
+ * core's parameters from the batch, the buffers, the first segment's key k), attention_out_ops (the
+ * first segment's ops: index lists, sparse_attn, the ring's update, wo_a, wo_b with one rank) under
+ * a key that holds k's words, then attention_out_rest (the TP gathers and wo_b; `issue`: that
+ * segment's model_graph_begin answer; it ends the segment). attention_forward runs all three; a
+ * block whose last segment issued the next layer's first ops keeps that layer's plan in the batch
+ * (out_plan) for its attention_out_rest. */
+struct attn_core {
+    const bf16_t *q; /* [T, Hl, hd] */
+    int64_t Hl, n_idx;
+    struct attn_index_par ip;
+    const float *sink;
+    float scale;
+    struct attn_rope inv;
+};
+struct attn_out_plan {
+    struct attn_core ac;
+    bf16_t *o, *u, *uf, *ol, *ug, *out; /* [T, Hl·hd], [T, Gl·o_lora], [T, K], [T, Dl], [tp, T, Gl·o_lora], out */
+    struct graph_key k;
+    int layer; /* the layer it was prepared for */
+};
+
 /* One forward's batch, resolved: chunk i owns the contiguous rows [row0[i], row0[i] + len), and
  * row r sits at position pos_h[r]. */
 struct batch {
@@ -106,8 +140,9 @@ struct batch {
     int64_t cand_w;
     bool graphs;       /* the forward runs its segments as graphs (model_graph_begin) */
     int attn_in_next;  /* the layer whose attention input the last block's last segment issued, or -1 */
-    int out_next;      /* ... and whose attention_out_ops too, that segment left open (out_issue), or -1 */
-    bool out_issue;
+    /* ... and whose attention_out_ops too (out_plan.layer), that segment left open (out_issue) */
+    bool out_next, out_issue;
+    struct attn_out_plan out_plan;
     /* The stage's Engram lookups (model.c, engram_plan): eg_n layers eg_layer[i], their ids
      * [eg_n, T, C] int64 and rows [eg_n, T, C, hd] bf16 on the backend; the FFN of layer eg_at
      * gathers them on its branch (-1: gathered before the first layer) */
@@ -126,16 +161,7 @@ int64_t model_window_width(const struct model *m, const struct fwd_seq *s);
 void *model_fbuf(struct model *m, const struct batch *b, enum fbuf_id id, size_t bytes, bool zero);
 void model_fbuf_free(struct model *m, const struct batch *b, void *p);
 
-/* A graph segment's key: the segment, layer, rows and model (its serial number: a model built
- * later on the same backend, whose buffers may take a freed model's addresses, has other
- * weights), then every buffer address its ops touch that the layer's weights do not fix (the
- * caller's promise of backend.h's graph_begin). */
-enum graph_seg { GSEG_ATTN_IN = 1, GSEG_FFN_IN, GSEG_FFN_OUT, GSEG_FFN, GSEG_FFN_MID, GSEG_ATTN_OUT, GSEG_ATTN_WOB };
-#define GRAPH_KEY_MAX 64 /* the CUDA backend keeps up to 64 words (cuda_graph.cu KEY_MAX) */
-struct graph_key {
-    uint64_t w[GRAPH_KEY_MAX];
-    int n;
-};
+/* A segment's key (struct graph_key above): its first words, then its buffers and scalars. */
 struct graph_key graph_key_new(const struct model *m, enum graph_seg seg, int layer, const struct batch *b);
 void graph_key_ptr(struct graph_key *k, const void *p);
 void graph_key_word(struct graph_key *k, uint64_t v); /* a scalar the segment's ops take */
@@ -208,31 +234,11 @@ void attention_project_q(struct model *m, int layer, struct batch *b, const bf16
                          void *qra, bf16_t *q);
 int attention_forward(struct model *m, int layer, struct batch *b, const bf16_t *x, const bf16_t *qr, const void *qra,
                       const bf16_t *q, bf16_t *out, const struct fwd_hooks *hooks);
-/* The attention's output part, whose first ops may join the segment before it where the layer is
- * attention_plain (no compressor, no indexer before it): attention_out_prepare (host-side only: the
- * core's parameters from the batch, the buffers, the first segment's key k), attention_out_ops (the
- * first segment's ops: index lists, sparse_attn, the ring's update, wo_a, wo_b with one rank) under
- * a key that holds k's words, then attention_forward_rest (the TP gathers and wo_b; `issue`: that
- * segment's model_graph_begin answer; it ends the segment). attention_forward runs all three. */
-struct attn_core {
-    const bf16_t *q; /* [T, Hl, hd] */
-    int64_t Hl, n_idx;
-    struct attn_index_par ip;
-    const float *sink;
-    float scale;
-    struct attn_rope inv;
-};
-struct attn_out_plan {
-    struct attn_core ac;
-    bf16_t *o, *u, *uf, *ol, *ug, *out; /* [T, Hl·hd], [T, Gl·o_lora], [T, K], [T, Dl], [tp, T, Gl·o_lora], out */
-    struct graph_key k;
-};
 bool attention_plain(const struct model *m, int layer);
 int attention_out_prepare(struct model *m, int layer, struct batch *b, const bf16_t *q, bf16_t *out,
                           struct attn_out_plan *p);
 void attention_out_ops(struct model *m, int layer, struct batch *b, const struct attn_out_plan *p);
 void attention_out_rest(struct model *m, int layer, struct batch *b, struct attn_out_plan *p, bool issue);
-int attention_forward_rest(struct model *m, int layer, struct batch *b, const bf16_t *q, bf16_t *out, bool issue);
 static inline int64_t attention_out_blocks(const struct model *m) { return m->tp_size; }
 
 static inline int64_t i64min(int64_t a, int64_t b) { return a < b ? a : b; }
