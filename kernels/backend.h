@@ -375,6 +375,13 @@ struct backend_ops {
      *   the rest -1. nw + k <= n_idx; src may be NULL when k = 0. */
     void (*attn_index)(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T,
                        const struct attn_index_par *par);
+    /* Optional (NULL, or false with nothing run: be_sparse_attn_index runs attn_index, then
+     * sparse_attn_rope over its lists): sparse_attn_rope over the lists attn_index would build from
+     * geo and par, each entry formed where the attention reads it (no list in memory, no launch to
+     * build it), with the bits of those two ops in turn. */
+    bool (*sparse_attn_index)(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *geo,
+                              const struct attn_index_par *par, int64_t T, int64_t H, int64_t hd, int64_t n_idx,
+                              const float *sink, float scale, const struct attn_rope *r);
     /* The window ring's update after a layer's attention: row r < T of kv [T, hd] bf16 goes to
      * ring row slot·W + p mod W (ring [slots·W, hd]) where p >= end - W (the chunk's last W
      * positions; geo as attn_index's, AIX_END its chunk's end); other ring rows are untouched. */
@@ -487,6 +494,19 @@ static inline void be_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16
         be->ops->sparse_attn_rope(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
     else
         be_sparse_attn_rope_composed(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
+}
+
+/* The sparse_attn_index op where the backend has one and takes the call, else attn_index into idx
+ * ([T, n_idx] int32, backend memory; unread when the op takes the call), then sparse_attn_rope (the
+ * model's entry point). */
+static inline void be_sparse_attn_index(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, int32_t *idx,
+                                        const int32_t *geo, const struct attn_index_par *par, int64_t T, int64_t H,
+                                        int64_t hd, int64_t n_idx, const float *sink, float scale,
+                                        const struct attn_rope *r) {
+    if (be->ops->sparse_attn_index && be->ops->sparse_attn_index(be, o, q, kv, geo, par, T, H, hd, n_idx, sink, scale, r))
+        return;
+    be->ops->attn_index(be, idx, n_idx, geo, T, par);
+    be_sparse_attn_rope(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
 }
 
 /* The linear_post op where the backend has one, else its ops in turn (the model's entry point). */

@@ -66,6 +66,7 @@ enum prof_op {
     PROF_INDEX_TOPK,
     PROF_CAND_MASK,
     PROF_ATTN_INDEX,
+    PROF_SPARSE_ATTN_INDEX,
     PROF_RING_STORE,
     PROF_ALLOC,
     PROF_FREE,
@@ -74,7 +75,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "ring_store", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "sparse_attn_index", "ring_store", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -370,6 +371,18 @@ static void prof_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, cons
     PR(be)->inner->ops->cand_mask(PR(be)->inner, mask, ld_m, S, ld_s, p, T, topk_blocks, bs);
     prof_end(be, PROF_CAND_MASK, t0);
 }
+/* the inner backend's op where it takes the call (charged as one); false otherwise, and
+ * be_sparse_attn_index then runs attn_index and sparse_attn_rope through this backend */
+static bool prof_sparse_attn_index(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *geo,
+                                   const struct attn_index_par *par, int64_t T, int64_t H, int64_t hd, int64_t n_idx,
+                                   const float *sink, float scale, const struct attn_rope *r) {
+    struct backend *in = PR(be)->inner;
+    if (!in->ops->sparse_attn_index) return false;
+    double t0 = prof_begin(be);
+    const bool ok = in->ops->sparse_attn_index(in, o, q, kv, geo, par, T, H, hd, n_idx, sink, scale, r);
+    if (ok) prof_end(be, PROF_SPARSE_ATTN_INDEX, t0);
+    return ok;
+}
 static void prof_attn_index(struct backend *be, int32_t *dst, int64_t n_idx, const int32_t *geo, int64_t T, const struct attn_index_par *par) {
     double t0 = prof_begin(be);
     PR(be)->inner->ops->attn_index(PR(be)->inner, dst, n_idx, geo, T, par);
@@ -427,6 +440,7 @@ static const struct backend_ops prof_ops = {
     .index_topk = prof_index_topk,
     .cand_mask = prof_cand_mask,
     .attn_index = prof_attn_index,
+    .sparse_attn_index = prof_sparse_attn_index,
     .ring_store = prof_ring_store,
     .router = prof_router,
     .moe_experts = prof_moe_experts,

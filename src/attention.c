@@ -399,9 +399,10 @@ void attention_out_ops(struct model *m, int l, struct batch *b, const struct att
     const struct attn_core *ac = &p->ac;
     int64_t T = b->T, Gl = aw->wo_a.n / c->o_lora_rank;
     int32_t *idx_d = model_tmp(m, sizeof(int32_t) * (size_t)(T * ac->n_idx));
-    OPS->attn_index(m->be, idx_d, ac->n_idx, b->geo, T, &ac->ip);
-    be_sparse_attn_rope(m->be, p->o, ac->q, m->kv, idx_d, T, ac->Hl, c->head_dim, ac->n_idx, ac->sink, ac->scale,
-                        &ac->inv);
+    /* the lists built by attn_index, or formed inside the attention's kernels (sparse_attn_index:
+     * one launch fewer on a decode step's attention chain) */
+    be_sparse_attn_index(m->be, p->o, ac->q, m->kv, idx_d, b->geo, &ac->ip, T, ac->Hl, c->head_dim, ac->n_idx, ac->sink,
+                         ac->scale, &ac->inv);
     model_tfree(m, idx_d);
     /* the ring keeps the last W positions for later steps: written after the attention, which
      * reads the older positions in place (a host list of T copies uploaded a layer left the GPU

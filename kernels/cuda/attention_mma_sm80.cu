@@ -24,6 +24,7 @@
  * dot product may take its terms in any order as long as both operands agree (q·k: lane (g, t)
  * holds d = 8t..8t+7 of a 32-wide k-block and both operands use that k permutation; P·V: a lane's
  * output rows are 2·TL consecutive channels, so one row load feeds TL tiles). */
+#include "attn_index_core.h"
 #include "attn_mma.h"
 #include "cuda_internal.h"
 #include "cuda_libm.cuh"
@@ -40,6 +41,25 @@
  * attn_pv_mma_kernel, which needs no second launch and spreads a decode step's few rows over the
  * channel slices */
 #define AM_SPLIT_MIN_T 128
+
+/* Where a row's index entries come from (every kernel below reads entry e of row t through am_id):
+ * attn_index's lists [T][n_idx], or, idx NULL, the entry attn_index would have stored, formed from
+ * the row's geometry as it is read (attn_index_entry, kernels/attn_index_core.h: the same function
+ * the index kernel runs), so sparse_attn_index needs no list in memory and no launch to build it. */
+struct am_ix {
+    const int32_t *idx; /* [T][n_idx], or NULL */
+    const int32_t *geo; /* [T][AIX_COLS] (idx NULL) */
+    const int32_t *src; /* [T][ld_src] compressed ids, NULL where k = 0 */
+    int64_t W, ring0, ld_src, k, src0, cap;
+};
+
+/* entry e of row t (-1 past n_idx) */
+static __device__ __forceinline__ int am_id(const am_ix &x, int64_t t, int n_idx, int e) {
+    if (e >= n_idx) return -1;
+    if (x.idx) return x.idx[t * n_idx + e];
+    return attn_index_entry(x.geo + t * AIX_COLS, e, x.W, x.ring0, x.k ? x.src + t * x.ld_src : NULL, x.k, x.src0,
+                            x.cap);
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Logits: sc[t, h, e] = (q·k)·scale for every valid entry (idx >= 0), into scratch [T][H][n_idx].
@@ -104,21 +124,20 @@ static __device__ __forceinline__ float am_qk_logit(float d, const float (*part)
 
 __global__ void __launch_bounds__(128)
     attn_qk_mma_kernel(float *__restrict__ sc, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
-                       const int32_t *__restrict__ idx, int H, int hd, int n_idx, int ncta, float scale) {
+                       const am_ix ix, int H, int hd, int n_idx, int ncta, float scale) {
     __shared__ float part[AM_W - 1][AM_QK_EG * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int64_t t = blockIdx.x / ncta;
     const int e0 = (int)(blockIdx.x % ncta) * (16 * AM_QK_EG);
     const int h0 = blockIdx.y * AM_HG;
     const int nkb = hd >> 5, kb0 = warp * nkb / AM_W, kb1 = (warp + 1) * nkb / AM_W;
-    const int32_t *ir = idx + t * n_idx;
     int id[AM_QK_EG][2];
 #pragma unroll
     for (int eg = 0; eg < AM_QK_EG; eg++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int e = e0 + 16 * eg + g + 8 * r;
-            id[eg][r] = e < n_idx ? ir[e] : -1;
+            id[eg][r] = am_id(ix, t, n_idx, e);
         }
     const bool hok = h0 + g < H;
     const uint4 *qr = reinterpret_cast<const uint4 *>(q + (t * H + (hok ? h0 + g : 0)) * (int64_t)hd) + tq;
@@ -299,8 +318,8 @@ static __device__ __forceinline__ void am_rope_pair(uint16_t &lo, uint16_t &hi, 
 template <int TL> /* 4 CTAs an SM's worth of registers: without the cap TL = 2 spills */
 __global__ void __launch_bounds__(128, 4)
     attn_pv_mma_kernel(uint16_t *__restrict__ o, const float *__restrict__ sc, const uint16_t *__restrict__ kv,
-                       const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
-                       int vecs, am_rope rp) {
+                       const am_ix ix, int H, int hd, int n_idx, const float *__restrict__ sink, int vecs,
+                       am_rope rp) {
     constexpr int DS = 16 * TL; /* channels of the slice */
     constexpr int NE = 4 * TL;  /* pv fragment registers per lane */
     __shared__ __align__(16) uint16_t ps[AM_W][AM_HG][AM_BLOCK + 8]; /* bf16(p) per warp's block */
@@ -313,7 +332,6 @@ __global__ void __launch_bounds__(128, 4)
     const int64_t t = blockIdx.x;
     const int h0 = blockIdx.y * AM_HG, c0 = blockIdx.z * DS;
     am_rope_cs(rcs, rp, t, c0, DS / 2, tid, blockDim.x);
-    const int32_t *ir = idx + t * n_idx;
     const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
     const bool shok = h0 + g < H; /* softmax layout: head g, entries 16 tq + i */
     const float *srow = sc + (t * H + (shok ? h0 + g : 0)) * (int64_t)n_idx;
@@ -331,7 +349,7 @@ __global__ void __launch_bounds__(128, 4)
         float s[16];
         unsigned vm = 0u;
         if (bact) {
-            for (int k = lane; k < AM_BLOCK; k += 32) ids[warp][k] = b * AM_BLOCK + k < n_idx ? ir[b * AM_BLOCK + k] : -1;
+            for (int k = lane; k < AM_BLOCK; k += 32) ids[warp][k] = am_id(ix, t, n_idx, b * AM_BLOCK + k);
             __syncwarp();
 #pragma unroll
             for (int ks = 0; ks < 4; ks++)
@@ -437,7 +455,7 @@ __global__ void __launch_bounds__(128, 4)
 /* (128, 4): with the block size alone ptxas chose 48 registers and spilled 8 bytes */
 __global__ void __launch_bounds__(128, 4)
     attn_softmax_mma_kernel(uint16_t *__restrict__ P, float *__restrict__ AL, float *__restrict__ L,
-                            const float *__restrict__ sc, const int32_t *__restrict__ idx, int64_t tn, int H,
+                            const float *__restrict__ sc, const am_ix ix, int64_t tn, int H,
                             int n_idx, const float *__restrict__ sink, int vecs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int64_t t = (int64_t)blockIdx.x * AM_W + warp;
@@ -445,15 +463,14 @@ __global__ void __launch_bounds__(128, 4)
     const int h = blockIdx.y * AM_HG + g;
     const bool shok = h < H;
     const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK, npad = nb * AM_BLOCK;
-    const int32_t *ir = idx + t * n_idx;
     const float *srow = sc + (t * H + (shok ? h : 0)) * (int64_t)n_idx;
     uint16_t *prow = P + (t * H + (shok ? h : 0)) * (int64_t)npad;
     float m = -1e30f, l = 0.0f;
     bool any = false;
     for (int b = 0; b < nb; b++) {
         const int e0 = b * AM_BLOCK;
-        const bool va = e0 + lane < n_idx && ir[e0 + lane] >= 0;
-        const bool vb = e0 + 32 + lane < n_idx && ir[e0 + 32 + lane] >= 0;
+        const bool va = am_id(ix, t, n_idx, e0 + lane) >= 0;
+        const bool vb = am_id(ix, t, n_idx, e0 + 32 + lane) >= 0;
         const uint64_t vmask = (uint64_t)__ballot_sync(0xffffffffu, va) | (uint64_t)__ballot_sync(0xffffffffu, vb) << 32;
         any |= vmask != 0;
         const unsigned vm = shok ? (unsigned)(vmask >> (16 * tq)) & 0xffffu : 0u;
@@ -513,8 +530,8 @@ static __device__ __forceinline__ void am_store_o(uint16_t *o, const float (&acc
 template <int TL>
 __global__ void __launch_bounds__(128)
     attn_pv_split_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ P, const float *__restrict__ AL,
-                         const float *__restrict__ L, const uint16_t *__restrict__ kv, const int32_t *__restrict__ idx,
-                         int H, int hd, int n_idx, am_rope rp) {
+                         const float *__restrict__ L, const uint16_t *__restrict__ kv, const am_ix ix, int H, int hd,
+                         int n_idx, am_rope rp) {
     constexpr int DS = 16 * TL;
     __shared__ float2 rcs[AM_W][DS / 2]; /* each warp's slice's RoPE (cos, ±sin), am_rope_cs */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -524,7 +541,6 @@ __global__ void __launch_bounds__(128)
     const int h0 = blockIdx.y * AM_HG, c0 = slice * DS;
     am_rope_cs(rcs[warp], rp, t, c0, DS / 2, lane, 32);
     const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK, npad = nb * AM_BLOCK;
-    const int32_t *ir = idx + t * n_idx;
     const bool pok = h0 + g < H, aok0 = h0 + 2 * tq < H, aok1 = h0 + 2 * tq + 1 < H;
     const uint16_t *prow = P + (t * H + (pok ? h0 + g : 0)) * (int64_t)npad;
     const float *al0 = AL + (t * H + (aok0 ? h0 + 2 * tq : 0)) * (int64_t)nb;
@@ -535,7 +551,7 @@ __global__ void __launch_bounds__(128)
     for (int j = 0; j < TL; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int b = 0; b < nb; b++) {
         const int e0 = b * AM_BLOCK;
-        const int ia = e0 + lane < n_idx ? ir[e0 + lane] : -1, ib = e0 + 32 + lane < n_idx ? ir[e0 + 32 + lane] : -1;
+        const int ia = am_id(ix, t, n_idx, e0 + lane), ib = am_id(ix, t, n_idx, e0 + 32 + lane);
         uint32_t vw[4][4][TL]; /* [k-step][entry 2t, 2t+1, 2t+8, 2t+9][word] */
 #pragma unroll
         for (int ks = 0; ks < 4; ks++)
@@ -582,8 +598,8 @@ __global__ void __launch_bounds__(128)
 #define AM_ONE_TL 4 /* P·V channels a warp: 16·TL = 64 */
 __global__ void __launch_bounds__(32 * AM_OW, 2)
     attn_one_pass_kernel(uint16_t *__restrict__ o, const uint16_t *__restrict__ q, const uint16_t *__restrict__ kv,
-                         const int32_t *__restrict__ idx, int H, int hd, int n_idx, const float *__restrict__ sink,
-                         float scale, am_rope rp) {
+                         const am_ix ix, int H, int hd, int n_idx, const float *__restrict__ sink, float scale,
+                         am_rope rp) {
     constexpr int TL = AM_ONE_TL, DS = 16 * TL;
     __shared__ float part[2][AM_W - 1][AM_QK_EG * 4][32]; /* [entry half][quarter 1..3][fragment][lane] */
     __shared__ float sb[AM_HG][AM_BLOCK + 4];               /* the block's logits [head][entry] */
@@ -596,7 +612,6 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
     const int64_t t = blockIdx.x;
     const int h0 = blockIdx.y * AM_HG;
     am_rope_cs(rcs, rp, t, 0, hd / 2, tid, blockDim.x);
-    const int32_t *ir = idx + t * n_idx;
     const int nb = (n_idx + AM_BLOCK - 1) / AM_BLOCK;
     const int qw = warp % AM_W, eh = warp / AM_W; /* scores: quarter of hd, half of the block's entries */
     const int nkb = hd >> 5, kb0 = qw * nkb / AM_W, kb1 = (qw + 1) * nkb / AM_W;
@@ -612,7 +627,7 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
     bool any = false;
     /* threads 0..63: entry tid of the block after next, loaded a block ahead of its store so that
      * its latency is not on the block's path */
-    auto id_at = [&](int blk) { const int e = blk * AM_BLOCK + tid; return blk < nb && e < n_idx ? ir[e] : -1; };
+    auto id_at = [&](int blk) { return blk < nb ? am_id(ix, t, n_idx, blk * AM_BLOCK + tid) : -1; };
     int nid = -1;
     if (tid < AM_BLOCK) {
         ids[0][tid] = id_at(0);
@@ -737,9 +752,17 @@ __global__ void __launch_bounds__(32 * AM_OW, 2)
  * runs the serial max and sum that only warp 0 ran.) */
 #define AM_ONE_MIN_T 80
 
-bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
-                               const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
-                               float scale, const struct attn_rope *rope) {
+/* The forms over entries from ix (am_ix: lists, or the geometry), rows t0.. of it from row 0 */
+static am_ix am_ix_rows(am_ix x, int64_t t0, int64_t n_idx) {
+    if (x.idx) x.idx += t0 * n_idx;
+    x.geo += x.geo ? t0 * AIX_COLS : 0;
+    x.src += x.src ? t0 * x.ld_src : 0;
+    return x;
+}
+
+static bool sparse_attn_mma_ix(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv, const am_ix &ix,
+                               int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
+                               const struct attn_rope *rope) {
     if (hd % 64 || hd > 4096 || n_idx <= 0 || n_idx > (1 << 30) || H > 65535LL * AM_HG || T <= 0 ||
         T > 0x7fffffffLL || (((uintptr_t)q | (uintptr_t)kv | (uintptr_t)o) & 15) || path < CUDA_ATTN_AUTO ||
         path > CUDA_ATTN_ONE_PASS)
@@ -755,7 +778,7 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
     if (path == CUDA_ATTN_ONE_PASS && !one_fits) return false;
     if (path == CUDA_ATTN_ONE_PASS || (path == CUDA_ATTN_AUTO && one_fits && T >= AM_ONE_MIN_T)) {
         attn_one_pass_kernel<<<dim3((unsigned)T, (unsigned)hgs), 32 * AM_OW, 0, st>>>(
-            (uint16_t *)o, (const uint16_t *)q, (const uint16_t *)kv, idx, (int)H, (int)hd, (int)n_idx, sink, scale, rp);
+            (uint16_t *)o, (const uint16_t *)q, (const uint16_t *)kv, ix, (int)H, (int)hd, (int)n_idx, sink, scale, rp);
         KERNEL_CHECK();
         return true;
     }
@@ -777,7 +800,7 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
     const int vecs = n_idx % 4 == 0;
     for (int64_t t0 = 0; t0 < T; t0 += rs) {
         const int64_t tn = T - t0 < rs ? T - t0 : rs;
-        const int32_t *it = idx + t0 * n_idx;
+        const am_ix it = am_ix_rows(ix, t0, n_idx);
         am_rope rt = rp; /* the slice's rows from its first */
         if (rt.pos) rt.pos += t0;
         attn_qk_mma_kernel<<<dim3((unsigned)(tn * ncta), (unsigned)hgs), 128, 0, st>>>(
@@ -819,8 +842,34 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
     return true;
 }
 
+bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                               const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
+                               float scale, const struct attn_rope *rope) {
+    const am_ix ix = {idx, NULL, NULL, 0, 0, 0, 0, 0, 0};
+    return sparse_attn_mma_ix(be, path, o, q, kv, ix, T, H, hd, n_idx, sink, scale, rope);
+}
+
+bool cuda_sparse_attn_index_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                                 const int32_t *geo, const struct attn_index_par *par, int64_t T, int64_t H, int64_t hd,
+                                 int64_t n_idx, const float *sink, float scale, const struct attn_rope *rope) {
+    if (!geo || !par || (par->k > 0 && !par->src) || par->k < 0 || par->W <= 0) return false;
+    const am_ix ix = {NULL, geo, par->k > 0 ? par->src : NULL, par->W, par->ring0, par->ld_src, par->k, par->src0, par->cap};
+    return sparse_attn_mma_ix(be, path, o, q, kv, ix, T, H, hd, n_idx, sink, scale, rope);
+}
+
 bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *idx,
                           int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
                           const struct attn_rope *rope) {
     return cuda_sparse_attn_mma_path(be, CUDA_ATTN_AUTO, o, q, kv, idx, T, H, hd, n_idx, sink, scale, rope);
+}
+
+/* sparse_attn_index (backend.h): the tensor-core forms over entries formed from the geometry, under
+ * the mma switch; false (nothing launched: the caller runs attn_index, then sparse_attn_rope) for
+ * the exact kernels and the shapes the forms refuse. */
+bool cuda_op_sparse_attn_index(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *geo,
+                               const struct attn_index_par *par, int64_t T, int64_t H, int64_t hd, int64_t n_idx,
+                               const float *sink, float scale, const struct attn_rope *r) {
+    if (T <= 0 || H <= 0 || hd <= 0) return true; /* no rows: nothing either way */
+    if (n_idx <= 0 || !cuda_be_mma(be)) return false;
+    return cuda_sparse_attn_index_path(be, CUDA_ATTN_AUTO, o, q, kv, geo, par, T, H, hd, n_idx, sink, scale, r);
 }

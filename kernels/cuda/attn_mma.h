@@ -35,6 +35,14 @@ bool cuda_sparse_attn_mma_path(struct backend *be, int path, bf16_t *o, const bf
                                const int32_t *idx, int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink,
                                float scale, const struct attn_rope *rope);
 
+/* The same over the entries attn_index would build from geo and par (backend.h's
+ * sparse_attn_index: each formed as the kernels read it, no list in memory), with the same bits as
+ * attn_index's lists through the form above; false, with nothing launched, where that form refuses
+ * the call or par has no window (W <= 0) or a k without its src. */
+bool cuda_sparse_attn_index_path(struct backend *be, int path, bf16_t *o, const bf16_t *q, const bf16_t *kv,
+                                 const int32_t *geo, const struct attn_index_par *par, int64_t T, int64_t H, int64_t hd,
+                                 int64_t n_idx, const float *sink, float scale, const struct attn_rope *rope);
+
 #ifdef __cplusplus
 }
 #endif

@@ -815,6 +815,7 @@ static const struct backend_ops cuda_ops = {
     .index_topk = cuda_op_index_topk,
     .cand_mask = cuda_op_cand_mask,
     .attn_index = cuda_op_attn_index,
+    .sparse_attn_index = cuda_op_sparse_attn_index,
     .ring_store = cuda_op_ring_store,
     .router = cuda_op_router,
     .moe_experts = cuda_op_moe_experts,

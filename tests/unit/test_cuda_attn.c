@@ -1,11 +1,13 @@
 /* The CUDA backend's attention ops against the CPU reference backend: sparse_attn (both paths:
  * the exact kernels and the tensor-core forms, which must agree with each other bit for bit) and
- * sparse_attn_rope (bit for bit the GPU's sparse_attn, then rope),
+ * sparse_attn_rope (bit for bit the GPU's sparse_attn, then rope), sparse_attn_index (bit for bit
+ * attn_index, then sparse_attn_rope),
  * compress_pool and index_scores, each against the interval of what either backend may produce
  * (the models below, from backend.h's rounding points and tolerances.h's freedoms), and the batch
  * invariance of sparse_attn and index_scores. Split from test_cuda_ops_misc.c (the elementwise,
  * mHC, embedding and Engram ops); the harness is cuda_ops_common.h. */
 #include "cuda_ops_common.h"
+#include "attn_index_core.h"
 #ifdef DS_HAVE_CUDA
 #include "cuda/attn_mma.h"
 #endif
@@ -446,6 +448,124 @@ static void test_sparse_attn_rope(void **st) {
     mma_switch(false);
 }
 
+/* sparse_attn_index (path -1: the op through be_sparse_attn_index; else the tensor-core form `path`
+ * forced over the formed entries) against attn_index's lists through sparse_attn_rope, both on the
+ * GPU, bit for bit: a batch laid out as attention.c lays it out (n sequences in distinct slots, one
+ * row each or chunks of up to 2W rows, some from position 0 with the reference layout's shorter
+ * window), window entries in the chunk and in the ring, k compressed entries with -1 among them,
+ * -1 padding. Returns whether the op (or the form) took the call; false means nothing ran and the
+ * lists path is what the helper ran instead. */
+static bool attn_index_op_case(const char *name, int path, int n, bool decode, int64_t W, int64_t k, int64_t H,
+                               int64_t hd) {
+    char tag[192];
+    snprintf(tag, sizeof tag, "sparse_attn_index %s n=%d %s k=%lld path %d", name, n, decode ? "decode" : "chunks",
+             (long long)k, path);
+    seed_tag(tag);
+    const int64_t ring0 = 4 * W, cap = 300, slots = 2 * n + 1, src0 = ring0 + slots * W, nkv = src0 + slots * cap;
+    int64_t T = 0, nw_max = 0;
+    int64_t *start = NEW(int64_t, n), *len = NEW(int64_t, n);
+    for (int i = 0; i < n; i++) {
+        len[i] = decode ? 1 : 1 + irand(2 * W);
+        start[i] = (rnd64() & 3) == 0 ? 0 : irand(5 * W);
+        T += len[i];
+    }
+    const int64_t ld_src = k + 3;
+    int32_t *geo = NEW(int32_t, T * AIX_COLS), *src = NEW(int32_t, T * ld_src + 1);
+    for (int64_t i = 0; i < T * ld_src; i++) src[i] = (rnd64() & 3) == 0 ? -1 : (int32_t)irand(cap);
+    for (int i = 0, r = 0; i < n; i++) {
+        const int64_t nw = start[i] == 0 && (i & 1) ? (len[i] < W ? len[i] : W) : W, slot = 2 * i + irand(2);
+        nw_max = nw > nw_max ? nw : nw_max;
+        for (int64_t t = 0; t < len[i]; t++, r++) {
+            int32_t *g = geo + (int64_t)r * AIX_COLS;
+            g[AIX_P] = (int32_t)(start[i] + t), g[AIX_START] = (int32_t)start[i], g[AIX_CHUNK_ROW] = (int32_t)(r - t);
+            g[AIX_SLOT] = (int32_t)slot, g[AIX_NW] = (int32_t)nw, g[AIX_END] = (int32_t)(start[i] + len[i]);
+        }
+    }
+    const int64_t n_idx = nw_max + k + 5; /* some padding */
+    struct attn_in a = make_attn(tag, T, H, hd, 1, nkv);
+    int32_t *dgeo = g_in(geo, sizeof(int32_t) * (size_t)(T * AIX_COLS)), *dsrc = g_in(src, sizeof(int32_t) * (size_t)(T * ld_src + 1));
+    const struct attn_index_par par = {W, ring0, k ? dsrc : NULL, ld_src, k, src0, cap};
+    int32_t *pos = NEW(int32_t, T);
+    for (int64_t t = 0; t < T; t++) pos[t] = geo[t * AIX_COLS + AIX_P];
+    float *freqs = NEW(float, 33);
+    make_freqs(freqs, 32, 10000.0, false);
+    int32_t *dpos = g_in(pos, (size_t)T * 4);
+    float *dfr = g_in(freqs, 33 * 4);
+    const struct attn_rope r = {hd - 64, 64, dpos, dfr, true};
+    const size_t ob = (size_t)(T * H * hd) * 2;
+    void *dq = g_in(a.q, ob), *dkv = g_in(a.kv, (size_t)(nkv * hd) * 2), *dr = g_out(ob, PZ_16), *df = g_out(ob, PZ_16);
+    int32_t *di = g_out(sizeof(int32_t) * (size_t)(T * n_idx), PZ_32I), *dj = g_out(sizeof(int32_t) * (size_t)(T * n_idx), PZ_32I);
+    const void *ds = g_tensor(a.sink, (size_t)H * 4, false);
+    GPU->attn_index(&gpu_be, di, n_idx, dgeo, T, &par);
+    be_sparse_attn_rope(&gpu_be, dr, dq, dkv, di, T, H, hd, n_idx, ds, a.scale, &r);
+    bool took = false;
+    if (path < 0) {
+        took = GPU->sparse_attn_index && GPU->sparse_attn_index(&gpu_be, df, dq, dkv, dgeo, &par, T, H, hd, n_idx, ds, a.scale, &r);
+        if (!took) be_sparse_attn_index(&gpu_be, df, dq, dkv, dj, dgeo, &par, T, H, hd, n_idx, ds, a.scale, &r);
+    }
+#ifdef DS_HAVE_CUDA
+    else took = cuda_sparse_attn_index_path(&gpu_be, path, df, dq, dkv, dgeo, &par, T, H, hd, n_idx, ds, a.scale, &r);
+#endif
+    if (took || path < 0) {
+        uint16_t *orf = NEW(uint16_t, T * H * hd), *ofu = NEW(uint16_t, T * H * hd);
+        g_get(orf, dr, ob);
+        g_get(ofu, df, ob);
+        struct cmp c;
+        cmp_begin(&c, "sparse_attn_index", "= attn_index, sparse_attn_rope: %s", tag);
+        for (int64_t i = 0; i < T * H * hd; i++) cmp_bits(&c, i, ofu[i], orf[i], bf16_to_f32(ofu[i]), bf16_to_f32(orf[i]));
+        cmp_end(&c);
+        free(orf);
+        free(ofu);
+    }
+    g_free(dgeo);
+    g_free(dsrc);
+    g_free(dpos);
+    g_free(dfr);
+    g_free(dq);
+    g_free(dkv);
+    g_free(dr);
+    g_free(df);
+    g_free(di);
+    g_free(dj);
+    GPU->tensor_release(&gpu_be, ds);
+    free(start);
+    free(len);
+    free(geo);
+    free(src);
+    free(pos);
+    free(freqs);
+    free_attn(&a);
+    return took;
+}
+
+/* The real shape (8 heads of 512, W = 128, 512 compressed entries): decode batches of 1, 8 and 96
+ * rows (two passes, and the one pass from 80), chunks of several sequences (the one pass; the split
+ * two passes at 128 rows and more), no compressed part; then each form forced, and an odd shape (3
+ * heads of 128, a short window). On the GPU the op takes every call under the mma switch and
+ * declines with it off (the exact kernels read lists), where the helper runs attn_index and
+ * sparse_attn_rope. */
+static void test_sparse_attn_index(void **st) {
+    NEED_GPU(st);
+    const bool gpu = gpu_state == 1; /* the CPU stand-in has no such op: the helper's lists path */
+    mma_switch(true);
+    const int ns[] = {1, 8, 96};
+    for (int i = 0; i < 3; i++) assert_true(attn_index_op_case("real", -1, ns[i], true, WINDOW, INDEX_TOPK, H_LOCAL, HD) == gpu);
+    assert_true(attn_index_op_case("real", -1, 3, false, WINDOW, INDEX_TOPK, H_LOCAL, HD) == gpu);
+    assert_true(attn_index_op_case("real, no compressed part", -1, 4, false, WINDOW, 0, H_LOCAL, HD) == gpu);
+    assert_true(attn_index_op_case("3 heads hd=128", -1, 5, false, 16, 40, 3, 128) == gpu);
+#ifdef DS_HAVE_CUDA
+    if (gpu) {
+        for (int p = CUDA_ATTN_TWO_PASS; p <= CUDA_ATTN_ONE_PASS; p++) {
+            assert_true(attn_index_op_case("real", p, 2, true, WINDOW, INDEX_TOPK, H_LOCAL, HD));
+            assert_true(attn_index_op_case("real", p, 2, false, WINDOW, INDEX_TOPK, H_LOCAL, HD));
+        }
+        assert_false(attn_index_op_case("hd=1024", CUDA_ATTN_ONE_PASS, 2, true, WINDOW, 64, 8, 1024));
+    }
+#endif
+    mma_switch(false);
+    assert_false(attn_index_op_case("exact kernels", -1, 8, true, WINDOW, INDEX_TOPK, H_LOCAL, HD));
+}
+
 static void compress_pool_case(int64_t G, int64_t r, int64_t n) {
     char tag[128];
     snprintf(tag, sizeof tag, "compress_pool G=%lld r=%lld n=%lld", (long long)G, (long long)r, (long long)n);
@@ -783,6 +903,7 @@ int main(void) {
         cmocka_unit_test(test_sparse_attn_padding),
         cmocka_unit_test(test_sparse_attn_forms),
         cmocka_unit_test(test_sparse_attn_rope),
+        cmocka_unit_test(test_sparse_attn_index),
         cmocka_unit_test(test_compress_pool),
         cmocka_unit_test(test_index_scores),
         cmocka_unit_test(test_index_scores_rows),
