@@ -422,6 +422,10 @@ struct backend_ops {
     /* dst[t, s, :] = src[s, t, :] for S blocks of T rows of `bytes` each: turns a gather of
      * per-rank column blocks into whole rows. */
     void (*interleave)(struct backend *be, void *dst, const void *src, int64_t S, int64_t T, size_t bytes);
+    /* Optional (NULL, or false with nothing run: be_linear_cols interleaves, then runs linear):
+     * linear of x [T, W->k], the interleave of its S column blocks xb [S, T, W->k / S] (a TP
+     * gather's blocks), read where they lie; the bits of interleave, then linear. */
+    bool (*linear_cols)(struct backend *be, bf16_t *y, const bf16_t *xb, int64_t S, int64_t T, const struct qweight *W);
 
     /* ---- graph segments (optional: NULL where a backend has none; the caller then issues the ops) ----
      * A segment is a run of ops the caller promises is fixed by its key (n words): the same key means
@@ -494,6 +498,16 @@ static inline void be_sparse_attn_rope(struct backend *be, bf16_t *o, const bf16
         be->ops->sparse_attn_rope(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
     else
         be_sparse_attn_rope_composed(be, o, q, kv, idx, T, H, hd, n_idx, sink, scale, r);
+}
+
+/* The linear_cols op where the backend has one and takes the call, else interleave of xb's S blocks
+ * into x ([T, W->k] bf16, backend memory; unwritten when the op takes the call), then linear (the
+ * model's entry point). */
+static inline void be_linear_cols(struct backend *be, bf16_t *y, bf16_t *x, const bf16_t *xb, int64_t S, int64_t T,
+                                  const struct qweight *W) {
+    if (be->ops->linear_cols && be->ops->linear_cols(be, y, xb, S, T, W)) return;
+    be->ops->interleave(be, x, xb, S, T, (size_t)(W->k / S) * 2);
+    be->ops->linear(be, y, x, T, W);
 }
 
 /* The sparse_attn_index op where the backend has one and takes the call, else attn_index into idx

@@ -59,6 +59,7 @@ enum prof_op {
     PROF_MOE_COMBINE,
     PROF_SHARED_EXPERT,
     PROF_INTERLEAVE,
+    PROF_LINEAR_COLS,
     PROF_COPY,
     PROF_UPLOAD,
     PROF_DOWNLOAD,
@@ -75,7 +76,7 @@ enum prof_op {
 };
 
 _Static_assert(PROF_N_OPS == PROF_N_OPS_PUBLIC, "prof_backend.h's op count is stale");
-static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "sparse_attn_index", "ring_store", "alloc", "free", "scratch"};
+static const char *const prof_names[PROF_N_OPS] = {"linear", "linear_post", "linear_f32", "grouped_linear", "head", "argmax", "row_lse", "row_topk", "rmsnorm", "rope", "qdq_fp8_32", "qdq_fp4_32", "qdq_fp4_16", "hc_mixes", "hc_collapse", "hc_expand", "hc_init", "embed", "engram_gather", "engram_gate", "sparse_attn", "sparse_attn_rope", "compress_pool", "index_scores", "router", "moe_experts", "moe_combine", "shared_expert", "interleave", "linear_cols", "copy", "upload", "download", "copy_segs", "index_topk", "cand_mask", "attn_index", "sparse_attn_index", "ring_store", "alloc", "free", "scratch"};
 
 static struct prof *PR(struct backend *be) { return (struct prof *)be->priv; }
 
@@ -371,6 +372,17 @@ static void prof_cand_mask(struct backend *be, uint8_t *mask, int64_t ld_m, cons
     PR(be)->inner->ops->cand_mask(PR(be)->inner, mask, ld_m, S, ld_s, p, T, topk_blocks, bs);
     prof_end(be, PROF_CAND_MASK, t0);
 }
+/* the inner backend's op where it takes the call; false otherwise, and be_linear_cols then runs
+ * interleave and linear through this backend */
+static bool prof_linear_cols(struct backend *be, bf16_t *y, const bf16_t *xb, int64_t S, int64_t T,
+                             const struct qweight *W) {
+    struct backend *in = PR(be)->inner;
+    if (!in->ops->linear_cols) return false;
+    double t0 = prof_begin(be);
+    const bool ok = in->ops->linear_cols(in, y, xb, S, T, W);
+    if (ok) prof_end(be, PROF_LINEAR_COLS, t0);
+    return ok;
+}
 /* the inner backend's op where it takes the call (charged as one); false otherwise, and
  * be_sparse_attn_index then runs attn_index and sparse_attn_rope through this backend */
 static bool prof_sparse_attn_index(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *geo,
@@ -441,6 +453,7 @@ static const struct backend_ops prof_ops = {
     .cand_mask = prof_cand_mask,
     .attn_index = prof_attn_index,
     .sparse_attn_index = prof_sparse_attn_index,
+    .linear_cols = prof_linear_cols,
     .ring_store = prof_ring_store,
     .router = prof_router,
     .moe_experts = prof_moe_experts,

@@ -7,7 +7,7 @@
 
 #include "backend.h"
 
-#define PROF_N_OPS_PUBLIC 41
+#define PROF_N_OPS_PUBLIC 42
 
 /* be becomes a backend whose ops run on inner and are timed; inner stays owned by the caller. */
 void prof_backend_init(struct backend *be, struct backend *inner);

@@ -424,16 +424,14 @@ void attention_out_rest(struct model *m, int l, struct batch *b, struct attn_out
     int64_t T = b->T, Dl = aw->wo_b.n;
     const bool one = m->tp_size == 1;
     if (!one) {
-        /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b; the
-         * interleave of the gathered blocks into rows is the next segment's first op (as an eager
-         * launch between the gather and the segment it left the GPU idle ~1.3 µs more a layer at
-         * batch 1, H100 timeline of 63e839c) */
+        /* whole rows of the grouped output on every rank, then this rank's output rows of wo_b,
+         * the next segment's first op (as an eager launch between the gather and the segment the
+         * interleave left the GPU idle ~1.3 µs more a layer at batch 1, H100 timeline of 63e839c);
+         * wo_b reads the gathered blocks in place where the backend can (linear_cols: on the GPU
+         * its act quant does, one launch fewer), else they are interleaved into rows first */
         const struct tp_call groups = {TP_ALLGATHER, p->u, p->ug, (size_t)T * aw->wo_a.n * 2, "attention groups"};
         issue = model_tp_between(m, b, &p->k, issue, GSEG_ATTN_WOB, &groups);
-        if (issue) {
-            OPS->interleave(m->be, p->uf, p->ug, m->tp_size, T, (size_t)aw->wo_a.n * 2);
-            OPS->linear(m->be, p->ol, p->uf, T, &aw->wo_b);
-        }
+        if (issue) be_linear_cols(m->be, p->ol, p->uf, p->ug, m->tp_size, T, &aw->wo_b);
         /* out as the all-gather leaves it, [tp, T, Dl] (attention_out_blocks): the expand after the
          * block reads the column blocks in place, no interleave into [T, D] (a launch a layer) */
         const struct tp_call outs = {TP_ALLGATHER, p->ol, p->out, (size_t)(T * Dl) * 2, "attention out"};

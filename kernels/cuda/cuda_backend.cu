@@ -823,6 +823,7 @@ static const struct backend_ops cuda_ops = {
     .shared_expert = cuda_op_shared_expert,
     .shared_expert_act = cuda_op_shared_expert_act,
     .interleave = cuda_op_interleave,
+    .linear_cols = cuda_op_linear_cols,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .branch_begin = cu_branch_begin,

@@ -186,6 +186,11 @@ bool cuda_sparse_attn_mma(struct backend *be, bf16_t *o, const bf16_t *q, const 
                           int64_t T, int64_t H, int64_t hd, int64_t n_idx, const float *sink, float scale,
                           const struct attn_rope *rope);
 
+/* backend.h's linear_cols (cuda_linear_ops.cu); false, with nothing launched, where it does not
+ * take the call (the caller interleaves, then runs linear) */
+bool cuda_op_linear_cols(struct backend *be, bf16_t *y, const bf16_t *xb, int64_t nblk, int64_t T,
+                         const struct qweight *W);
+
 /* backend.h's sparse_attn_index (attention_mma_sm80.cu): the tensor-core forms with their entries
  * formed from the rows' geometry; false, with nothing launched, where they do not take the call */
 bool cuda_op_sparse_attn_index(struct backend *be, bf16_t *o, const bf16_t *q, const bf16_t *kv, const int32_t *geo,

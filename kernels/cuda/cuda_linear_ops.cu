@@ -627,6 +627,26 @@ int64_t cuda_linear_f32_parts(struct backend *be, float *parts, const bf16_t *x,
     return cuda_linear_mma_chunks(W->k);
 }
 
+/* linear_cols (backend.h): FP8/FP4 weights on the tensor cores quantize x straight from its column
+ * blocks (cuda_linear_mma_act_quant_blocks), then run the tilings on that (CUDA_MMA_PREQUANT): the
+ * bits of interleave, then linear, without the interleave's launch and its copy of x. Other formats,
+ * the exact kernels and blocks not a multiple of 32 wide: false (the caller interleaves). */
+bool cuda_op_linear_cols(struct backend *be, bf16_t *y, const bf16_t *xb, int64_t nblk, int64_t T,
+                         const struct qweight *W) {
+    if (T <= 0 || W->n <= 0) return true;
+    if (!cuda_be_mma(be) || (W->fmt != WF_FP8 && W->fmt != WF_FP4) || nblk < 1 || W->k % nblk ||
+        (W->k / nblk) % 32 || ((uintptr_t)xb & 15))
+        return false;
+    const size_t ab = cuda_linear_mma_act_bytes(T, W->k); /* a multiple of 16 */
+    uint8_t *ws = (uint8_t *)cuda_be_scratch_raw(be, cuda_linear_mma_workspace_bytes(T, W->n, W->k));
+    void *st = (void *)cuda_be_stream(be);
+    cuda_linear_mma_act_quant_blocks((uint16_t *)ws, xb, nblk, T, W->k, st);
+    cuda_linear_mma_tiling(CUDA_MMA_AUTO | CUDA_MMA_PREQUANT, (int)W->fmt, y, (const uint16_t *)ws, T, W->w, W->s, W->n,
+                           W->k, W->ld, W->s_ld, ws + ab, st);
+    cuda_be_scratch_free(be, ws);
+    return true;
+}
+
 void cuda_op_linear(struct backend *be, bf16_t *y, const bf16_t *x, int64_t T, const struct qweight *W) {
     if (T <= 0 || W->n <= 0) return;
     switch (W->fmt) {

@@ -101,6 +101,11 @@ void cuda_linear_mma_pair(int tiling, int fmt, uint16_t *y, const uint16_t *x, i
  * aligned, cuda_linear_mma_act_bytes(T, k) bytes. */
 size_t cuda_linear_mma_act_bytes(int64_t T, int64_t k);
 void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64_t T, int64_t k, void *stream);
+/* The same xq from x's nblk column blocks xb [nblk, T, k / nblk] (k / nblk a multiple of 32; x is
+ * their row interleave, as the interleave op forms it), each value read where its block holds it:
+ * the same bits as interleaving, then cuda_linear_mma_act_quant, one launch fewer. */
+void cuda_linear_mma_act_quant_blocks(uint16_t *xq, const uint16_t *xb, int64_t nblk, int64_t T, int64_t k,
+                                      void *stream);
 
 /* Test hook: the FP4 and FP8 weight decodes of the tensor-core kernels over every 32-bit word of
  * codes, against t2 [16] (bf16 of each e2m1 code) and t8 [256] (bf16 of each e4m3 byte, 0x7F /

@@ -85,6 +85,16 @@ __global__ void __launch_bounds__(256) mma_act_quant_kernel(const __nv_bfloat16 
     mma_act_quant_body(x, xq, n8, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
+/* The same from x's column blocks: x [rows, k] is the row interleave of xb [nblk][rows][kb]
+ * (kb = k / nblk, a multiple of 32, so each 32-group lies in one block; k8 = k / 8, kb8 = kb / 8),
+ * and thread i quantizes x's word i where its block holds it. */
+__global__ void __launch_bounds__(256) mma_act_quant_blocks_kernel(const __nv_bfloat16 *__restrict__ xb,
+                                                                   __nv_bfloat16 *__restrict__ xq, int64_t n8,
+                                                                   int64_t k8, int64_t kb8, int64_t rows) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / k8, c8 = i - r * k8, blk = c8 / kb8;
+    mma_act_quant_at(xb, xq, i < n8, (blk * rows + r) * kb8 + (c8 - blk * kb8), i);
+}
+
 /* cp.async pipeline depth (k-blocks in flight) of the tiles that do not set their own (cfg's
  * STAGES_: the narrow FP8 tiles take 4, below). Four for the FP8 / FP4 tiles (48 KB at 128 x 128)
  * was tried after 0d2cb3e: H200, bench_linear_cuda graph µs a call at 2,048 rows within 1 % (wq_a
@@ -1056,6 +1066,18 @@ extern "C" void cuda_linear_mma_act_quant(uint16_t *xq, const uint16_t *x, int64
     if (n8 <= 0) return;
     mma_act_quant_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
         (const __nv_bfloat16 *)x, (__nv_bfloat16 *)xq, n8);
+    KERNEL_CHECK();
+}
+
+extern "C" void cuda_linear_mma_act_quant_blocks(uint16_t *xq, const uint16_t *xb, int64_t nblk, int64_t T, int64_t k,
+                                                 void *stream) {
+    if (nblk < 1 || k % nblk || (k / nblk) % 32 || ((uintptr_t)xb & 15) || ((uintptr_t)xq & 15))
+        ds_fatal(__FILE__, __LINE__, __func__, "dsbatch", "cuda_linear_mma_act_quant_blocks",
+                 "blocks of a multiple of 32 columns and xb, xq 16-byte aligned");
+    const int64_t n8 = T * k / 8;
+    if (n8 <= 0) return;
+    mma_act_quant_blocks_kernel<<<(unsigned)((n8 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+        (const __nv_bfloat16 *)xb, (__nv_bfloat16 *)xq, n8, k / 8, k / nblk / 8, T);
     KERNEL_CHECK();
 }
 

@@ -184,13 +184,13 @@ __device__ __forceinline__ uint32_t mma_quant2(float v0, float v1) {
  * goes to group word 4c + tq, as mma_store_perm8. */
 __device__ __forceinline__ void mma_store_perm2(uint32_t *group, int j, uint32_t w) { group[4 * (j & 3) + (j >> 2)] = w; }
 
-/* x [rows, k] bf16 -> xq, the same shape k-permuted, 8 values per thread (n8 = rows·k / 8): thread
- * i of the grid's flat index, every thread of a warp calling it (the group shuffles). */
-__device__ __forceinline__ void mma_act_quant_body(const __nv_bfloat16 *__restrict__ x, __nv_bfloat16 *__restrict__ xq,
-                                                   int64_t n8, int64_t i) {
-    const bool ok = i < n8; /* n8 is a multiple of 4, so a group is all in or all out */
+/* The 8 values x's 16-byte word src holds, quantized as x's word i of a row-major [rows, k] x would
+ * be and stored there (ok false: the thread only joins its group's shuffles): the body below with
+ * x read elsewhere (mma_act_quant_blocks_kernel: x's column blocks). */
+__device__ __forceinline__ void mma_act_quant_at(const __nv_bfloat16 *__restrict__ x, __nv_bfloat16 *__restrict__ xq,
+                                                 bool ok, int64_t src, int64_t i) {
     uint4 raw = make_uint4(0, 0, 0, 0);
-    if (ok) raw = __ldg(reinterpret_cast<const uint4 *>(x) + i);
+    if (ok) raw = __ldg(reinterpret_cast<const uint4 *>(x) + src);
     const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
     float v[8];
 #pragma unroll
@@ -198,6 +198,13 @@ __device__ __forceinline__ void mma_act_quant_body(const __nv_bfloat16 *__restri
     uint32_t o[4];
     mma_quant8(v, o);
     if (ok) mma_store_perm8(reinterpret_cast<uint32_t *>(xq) + (i >> 2) * 16, (int)(i & 3), o);
+}
+
+/* x [rows, k] bf16 -> xq, the same shape k-permuted, 8 values per thread (n8 = rows·k / 8): thread
+ * i of the grid's flat index, every thread of a warp calling it (the group shuffles). */
+__device__ __forceinline__ void mma_act_quant_body(const __nv_bfloat16 *__restrict__ x, __nv_bfloat16 *__restrict__ xq,
+                                                   int64_t n8, int64_t i) {
+    mma_act_quant_at(x, xq, i < n8, i, i); /* n8 is a multiple of 4, so a group is all in or all out */
 }
 
 

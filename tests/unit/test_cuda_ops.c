@@ -673,6 +673,59 @@ static void test_linear_mma_pair(void **st) {
 #endif
 }
 
+/* linear_cols (the op through be_linear_cols) against interleave, then linear, both on the GPU, bit
+ * for bit. Returns whether the op took the call (false: the helper interleaved, then ran linear). */
+static bool linear_cols_case(const char *name, struct hw *h, int64_t S, int64_t T) {
+    struct qweight g = g_weight(&h->q, false);
+    const int64_t k = g.k, n = g.n;
+    const size_t xbytes = (size_t)(T * k) * 2, ybytes = (size_t)(T * n) * 2;
+    bf16_t *xb = NEW(bf16_t, T * k);
+    fill_act(xb, T * k, 1.0f);
+    void *dxb = g_in(xb, xbytes), *dx = g_out(xbytes, PZ_16), *dx2 = g_out(xbytes, PZ_16), *dr = g_out(ybytes, PZ_16),
+         *df = g_out(ybytes, PZ_16);
+    GPU->interleave(&gpu_be, dx, dxb, S, T, (size_t)(k / S) * 2);
+    GPU->linear(&gpu_be, dr, dx, T, &g);
+    const bool took = GPU->linear_cols && GPU->linear_cols(&gpu_be, df, dxb, S, T, &g);
+    if (!took) be_linear_cols(&gpu_be, df, dx2, dxb, S, T, &g);
+    bf16_t *yr = NEW(bf16_t, T * n), *yf = NEW(bf16_t, T * n);
+    g_get(yr, dr, ybytes);
+    g_get(yf, df, ybytes);
+    struct cmp c;
+    cmp_begin(&c, "linear_cols", "= interleave, linear: %s S=%lld T=%lld", name, (long long)S, (long long)T);
+    for (int64_t i = 0; i < T * n; i++) cmp_bits(&c, i, yf[i], yr[i], bf16_to_f32(yf[i]), bf16_to_f32(yr[i]));
+    cmp_end(&c);
+    g_free(dxb), g_free(dx), g_free(dx2), g_free(dr), g_free(df);
+    free(xb), free(yr), free(yf);
+    GPU->weight_release(&gpu_be, &g);
+    return took;
+}
+
+/* wo_b's shape (the TP gather's 8 blocks of 1,024 columns, this rank's 640 rows of 8,192) at decode
+ * (the split kernel, one to four m16 tiles) and prefill row counts, an FP4 weight, 3 blocks of 32
+ * (the smallest): the op takes them under the mma switch on the GPU; it declines BF16 weights,
+ * blocks not a multiple of 32 wide and, switch off, the exact kernels — the helper's interleave
+ * path, which the comparison checks as well. */
+static void test_linear_cols(void **st) {
+    NEED_GPU(st);
+    const bool gpu = gpu_state == 1; /* the CPU stand-in has no such op */
+    const int64_t Ts[] = {1, 8, 24, 64, 300};
+    struct hw h;
+    seed_tag("linear_cols");
+    mma_switch(true);
+    h = hw_fp8(DIM / 8, 8 * O_LORA, 0, 8 * O_LORA, 0.02f);
+    for (int i = 0; i < 5; i++) assert_true(linear_cols_case("FP8 wo_b [640,8192]", &h, 8, Ts[i]) == gpu);
+    hw_free(&h);
+    h = hw_fp4(256, 640), assert_true(linear_cols_case("FP4 [256,640]", &h, 5, 17) == gpu), hw_free(&h);
+    h = hw_fp8(37, 96, 0, 96, 0.05f), assert_true(linear_cols_case("FP8 odd [37,96]", &h, 3, 9) == gpu);
+    assert_false(linear_cols_case("FP8 blocks of 48", &h, 2, 9));
+    hw_free(&h);
+    h = hw_bf16(64, 256, 0.05f), assert_false(linear_cols_case("BF16 [64,256]", &h, 8, 5)), hw_free(&h);
+    mma_switch(false);
+    h = hw_fp8(DIM / 8, 8 * O_LORA, 0, 8 * O_LORA, 0.02f);
+    assert_false(linear_cols_case("exact FP8 wo_b", &h, 8, 3));
+    hw_free(&h);
+}
+
 #ifdef DS_HAVE_CUDA
 /* One weight's forced tilings against CUDA_MMA_AUTO at each row count, bit for bit: FP8 on the same
  * quantized x (CUDA_MMA_PREQUANT), BF16 on x itself; the decode forms (DECODE, MT1-MT4) only up to
@@ -843,6 +896,7 @@ int main(void) {
         cmocka_unit_test(test_linear_mma),
         cmocka_unit_test(test_linear_mma_kernels_agree),
         cmocka_unit_test(test_linear_mma_pair),
+        cmocka_unit_test(test_linear_cols),
         cmocka_unit_test(test_linear_mma_forms),
         cmocka_unit_test(test_batch_invariance_head),
     };
