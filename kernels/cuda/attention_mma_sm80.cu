@@ -17,7 +17,9 @@
  * AM_ONE_MIN_T rows, where hd <= 512, attn_one_pass_kernel takes the call, reading each kv row from
  * memory once where the others read it for the scores and again for P·V (attn_mma.h):
  * the same operations per element in the same order, so a row's bits do not depend on which path
- * took it.
+ * took it. Every form reads a row's index entries through am_id: from attn_index's lists, or
+ * (sparse_attn_index, the engine's decode and prefill path under the mma switch) formed from the
+ * row's geometry where they are read, which saves the lists' launch.
  *
  * Neither kernel stages kv in shared memory: lanes load their fragments straight from the cache
  * rows (16 contiguous bytes a lane for q·k; 4·TL for P·V), which the mma layouts allow because a
