@@ -105,13 +105,13 @@ static void tp_issue(struct comm *tp, const struct tp_call *c) {
     else tp->ops->alltoall(tp, c->send, c->recv, c->bytes, c->what);
 }
 
-/* Inside a segment a collective saves the host's turn around it: the segment's end, the call, the
- * next segment's launch (with NCCL's op_wait, the whole queue drained first). */
 /* Whether model_tp_between records the collectives inside the open segment (which then goes on). */
 static bool tp_in_segment(const struct model *m, const struct batch *b) {
     return b->graphs && OPS->graph_begin && m->opt.tp->stream_ordered;
 }
 
+/* Inside a segment a collective saves the host's turn around it: the segment's end, the call, the
+ * next segment's launch (with NCCL's op_wait, the whole queue drained first). */
 bool model_tp_between(struct model *m, const struct batch *b, struct graph_key *k, bool issue, int next,
                       const struct tp_call *c) {
     struct comm *tp = m->opt.tp;
